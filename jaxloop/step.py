@@ -1,0 +1,380 @@
+"""Step: what happens to one batch. Users subclass it and override `run`.
+
+`Step.__call__` runs ``preprocess_batch -> shard -> begin actions -> begin -> jitted run -> end
+-> end actions``. `run` is compiled once through the partitioner and reused.
+
+Example::
+
+    class MnistStep(step_lib.Step):
+        def run(self, state, batch):
+            def loss_fn(params):
+                logits = state.apply_fn({'params': params}, batch['image'])
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits, batch['label']).mean()
+            loss, grads = jax.value_and_grad(loss_fn)(state.params)
+            return state.apply_gradients(grads=grads), {'loss': loss}
+
+    step = MnistStep(jax.random.key(0), CNN(), optimizer=optax.adam(1e-3), train=True)
+    state = step.initialize_model([1, 28, 28, 1])
+    state, outputs = step(state, batch)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxloop import partition as partition_lib
+from jaxloop import types
+
+Batch = types.Batch
+Output = types.Output
+State = types.TrainState
+
+log = logging.getLogger(__name__)
+
+# Evaluation steps need no optimizer; one shared identity keeps the default immutable.
+_IDENTITY = optax.identity()
+
+_SPEC_HELP = (
+    "expected a shape such as [1, 28, 28, 1], a (shape, dtype) pair such as "
+    "([1, 28, 28, 1], 'float32'), or a dict/list/tuple of these"
+)
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, list | tuple) and all(
+        isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in x
+    )
+
+
+def _as_dtype(x: Any) -> np.dtype | None:
+    if isinstance(x, str | np.dtype | type):
+        try:
+            return jnp.dtype(x)
+        except TypeError:
+            return None
+    return None
+
+
+def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
+    """Builds a zero batch (numpy arrays) from a batch spec.
+
+    Example::
+
+        zeros_from_spec({'image': [2, 8, 8, 1], 'label': ([2], 'int32')})
+    """
+    if isinstance(spec, jax.ShapeDtypeStruct | np.ndarray | jax.Array):
+        return np.zeros(spec.shape, spec.dtype)
+    if _is_shape(spec):
+        return np.zeros(tuple(int(d) for d in spec), np.float32)
+    is_pair = isinstance(spec, list | tuple) and not hasattr(spec, "_fields") and len(spec) == 2
+    if is_pair and _is_shape(spec[0]) and isinstance(spec[1], str | np.dtype | type):
+        dtype = _as_dtype(spec[1])
+        if dtype is None:
+            raise ValueError(f"{path}: {spec[1]!r} is not a dtype; {_SPEC_HELP}")
+        return np.zeros(tuple(int(d) for d in spec[0]), dtype)
+    if isinstance(spec, Mapping):
+        return {k: zeros_from_spec(v, f"{path}[{k!r}]") for k, v in spec.items()}
+    if isinstance(spec, list | tuple) and spec:
+        items = [zeros_from_spec(v, f"{path}[{i}]") for i, v in enumerate(spec)]
+        return type(spec)(*items) if hasattr(spec, "_fields") else type(spec)(items)
+    raise ValueError(f"{path} is {spec!r}: {_SPEC_HELP}")
+
+
+def _map_variables(state: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:
+    """Maps each variable of an nnx State to `fn(variable)`, as a nested pure dict."""
+    out: dict = {}
+    for path, var in nnx.to_flat_state(state):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = fn(var)
+    return out
+
+
+class Step:
+    """One batch of training or evaluation. Subclass and override `run`.
+
+    Args:
+      base_prng: a PRNG key (or a dict of named keys) from which per-step keys are derived
+        with `prng_key(step)`; also seeds model initialisation.
+      model: a flax linen module instance, or a flax nnx module class (built with
+        `nnx_model_args` and `nnx_model_kwargs`), or an nnx module instance.
+      optimizer: an optax transformation (identity for eval steps).
+      partitioner: where arrays live; single device when None.
+      train: whether this is a training step (its state buffers are donated to `run`).
+      should_shard_batch: whether `__call__` shards the batch (off when batches arrive
+        already on the devices).
+      nnx_model_args: positional arguments for an nnx module class.
+      begin_actions / end_actions: actions run before / after each step whose number
+        (`per_loop_step_number`) is a multiple of their interval.
+      **nnx_model_kwargs: keyword arguments for an nnx module class.
+    """
+
+    def __init__(
+        self,
+        base_prng: types.PRNGType,
+        model: nn.Module | type[nnx.Module] | nnx.Module,
+        optimizer: optax.GradientTransformation = _IDENTITY,
+        partitioner: partition_lib.Partitioner | None = None,
+        train: bool = False,
+        should_shard_batch: bool = True,
+        nnx_model_args: Sequence[Any] | None = None,
+        begin_actions: Sequence[Any] | None = None,
+        end_actions: Sequence[Any] | None = None,
+        **nnx_model_kwargs: Any,
+    ):
+        is_nnx_class = isinstance(model, type) and issubclass(model, nnx.Module)
+        if is_nnx_class:
+            if nnx_model_args is None:
+                raise ValueError(
+                    f"{model.__name__} is an nnx module class: pass its constructor arguments "
+                    "as nnx_model_args=(...) (use () when it takes none besides rngs)"
+                )
+        elif isinstance(model, nn.Module | nnx.Module):
+            if nnx_model_args is not None or nnx_model_kwargs:
+                raise ValueError(
+                    f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are "
+                    f"only for nnx module classes; {type(model).__name__} is an already "
+                    "constructed module"
+                )
+        else:
+            raise TypeError(
+                "model must be a flax linen module instance or an nnx module class, got "
+                f"{model!r}"
+            )
+        self._base_prng = base_prng
+        self._model = model
+        self._optimizer = optimizer
+        self._partitioner = partitioner or partition_lib.SingleDevicePartitioner()
+        self._train = train
+        self._should_shard_batch = should_shard_batch
+        self._nnx_model_args = tuple(nnx_model_args or ())
+        self._nnx_model_kwargs = nnx_model_kwargs
+        self._begin_actions = list(begin_actions or [])
+        self._end_actions = list(end_actions or [])
+        self._nnx_graphdef: Any = None
+        self._compiled: Callable | None = None
+        self._num_params: int | None = None
+        self._num_flops: float | None = None
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def train(self) -> bool:
+        return self._train
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @property
+    def partitioner(self) -> partition_lib.Partitioner:
+        return self._partitioner
+
+    @property
+    def optimizer(self) -> optax.GradientTransformation:
+        return self._optimizer
+
+    @property
+    def num_params(self) -> int | None:
+        """Parameter count, known after `initialize_model` or `compute_num_params`."""
+        return self._num_params
+
+    @property
+    def num_flops(self) -> float | None:
+        """Flops of one compiled `run`, known after a call with `log_num_flops=True`."""
+        return self._num_flops
+
+    # -- randomness -------------------------------------------------------------------------
+
+    def prng_key(self, step: int | jax.Array) -> types.PRNGType:
+        """The PRNG key for a step: a pure function of (base key, step), also inside `run`.
+
+        Example::
+
+            dropout_key = self.prng_key(state.step)
+        """
+        if isinstance(self._base_prng, Mapping):
+            return {k: jax.random.fold_in(v, step) for k, v in self._base_prng.items()}
+        return jax.random.fold_in(self._base_prng, step)
+
+    def _init_rngs(self) -> dict[str, jax.Array]:
+        if isinstance(self._base_prng, Mapping):
+            rngs = dict(self._base_prng)
+            rngs.setdefault("params", next(iter(rngs.values())))
+            return rngs
+        params_key, dropout_key = jax.random.split(self._base_prng)
+        return {"params": params_key, "dropout": dropout_key}
+
+    # -- model state --------------------------------------------------------------------------
+
+    def _nnx_apply(self, variables: Mapping[str, Any], *args: Any, mutable: Any = False,
+                   **kwargs: Any) -> Any:
+        """A linen-style `apply` for nnx models, so one `run` works for both APIs."""
+        kwargs.pop("rngs", None)  # nnx modules carry their own RNG streams.
+        rest = variables.get("batch_stats") or {}
+        model = nnx.merge(self._nnx_graphdef, variables["params"], rest)
+        out = model(*args, **kwargs)
+        if mutable:
+            _, _, new_rest = nnx.split(model, nnx.Param, ...)
+            return out, {"batch_stats": new_rest.to_pure_dict()}
+        return out
+
+    def _create_state(self, batch: Batch) -> State:
+        rngs = self._init_rngs()
+        if isinstance(self._model, nn.Module):
+            variables = self._model.init(rngs, batch)
+            return State.create(
+                apply_fn=self._model.apply,
+                params=variables["params"],
+                tx=self._optimizer,
+                batch_stats=variables.get("batch_stats"),
+            )
+        if isinstance(self._model, nnx.Module):
+            model = nnx.clone(self._model)
+        else:
+            model = self._model(
+                *self._nnx_model_args, rngs=nnx.Rngs(**rngs), **self._nnx_model_kwargs
+            )
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self._nnx_graphdef = graphdef
+        rest_dict = rest.to_pure_dict()
+        return State.create(
+            apply_fn=self._nnx_apply,
+            params=_map_variables(params, _nnx_param_leaf),
+            tx=self._optimizer,
+            batch_stats=rest_dict or None,
+        )
+
+    def initialize_model(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
+        """Initialises the model and optimizer from an example batch spec, placed on the mesh.
+
+        The spec only fixes shapes and dtypes (a zero batch is built), so its batch size need
+        not divide by the device count: ``initialize_model([1, 28, 28, 1])`` works on any
+        mesh.
+
+        Example::
+
+            state = step.initialize_model({'image': [1, 28, 28, 1], 'label': ([1], 'int32')})
+        """
+        batch = zeros_from_spec(spec)
+        state = self._partitioner.shard_init_fn(self._create_state)(batch)
+        self.compute_num_params(state)
+        if log_num_params:
+            log.info("Number of parameters: %d", self._num_params)
+        return state
+
+    def restore_model(
+        self, state: State, checkpoint_dir: Any, step: int | None = None
+    ) -> State:
+        """Restores `state` from the orbax checkpoints in `checkpoint_dir`.
+
+        Restores the latest step unless `step` is given, placing every array as the
+        partitioner places the given state. With no checkpoint there, logs and returns
+        `state` unchanged.
+
+        Example::
+
+            state = step.restore_model(step.initialize_model(spec), workdir / 'checkpoints')
+        """
+        from jaxloop import checkpoint  # noqa: PLC0415 (orbax is heavy; import when used)
+
+        return checkpoint.restore_state(state, checkpoint_dir, step, self._partitioner)
+
+    def compute_num_params(self, state: State) -> int:
+        """Counts the parameters of `state` (and remembers it as `num_params`)."""
+        self._num_params = int(sum(np.size(x) for x in jax.tree.leaves(state.params)))
+        return self._num_params
+
+    # -- compilation ----------------------------------------------------------------------------
+
+    def compile(self, **jit_kwargs: Any) -> Callable:
+        """Jits `run` through the partitioner; `jit_kwargs` go to `jax.jit`.
+
+        Training steps donate the state's buffers (argument 0) unless `donate_argnums` is
+        given. An unknown jit flag raises TypeError here.
+
+        Example::
+
+            step.compile(keep_unused=True)
+        """
+        kwargs = {"donate_argnums": (0,)} if self._train else {}
+        kwargs.update(jit_kwargs)
+        self._compiled = self._partitioner.partition(self.run, **kwargs)
+        return self._compiled
+
+    def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float:
+        """Flops of one compiled `run` on this (sharded) batch, from XLA's cost analysis."""
+        compiled = self._compiled or self.compile()
+        analysis = compiled.lower(state, batch, **kwargs).compile().cost_analysis()
+        if isinstance(analysis, list | tuple):
+            analysis = analysis[0] if analysis else {}
+        self._num_flops = float((analysis or {}).get("flops", 0.0))
+        return self._num_flops
+
+    # -- the parts users override ---------------------------------------------------------------
+
+    def preprocess_batch(self, batch: Batch) -> Batch:
+        """Host-side transformation of the raw batch before sharding (numpy in, numpy out)."""
+        return batch
+
+    def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
+        """Runs before the compiled `run`, outside jit, on the sharded batch."""
+        return state, batch
+
+    def run(self, state: State, batch: Batch) -> tuple[State, Output | None]:
+        """The computation for one batch; traced and compiled. Override this."""
+        raise NotImplementedError("Subclasses of Step must implement run(state, batch)")
+
+    def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
+        """Runs after the compiled `run`, outside jit."""
+        return state, outputs
+
+    # -- driver ---------------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        state: State,
+        batch: Batch,
+        per_loop_step_number: int = 0,
+        log_num_flops: bool = False,
+        **kwargs: Any,
+    ) -> tuple[State, Output | None]:
+        """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions."""
+        batch = self.preprocess_batch(batch)
+        if self._should_shard_batch:
+            batch = self._partitioner.shard_batch(batch)
+        for action in self._begin_actions:
+            if per_loop_step_number % action.interval == 0:
+                action(state, None, batch=batch, per_loop_step_number=per_loop_step_number)
+        state, batch = self.begin(state, batch)
+        compiled = self._compiled or self.compile()
+        if log_num_flops:
+            self.compute_num_flops(state, batch, **kwargs)
+        state, outputs = compiled(state, batch, **kwargs)
+        state, outputs = self.end(state, outputs)
+        for action in self._end_actions:
+            if per_loop_step_number % action.interval == 0:
+                action(state, outputs, per_loop_step_number=per_loop_step_number)
+        return state, outputs
+
+
+def _nnx_param_leaf(var: nnx.Variable) -> Any:
+    """An nnx Param's value, boxed like linen's `nn.Partitioned` when it has a sharding.
+
+    Boxing lets every partitioner read nnx sharding metadata the same way as linen's, and
+    optax then builds optimizer state with the same annotations.
+    """
+    names = var.get_metadata().get("out_sharding")
+    value = var.get_value()
+    return nn.Partitioned(value, names=tuple(names)) if names else value

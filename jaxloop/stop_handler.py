@@ -1,0 +1,326 @@
+"""Early stopping: watch one metric and decide when training has stopped improving.
+
+`MetricMonitoringStopHandler` is pure Python (no jax import), so it can be used in any
+loop, fed with Python floats, numpy scalars or 0-d jax arrays. Its state is a small
+JSON-serialisable dict so it can be saved next to a checkpoint and resumed exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "MAXIMIZED_METRIC_TOKENS",
+    "MetricMonitoringStopHandler",
+    "StopTrainingError",
+    "infer_mode",
+]
+
+MAXIMIZED_METRIC_TOKENS: frozenset[str] = frozenset(
+    {"acc", "accuracy", "auc", "precision", "recall", "f1", "score", "iou", "map"}
+)
+"""Name tokens that make ``mode='auto'`` maximise a metric (see `infer_mode`)."""
+
+_VALID_MODES = ("min", "max", "auto")
+_TOKEN_SEPARATORS = re.compile(r"[/_.\-]+")
+
+
+class StopTrainingError(Exception):
+    """Raised to end training early, carrying the best value seen so far.
+
+    Args:
+      message: Why training stopped; always part of ``str(err)``.
+      best_step: Step at which the best metric was observed, if known.
+      best_metric: Best value of the monitored metric, if known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        best_step: int | None = None,
+        best_metric: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.best_step = best_step
+        self.best_metric = best_metric
+
+    def __str__(self) -> str:
+        if self.best_step is None and self.best_metric is None:
+            return self.message
+        return f"{self.message} (best_metric={self.best_metric}, best_step={self.best_step})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's default pickling replays only `self.args`, which would drop the best
+        # info when the error crosses a process boundary (e.g. multiprocessing workers).
+        return (type(self), (self.message, self.best_step, self.best_metric))
+
+
+def infer_mode(metric_name: str) -> str:
+    """Returns ``'max'`` or ``'min'`` for a metric name, as ``mode='auto'`` does.
+
+    Rule: the name is lower-cased and split on runs of ``/``, ``_``, ``.`` and ``-``. If any
+    resulting token is exactly one of ``acc``, ``accuracy``, ``auc``, ``precision``,
+    ``recall``, ``f1``, ``score``, ``iou``, ``map``, the metric is maximised (``'max'``);
+    otherwise it is minimised (``'min'``: loss, error, perplexity, ...).
+
+    Whole tokens are matched, not substrings, so ``'eval/accuracy'``, ``'val_acc'``,
+    ``'top-1.acc'`` and ``'mAP'`` are maximised while ``'top_5_error'``, ``'loss'``,
+    ``'accumulated_loss'`` and ``'heatmap_loss'`` are minimised. A name with both kinds of
+    token (``'acc_loss'``) is maximised because any maximised token wins.
+    """
+    tokens = _TOKEN_SEPARATORS.split(metric_name.lower())
+    return "max" if any(t in MAXIMIZED_METRIC_TOKENS for t in tokens) else "min"
+
+
+def _encode_float(value: float | None) -> float | str | None:
+    # JSON has no NaN/Infinity (json.dumps emits non-standard tokens that strict parsers
+    # reject), so non-finite values are stored as the strings float() reads back.
+    if value is None or math.isfinite(value):
+        return value
+    return repr(value)  # 'nan', 'inf' or '-inf'
+
+
+def _decode_float(value: Any, key: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"state_dict[{key!r}] must be a number, string or None, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"state_dict[{key!r}] must be a number, string or None, got {value!r}"
+        ) from e
+
+
+def _decode_int(value: Any, key: str) -> int:
+    # operator.index accepts numpy/jax integer scalars but refuses floats and strings, so a
+    # corrupted state cannot silently truncate; bool is refused because it is almost surely
+    # a mix-up of keys.
+    if isinstance(value, bool):
+        raise ValueError(f"state_dict[{key!r}] must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError as e:
+        raise ValueError(f"state_dict[{key!r}] must be an int, got {value!r}") from e
+
+
+class MetricMonitoringStopHandler:
+    """Tracks one metric and signals when it has stopped improving (early stopping).
+
+    Call `update_state` once per evaluation with the current value of the monitored metric,
+    then `should_stop`.
+
+    Improvement: a value improves on the best so far when it is better by *more than*
+    ``min_delta`` -- ``metric < best - min_delta`` in ``'min'`` mode,
+    ``metric > best + min_delta`` in ``'max'`` mode. Before any value has improved, the
+    reference is ``baseline`` when given (a first value that does not beat the baseline by
+    more than ``min_delta`` is not an improvement); without a baseline the first value
+    always improves. NaN never improves.
+
+    Stopping: ``wait`` counts consecutive non-improving updates and resets to 0 on each
+    improvement. `should_stop` is True once ``wait > patience``, i.e. ``patience`` is the
+    number of non-improving updates tolerated: with ``patience=0`` the first non-improving
+    update stops, with ``patience=3`` the fourth consecutive one does.
+
+    Example::
+
+      handler = MetricMonitoringStopHandler('eval/loss', min_delta=1e-3, patience=2)
+      for step in range(eval_every, num_steps + 1, eval_every):
+        state = train_for(state, eval_every)     # your training code
+        eval_loss = evaluate(state)              # your evaluation code
+        handler.update_state(eval_loss, step)
+        if handler.should_stop():
+          best_loss, best_step = handler.get_best_info()
+          raise StopTrainingError('eval/loss stopped improving', best_step, best_loss)
+
+    To resume, save `state_dict` with the checkpoint and pass it to `load_state_dict`.
+
+    Args:
+      monitored_metric: Name of the metric watched (used for ``mode='auto'`` and messages).
+      min_delta: Non-negative margin a value must beat the best by to count as improving.
+      patience: Non-negative number of consecutive non-improving updates tolerated.
+      mode: ``'min'``, ``'max'`` or ``'auto'`` (inferred from the name, see `infer_mode`).
+      baseline: Optional value the metric must beat before anything counts as improving.
+
+    Raises:
+      ValueError: On an unknown ``mode``, a negative or NaN ``min_delta``, a negative
+        ``patience`` or a NaN ``baseline``.
+      TypeError: When ``patience`` is not an integer.
+    """
+
+    def __init__(
+        self,
+        monitored_metric: str,
+        min_delta: float = 0.0,
+        patience: int = 0,
+        mode: str = "auto",
+        baseline: float | None = None,
+    ) -> None:
+        if mode not in _VALID_MODES:
+            raise ValueError(
+                f"Invalid mode {mode!r} for monitored metric {monitored_metric!r}; "
+                f"expected one of {', '.join(repr(m) for m in _VALID_MODES)}."
+            )
+        if isinstance(patience, bool):
+            raise TypeError(f"patience must be an int, got {patience!r}")
+        try:
+            patience = operator.index(patience)
+        except TypeError as e:
+            raise TypeError(f"patience must be an int, got {patience!r}") from e
+        if patience < 0:
+            raise ValueError(f"patience must be non-negative, got patience={patience}")
+        min_delta = float(min_delta)
+        # `not >=` rather than `<` so NaN, which would silently disable improvement, is caught.
+        if not min_delta >= 0:
+            raise ValueError(f"min_delta must be non-negative, got min_delta={min_delta}")
+        if baseline is not None:
+            baseline = float(baseline)
+            if math.isnan(baseline):
+                raise ValueError("baseline must not be NaN: no value could ever beat it")
+
+        self._monitored_metric = monitored_metric
+        self._min_delta = min_delta
+        self._patience = patience
+        self._mode = infer_mode(monitored_metric) if mode == "auto" else mode
+        self._baseline = baseline
+        self.reset()
+
+    @property
+    def monitored_metric(self) -> str:
+        """Name of the watched metric."""
+        return self._monitored_metric
+
+    @property
+    def min_delta(self) -> float:
+        """Margin a value must beat the best by to count as an improvement."""
+        return self._min_delta
+
+    @property
+    def patience(self) -> int:
+        """Number of consecutive non-improving updates tolerated before stopping."""
+        return self._patience
+
+    @property
+    def mode(self) -> str:
+        """Resolved direction: ``'min'`` or ``'max'`` (never ``'auto'``)."""
+        return self._mode
+
+    @property
+    def baseline(self) -> float | None:
+        """Value the metric must beat before the first improvement, or None."""
+        return self._baseline
+
+    @property
+    def wait(self) -> int:
+        """Number of consecutive non-improving updates since the last improvement."""
+        return self._wait
+
+    def reset(self) -> None:
+        """Forgets every value seen: no best, ``wait`` back to 0. Configuration is kept."""
+        self._best: float | None = None
+        self._best_step: int | None = None
+        self._wait = 0
+
+    def _is_improvement(self, metric: float) -> bool:
+        if math.isnan(metric):
+            return False
+        reference = self._best if self._best is not None else self._baseline
+        if reference is None:
+            return True
+        if self._mode == "min":
+            return metric < reference - self._min_delta
+        return metric > reference + self._min_delta
+
+    def update_state(self, metric: float, step: int) -> bool:
+        """Records one value of the metric, observed at ``step``.
+
+        Args:
+          metric: Current value (a float, numpy scalar or 0-d array).
+          step: Training step the value belongs to.
+
+        Returns:
+          True when the value improved on the best so far (then it becomes the best and
+          ``wait`` resets to 0); False otherwise (then ``wait`` grows by one).
+        """
+        metric = float(metric)
+        if self._is_improvement(metric):
+            self._best = metric
+            self._best_step = int(step)
+            self._wait = 0
+            return True
+        self._wait += 1
+        return False
+
+    def should_stop(self) -> bool:
+        """True once more than ``patience`` consecutive updates failed to improve."""
+        return self._wait > self._patience
+
+    def get_best_info(self) -> tuple[float | None, int | None]:
+        """Returns ``(best_metric, best_step)``, or ``(None, None)`` before any improvement.
+
+        A baseline that was never beaten is not reported: it was not observed at any step.
+        """
+        return self._best, self._best_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the progress as a JSON-serialisable dict, for checkpointing.
+
+        Keys: ``best`` (float, or None before any improvement), ``best_step`` (int or None),
+        ``wait`` (int), plus ``monitored_metric`` and ``mode`` so that loading into a handler
+        watching something else is caught. Non-finite ``best`` values are stored as the
+        strings ``'inf'``, ``'-inf'`` or ``'nan'`` because JSON has no such numbers;
+        `load_state_dict` reads them back. Configuration (patience, min_delta, baseline) is
+        not included: it comes from the constructor.
+        """
+        return {
+            "monitored_metric": self._monitored_metric,
+            "mode": self._mode,
+            "best": _encode_float(self._best),
+            "best_step": self._best_step,
+            "wait": self._wait,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores progress saved by `state_dict`.
+
+        ``monitored_metric`` and ``mode`` are optional in ``state``; when present they must
+        match this handler.
+
+        Raises:
+          KeyError: When ``best``, ``best_step`` or ``wait`` is missing.
+          ValueError: When a value has the wrong type, or ``monitored_metric``/``mode``
+            differ from this handler's.
+        """
+        missing = [k for k in ("best", "best_step", "wait") if k not in state]
+        if missing:
+            raise KeyError(f"state_dict is missing keys {missing}; got keys {sorted(state)}")
+        for key, own in (("monitored_metric", self._monitored_metric), ("mode", self._mode)):
+            if key in state and state[key] != own:
+                raise ValueError(
+                    f"state_dict was saved with {key}={state[key]!r}, but this handler has "
+                    f"{key}={own!r}"
+                )
+        best = _decode_float(state["best"], "best")
+        best_step = state["best_step"]
+        if best_step is not None:
+            best_step = _decode_int(best_step, "best_step")
+        wait = _decode_int(state["wait"], "wait")
+        if wait < 0:
+            raise ValueError(f"state_dict['wait'] must be non-negative, got {wait!r}")
+        self._best = best
+        self._best_step = best_step
+        self._wait = wait
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(monitored_metric={self._monitored_metric!r}, "
+            f"mode={self._mode!r}, min_delta={self._min_delta}, patience={self._patience}, "
+            f"baseline={self._baseline}, best={self._best}, best_step={self._best_step}, "
+            f"wait={self._wait})"
+        )

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates (or reuses) .venv with the pinned versions in constraints.txt.
+# Sourced by the two set-up commands; re-installs only when the pins or pyproject change.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+stamp="$venv/.jaxloop-installed"
+want="$(cat "$root/constraints.txt" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  "$venv/bin/python" -m pip install -q --upgrade pip "uv==0.13.8"
+  "$venv/bin/uv" pip install -q --python "$venv/bin/python" -c "$root/constraints.txt" \
+    -e "$root[tf,examples,test]"
+  echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The full test suite: lint, then the TensorFlow-free tier with TensorFlow blocked from import,
+# then the tier that needs TensorFlow.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+ruff check jaxloop tests benchmarks
+JAXLOOP_BLOCK_TF=1 pytest -m "not tf" "$@"
+pytest -m tf "$@"

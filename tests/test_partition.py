@@ -1,0 +1,198 @@
+"""The four partitioners on 8 CPU devices: placement, batch splitting, training, FSDP memory."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from models import ClassifierStep, LinenMLP, toy_data
+
+from jaxloop import partition
+
+
+class GuideCNN(nn.Module):
+    """The CNN of the Jaxloop guide."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(features=32, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = nn.Conv(features=64, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))
+        x = nn.Dense(features=256)(x)
+        x = nn.relu(x)
+        return nn.Dense(features=10)(x)
+
+
+def mesh1d():
+    return Mesh(np.array(jax.devices()), ("data",))
+
+
+def make(kind):
+    if kind == "single":
+        return partition.SingleDevicePartitioner()
+    if kind == "dp":
+        return partition.DataParallelPartitioner(mesh1d(), "data")
+    if kind == "fsdp":
+        return partition.FSDPPartitioner(mesh1d(), "data", min_weight_size=64)
+    return partition.SPMDPartitioner(
+        Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model")), "data")
+
+
+def shard_shapes(x):
+    return {tuple(s.data.shape) for s in x.addressable_shards}
+
+
+@pytest.mark.parametrize("kind", ["single", "dp", "fsdp", "spmd"])
+def test_partitioner_places_splits_and_trains(kind):
+    part = make(kind)
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
+                          partitioner=part, train=True)
+    state = step.initialize_model([1, 16])
+    data = toy_data(32)
+    sharded = part.shard_batch(data)
+    n_data = {"single": 1, "dp": 8, "fsdp": 8, "spmd": 4}[kind]
+    assert shard_shapes(sharded["x"]) == {(32 // n_data, 16)}
+    assert shard_shapes(sharded["y"]) == {(32 // n_data,)}
+    losses = []
+    for _ in range(15):
+        state, out = step(state, data)
+        losses.append(float(out["loss"]))
+    assert losses[-1] < 0.5 * losses[0]
+    # Per-example outputs keep the batch split; the state keeps its placement.
+    assert shard_shapes(out["logits"]) == {(32 // n_data, 10)}
+    kernel = state.params["dense1"]["kernel"]
+    if kind == "fsdp":
+        # (16, 32): split on the larger dimension.
+        assert kernel.sharding.spec == P(None, "data")
+        assert shard_shapes(kernel) == {(16, 4)}
+    else:
+        assert shard_shapes(kernel) == {(16, 32)}
+
+
+@pytest.mark.parametrize("kind", ["dp", "fsdp"])
+def test_initialize_with_batch_of_one_on_8_devices(kind):
+    step = ClassifierStep(jax.random.key(0), GuideCNN(), optimizer=optax.sgd(0.005, 0.9),
+                          partitioner=make(kind), train=True)
+    state = step.initialize_model([1, 28, 28, 1])
+    assert state.params["Dense_0"]["kernel"].shape == (3136, 256)
+    images = np.random.default_rng(0).random((8, 28, 28, 1), np.float32)
+    state, out = step(state, {"x": images, "y": np.arange(8) % 10})
+    assert np.isfinite(float(out["loss"]))
+
+
+def test_fsdp_matches_data_parallel():
+    data = toy_data(64)
+    results = {}
+    for kind in ("dp", "fsdp"):
+        step = ClassifierStep(jax.random.key(0), LinenMLP(hidden=64),
+                              optimizer=optax.adam(1e-2), partitioner=make(kind), train=True)
+        state = step.initialize_model([1, 16])
+        losses = []
+        for i in range(10):
+            batch = {k: v[(i % 2) * 32:(i % 2 + 1) * 32] for k, v in data.items()}
+            state, out = step(state, batch)
+            losses.append(float(out["loss"]))
+        results[kind] = losses
+    np.testing.assert_allclose(results["fsdp"], results["dp"], rtol=1e-5)
+
+
+def _bytes_per_device(tree):
+    per_device = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+def test_fsdp_state_memory_is_split():
+    class Wide(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(1024)(x))
+            x = nn.relu(nn.Dense(512)(x))
+            return nn.Dense(16)(x)
+
+    totals = {}
+    for kind in ("dp", "fsdp"):
+        part = (partition.FSDPPartitioner(mesh1d(), "data") if kind == "fsdp"
+                else make("dp"))
+        step = ClassifierStep(jax.random.key(0), Wide(), optimizer=optax.adam(1e-3),
+                              partitioner=part, train=True)
+        state = step.initialize_model([1, 512])
+        tree = (state.params, state.opt_state)
+        total = sum(x.nbytes for x in jax.tree.leaves(tree))
+        totals[kind] = (total, _bytes_per_device(tree))
+        assert step.num_params > 1_000_000
+    total, per_device = totals["fsdp"]
+    assert per_device <= 1.15 * total / 8, (per_device, total)
+    assert totals["dp"][1] == totals["dp"][0]
+
+
+def test_spmd_honours_linen_annotations():
+    class Annotated(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = x.reshape((x.shape[0], -1))
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+            x = nn.relu(nn.Dense(32, kernel_init=init, name="dense1")(x))
+            return nn.Dense(10, name="dense2")(x)
+
+    step = ClassifierStep(jax.random.key(0), Annotated(), optimizer=optax.adam(1e-2),
+                          partitioner=make("spmd"), train=True)
+    state = step.initialize_model([1, 16])
+    kernel = state.params["dense1"]["kernel"]
+    assert kernel.sharding.spec == P(None, "model")
+    assert shard_shapes(kernel) == {(16, 16)}
+    # Adam's moments follow the parameter's annotation.
+    mu = state.opt_state[0].mu["dense1"]["kernel"]
+    assert mu.sharding.spec == P(None, "model")
+    losses = []
+    for _ in range(15):
+        state, out = step(state, toy_data(32))
+        losses.append(float(out["loss"]))
+    assert losses[-1] < 0.5 * losses[0]
+    assert state.params["dense1"]["kernel"].sharding.spec == P(None, "model")
+
+
+def test_spmd_honours_nnx_annotations():
+    class Annotated(nnx.Module):
+        def __init__(self, *, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+            self.dense1 = nnx.Linear(16, 32, kernel_init=init, rngs=rngs)
+            self.dense2 = nnx.Linear(32, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense2(nnx.relu(self.dense1(x)))
+
+    step = ClassifierStep(jax.random.key(0), Annotated, optimizer=optax.adam(1e-2),
+                          partitioner=make("spmd"), train=True, nnx_model_args=())
+    state = step.initialize_model([1, 16])
+    assert state.params["dense1"]["kernel"].sharding.spec == P(None, "model")
+    _, first = step(state, toy_data(32))
+    assert np.isfinite(float(first["loss"]))
+
+
+def test_spmd_unknown_axis_is_an_error():
+    class Bad(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "tensor"))
+            return nn.Dense(8, kernel_init=init)(x)
+
+    step = ClassifierStep(jax.random.key(0), Bad(), partitioner=make("spmd"))
+    with pytest.raises(ValueError, match="'tensor'"):
+        step.initialize_model([1, 16])
+
+
+def test_bad_mesh_arguments():
+    with pytest.raises(ValueError, match="'batch' is not an axis"):
+        partition.DataParallelPartitioner(mesh1d(), "batch")
+    with pytest.raises(TypeError, match="Mesh"):
+        partition.DataParallelPartitioner(jax.devices(), "data")
