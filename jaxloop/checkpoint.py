@@ -114,12 +114,13 @@ def check_compatible(saved: Any, target: Any, where: str) -> None:
             )
 
 
-def _abstract_target(state: State, partitioner: Any) -> Any:
+def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> Any:
     """The state's arrays as ShapeDtypeStructs carrying the shardings to restore into."""
     plain = state.replace(dataset_state=None)
-    arrays = state_arrays(plain)
+    arrays = {k: v for k, v in state_arrays(plain).items() if k not in skip}
     if partitioner is not None:
         shardings = state_arrays(partitioner.state_shardings(plain))
+        shardings = {k: v for k, v in shardings.items() if k not in skip}
     else:
         default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda x: getattr(x, "sharding", default), arrays)
@@ -142,13 +143,37 @@ def _reader(directory: epath.Path, single: bool) -> ocp.CheckpointManager:
     )
 
 
+def all_steps(directory: Any) -> list[int]:
+    """The steps of the complete checkpoints in `directory` (half-written ones excluded)."""
+    directory = epath.Path(directory)
+    return sorted(ocp.utils.checkpoint_steps(directory)) if directory.exists() else []
+
+
 def restore_state(
     state: State,
     directory: Any,
     step: int | None = None,
     partitioner: Any = None,
+    skip_optimizer: bool = False,
 ) -> State:
     """Restores the checkpoint at `step` (latest if None) from `directory` into `state`.
+
+    See `restore`, which also returns the checkpoint's metadata (loop counters).
+    """
+    return restore(state, directory, step, partitioner, skip_optimizer)[0]
+
+
+def restore(
+    state: State,
+    directory: Any,
+    step: int | None = None,
+    partitioner: Any = None,
+    skip_optimizer: bool = False,
+) -> tuple[State, dict[str, Any]]:
+    """Restores the checkpoint at `step` (latest if None); returns (state, metadata).
+
+    With `skip_optimizer` the optimizer state is not read and the given one is kept (an
+    evaluation state has no optimizer to restore into).
 
     Arrays are placed where `partitioner` places `state` (or where the given state's arrays
     are); the data iterator's position comes back in `state.dataset_state`. With no
@@ -157,22 +182,26 @@ def restore_state(
     one raises, never a silent fresh start.
     """
     directory = epath.Path(directory)
-    steps = ocp.utils.checkpoint_steps(directory) if directory.exists() else []
+    steps = all_steps(directory)
     if not steps:
         log.info("No checkpoint in %s: starting from the given state.", directory)
-        return state
+        return state, {}
     step = max(steps) if step is None else step
     if step not in steps:
         raise ValueError(f"No checkpoint for step {step} in {directory}; have {sorted(steps)}")
     single = (directory / str(step) / ocp.checkpoint_manager.DEFAULT_ITEM_NAME).exists()
     manager = _reader(directory, single)
     try:
-        target = _abstract_target(state, partitioner)
+        skip = ("opt_state",) if skip_optimizer else ()
+        target = _abstract_target(state, partitioner, skip)
         saved = manager.item_metadata(step)
         saved = saved if single else saved[STATE_ITEM]
-        check_compatible(getattr(saved, "tree", saved), target, str(directory / str(step)))
+        saved = {k: v for k, v in getattr(saved, "tree", saved).items() if k not in skip}
+        check_compatible(saved, target, str(directory / str(step)))
         restore = ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+            item=target,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=bool(skip),
         )
         if single:
             arrays, meta = manager.restore(step, args=restore), {}
@@ -187,6 +216,9 @@ def restore_state(
     finally:
         manager.close()
     plain = state.replace(dataset_state=None)
-    new_state = flax.serialization.from_state_dict(plain, {**arrays, "dataset_state": None})
+    kept = {k: v for k, v in state_arrays(plain).items() if k in skip}
+    new_state = flax.serialization.from_state_dict(
+        plain, {**arrays, **kept, "dataset_state": None}
+    )
     log.info("Restored checkpoint step %d from %s.", step, directory)
-    return new_state.replace(dataset_state=meta.get("dataset_state"))
+    return new_state.replace(dataset_state=meta.get("dataset_state")), meta

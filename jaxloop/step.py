@@ -280,8 +280,8 @@ class Step:
         """Restores `state` from the orbax checkpoints in `checkpoint_dir`.
 
         Restores the latest step unless `step` is given, placing every array as the
-        partitioner places the given state. With no checkpoint there, logs and returns
-        `state` unchanged.
+        partitioner places the given state. An eval step (``train=False``) restores no
+        optimizer state. With no checkpoint there, logs and returns `state` unchanged.
 
         Example::
 
@@ -289,7 +289,9 @@ class Step:
         """
         from jaxloop import checkpoint  # noqa: PLC0415 (orbax is heavy; import when used)
 
-        return checkpoint.restore_state(state, checkpoint_dir, step, self._partitioner)
+        return checkpoint.restore_state(
+            state, checkpoint_dir, step, self._partitioner, skip_optimizer=not self._train
+        )
 
     def compute_num_params(self, state: State) -> int:
         """Counts the parameters of `state` (and remembers it as `num_params`)."""

@@ -1,0 +1,104 @@
+"""ActionLoop: a StatLoop that runs actions at the beginning and end of every loop.
+
+An action with interval k fires on loops k, 2k, 3k, ... (counted by `loop_count`, which
+starts at 1 for the first loop and is saved with checkpoints so a resumed run keeps the
+rhythm).
+
+Example::
+
+    loop = ActionLoop(step, end_actions=[SummaryAction(writer, interval=2)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jaxloop import actions as actions_lib
+from jaxloop import stat_loop, types
+
+Output = types.Output
+State = types.TrainState
+
+
+class ActionLoop(stat_loop.StatLoop):
+    """Runs `begin_actions` before and `end_actions` after the loops their interval picks.
+
+    End actions receive the loop outputs (with statistics), and the keyword arguments
+    ``loop=self``, ``loop_count`` and ``first_step`` (the state's step when the loop
+    began), which lets a summary write per-step values at their own step numbers.
+    """
+
+    def __init__(
+        self,
+        step: Any,
+        begin_actions: Sequence[actions_lib.Action] | None = None,
+        end_actions: Sequence[actions_lib.Action] | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(step, **kwargs)
+        self._begin_actions = list(begin_actions or [])
+        self._end_actions = list(end_actions or [])
+        for action in self._begin_actions + self._end_actions:
+            interval = getattr(action, "interval", None)
+            if not isinstance(interval, int) or interval <= 0:
+                raise ValueError(
+                    f"Action {action!r} must have a positive integer `interval`, got {interval!r}"
+                )
+        self._loop_count = 0
+        self._first_step: int | None = None
+        self._dataset: Any = None
+
+    @property
+    def begin_actions(self) -> list[actions_lib.Action]:
+        return self._begin_actions
+
+    @property
+    def end_actions(self) -> list[actions_lib.Action]:
+        return self._end_actions
+
+    @property
+    def loop_count(self) -> int:
+        """How many loops have begun (1 during the first)."""
+        return self._loop_count
+
+    @loop_count.setter
+    def loop_count(self, value: int) -> None:
+        if value < 0:
+            raise ValueError(f"loop_count must be >= 0, got {value}")
+        self._loop_count = value
+
+    @property
+    def first_step(self) -> int | None:
+        """The state's step when the current (or last) loop began."""
+        return self._first_step
+
+    @property
+    def dataset(self) -> Any:
+        """The iterator the current (or last) loop reads, e.g. to save its position."""
+        return self._dataset
+
+    def _fire(self, actions: Sequence[Any], state: State, outputs: Output | None) -> None:
+        for action in actions:
+            if self._loop_count % action.interval == 0:
+                action(
+                    state,
+                    outputs,
+                    loop=self,
+                    loop_count=self._loop_count,
+                    first_step=self._first_step,
+                )
+
+    def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
+        self._loop_count += 1
+        # Read on the host once per loop: an action boundary, not a per-step sync.
+        self._first_step = int(state.step) if state is not None else None
+        state, dataset = super().begin(state, dataset)
+        self._dataset = dataset
+        self._fire(self._begin_actions, state, None)
+        return state, dataset
+
+    def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
+        state, outputs = super().end(state, outputs)
+        self._fire(self._end_actions, state, outputs)
+        return state, outputs

@@ -1,0 +1,35 @@
+"""EvalLoop: the loop that measures the model without changing it.
+
+Every step sees the same state (the state returned by the step is dropped), and the loop
+runs until `num_steps` or the end of the dataset.
+
+Example::
+
+    eval_loop = EvalLoop(eval_step, end_actions=[summary_action])
+    _, outputs = eval_loop(state, eval_batches)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from jaxloop import action_loop, types
+
+Output = types.Output
+State = types.TrainState
+
+
+class EvalLoop(action_loop.ActionLoop):
+    """An ActionLoop that keeps the state fixed across its steps."""
+
+    def run(
+        self,
+        state: State,
+        dataset: Iterator[Any],
+        num_steps: int | None = None,
+        log_num_flops: bool = False,
+        **kwargs: Any,
+    ) -> tuple[State, Output | None]:
+        kwargs.setdefault("return_state_from_step", False)
+        return super().run(state, dataset, num_steps, log_num_flops=log_num_flops, **kwargs)

@@ -1,0 +1,118 @@
+"""StatLoop: a Loop that also reports timing and size statistics in its outputs.
+
+Statistics are measured at the loop's end, where the loop waits for its last step anyway
+(an action boundary), so they cost no per-step synchronisation.
+
+Example::
+
+    loop = StatLoop(step, global_batch_size=256)
+    state, outputs = loop(state, batches, num_steps=100)
+    outputs[STAT_STEPS_PER_SEC], outputs[STAT_EXAMPLES_PER_SEC]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+
+from jaxloop import loop as loop_lib
+from jaxloop import types
+
+Output = types.Output
+State = types.TrainState
+
+STAT_PREFIX = "jaxloop"
+STAT_STEPS_PER_SEC = "jaxloop/steps_per_sec"
+STAT_EXAMPLES_PER_SEC = "jaxloop/examples_per_sec"
+STAT_LOOP_TIME_SECS = "jaxloop/loop_time_secs"
+STAT_NUM_STEPS = "jaxloop/num_steps"
+STAT_NUM_PARAMS = "jaxloop/num_params"
+STAT_NUM_FLOPS = "jaxloop/num_flops"
+STAT_LIFE_TIME_SECS = "jaxloop/life_time_secs"
+
+ALL_STATS = (
+    STAT_STEPS_PER_SEC,
+    STAT_EXAMPLES_PER_SEC,
+    STAT_LOOP_TIME_SECS,
+    STAT_NUM_STEPS,
+    STAT_NUM_PARAMS,
+    STAT_NUM_FLOPS,
+    STAT_LIFE_TIME_SECS,
+)
+DEFAULT_STATS = (STAT_STEPS_PER_SEC, STAT_EXAMPLES_PER_SEC, STAT_LOOP_TIME_SECS)
+
+
+class StatLoop(loop_lib.Loop):
+    """Adds `jaxloop/...` statistics (plain floats) to the loop outputs.
+
+    Args:
+      step: the Step to run.
+      stat_names: which statistics to report (see `ALL_STATS`); the defaults are steps/s,
+        examples/s (when `global_batch_size` is known) and the loop time.
+      global_batch_size: examples per step across all processes, for examples/s.
+      max_steps_in_flight: see `Loop`.
+    """
+
+    def __init__(
+        self,
+        step: Any,
+        stat_names: Sequence[str] | None = None,
+        global_batch_size: int | None = None,
+        max_steps_in_flight: int = loop_lib.DEFAULT_MAX_STEPS_IN_FLIGHT,
+    ):
+        super().__init__(step, max_steps_in_flight=max_steps_in_flight)
+        stat_names = DEFAULT_STATS if stat_names is None else tuple(stat_names)
+        unknown = sorted(set(stat_names) - set(ALL_STATS))
+        if unknown:
+            raise ValueError(f"Unknown stat names {unknown}; known: {list(ALL_STATS)}")
+        if global_batch_size is not None and global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+        self._stat_names = stat_names
+        self._global_batch_size = global_batch_size
+        self._created = time.perf_counter()
+        self._loop_start = 0.0
+
+    def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
+        self._loop_start = time.perf_counter()
+        return super().begin(state, dataset)
+
+    def run(
+        self,
+        state: State,
+        dataset: Iterator[Any],
+        num_steps: int | None = None,
+        log_num_flops: bool = False,
+        **kwargs: Any,
+    ) -> tuple[State, Output | None]:
+        wants_flops = STAT_NUM_FLOPS in self._stat_names and self.step.num_flops is None
+        state, outputs = super().run(
+            state, dataset, num_steps, log_num_flops=log_num_flops or wants_flops, **kwargs
+        )
+        # The timing covers the device work, so wait for the last step (loop boundary).
+        jax.block_until_ready((state, outputs))
+        return state, outputs
+
+    def _stats(self, num_steps: int) -> dict[str, float]:
+        elapsed = time.perf_counter() - self._loop_start
+        steps_per_sec = num_steps / elapsed if elapsed > 0 else 0.0
+        stats = {
+            STAT_STEPS_PER_SEC: steps_per_sec,
+            STAT_LOOP_TIME_SECS: elapsed,
+            STAT_NUM_STEPS: float(num_steps),
+            STAT_LIFE_TIME_SECS: time.perf_counter() - self._created,
+        }
+        if self._global_batch_size is not None:
+            stats[STAT_EXAMPLES_PER_SEC] = steps_per_sec * self._global_batch_size
+        if self.step.num_params is not None:
+            stats[STAT_NUM_PARAMS] = float(self.step.num_params)
+        if self.step.num_flops is not None:
+            stats[STAT_NUM_FLOPS] = float(self.step.num_flops)
+        return {k: v for k, v in stats.items() if k in self._stat_names}
+
+    def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
+        outputs = dict(outputs or {})
+        outputs.update(self._stats(self.num_steps_run))
+        return super().end(state, outputs)

@@ -1,0 +1,27 @@
+"""TrainLoop: the loop that updates the model.
+
+Example::
+
+    train_loop = TrainLoop(train_step, end_actions=[summary_action, ckpt_action])
+    state, outputs = train_loop(state, train_iterator, num_steps=100)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxloop import action_loop
+from jaxloop import step as step_lib
+
+
+class TrainLoop(action_loop.ActionLoop):
+    """An ActionLoop whose step must be a training step (``step.train`` is True).
+
+    Arguments are those of `ActionLoop`: ``begin_actions``, ``end_actions``,
+    ``stat_names``, ``global_batch_size``, ``max_steps_in_flight``.
+    """
+
+    def __init__(self, step: step_lib.Step, *args: Any, **kwargs: Any):
+        if not getattr(step, "train", True):
+            raise ValueError("TrainLoop needs a step constructed with train=True")
+        super().__init__(step, *args, **kwargs)

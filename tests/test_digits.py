@@ -1,0 +1,47 @@
+"""The main job: the digits example trains to >= 0.95 held-out accuracy and prints its line."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+FINAL = re.compile(
+    r"^final step=(\d+) eval_accuracy=([0-9.]+) eval_loss=([0-9.]+) fingerprint=([0-9a-f]{64})$"
+)
+
+
+def run_digits(workdir, *flags, env=None):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(workdir), *flags],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    match = FINAL.match(last)
+    assert match, last
+    return int(match.group(1)), float(match.group(2)), float(match.group(3)), match.group(4)
+
+
+def test_digits_default_run_meets_accuracy(tmp_path):
+    step, accuracy, loss, _ = run_digits(tmp_path)
+    assert step == 600
+    assert accuracy >= 0.95 and loss < 0.3
+    assert os.listdir(tmp_path / "train") and os.listdir(tmp_path / "eval")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["400", "500", "600", "STOPPED"]
+
+
+@pytest.mark.parametrize("partitioner", ["single", "fsdp"])
+def test_digits_other_partitioners(tmp_path, partitioner):
+    step, accuracy, _, _ = run_digits(
+        tmp_path, "--partitioner", partitioner, "--train-steps", "200",
+        "--train-loop-steps", "100")
+    assert step == 200 and accuracy > 0.9
+
+
+def test_digits_rejects_bad_flags(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(tmp_path),
+         "--train-steps", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--train-steps must be positive" in proc.stderr
