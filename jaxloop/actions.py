@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -324,25 +325,24 @@ class ProgressAction(Action):
         self._desc = desc
         self._bar: Any = None
 
-    def _ensure_bar(self, initial: int) -> Any:
+    @staticmethod
+    def _interactive() -> bool:
+        # A notebook kernel (widget) or a terminal; never a log file or a test run, and no
+        # tqdm object (nor its monitor thread) is created when not shown.
+        return "ipykernel" in sys.modules or sys.stderr.isatty()
+
+    def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
+        if self._enabled is None:
+            self._enabled = self._interactive()
+        if not self._enabled:
+            return
+        step = int(state.step)
         if self._bar is None:
             from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
 
-            self._bar = tqdm(
-                total=self._total,
-                initial=initial,
-                desc=self._desc,
-                disable=None if self._enabled is None else not self._enabled,
-                unit="step",
-                dynamic_ncols=True,
-            )
-        return self._bar
-
-    def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
-        step = int(state.step)
-        bar = self._ensure_bar(kwargs.get("first_step") or 0)
-        if bar.disable:
-            return
+            self._bar = tqdm(total=self._total, initial=kwargs.get("first_step") or 0,
+                             desc=self._desc, unit="step", dynamic_ncols=True)
+        bar = self._bar
         bar.update(max(step - bar.n, 0))
         postfix = {}
         values = (outputs or {}).get(self._metric)

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -125,6 +126,9 @@ class OuterLoop:
       eval_loops: one EvalLoop per EvalSpec passed at call time.
       checkpoint_spec: restore from / evaluate the checkpoints in this directory.
       progress: show a progress bar (None: only when interactive).
+      prefetch: batches to preprocess and put on the devices in the background while the
+        current step runs (0: none). The train iterator is wrapped once for the whole
+        run, so its saved position counts only the batches actually trained on.
     """
 
     def __init__(
@@ -133,8 +137,12 @@ class OuterLoop:
         eval_loops: Sequence[eval_loop_lib.EvalLoop] | None = None,
         checkpoint_spec: CheckpointSpec | None = None,
         progress: bool | None = None,
+        prefetch: int = 2,
     ):
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self._train_loop = train_loop
+        self._prefetch = prefetch
         self._eval_loops = list(eval_loops or [])
         self._checkpoint_spec = checkpoint_spec
         self._progress = progress
@@ -168,7 +176,8 @@ class OuterLoop:
             if not spec.should_eval(context):
                 results.append(None)
                 continue
-            _, outputs = loop(state, spec.iterator(), num_steps=spec.num_steps)
+            with self._prefetched(spec.iterator(), loop.step) as batches:
+                _, outputs = loop(state, batches, num_steps=spec.num_steps)
             results.append(outputs)
             stop = stop or bool((outputs or {}).get(STOP_LOOP, False))
         return results, stop
@@ -197,6 +206,15 @@ class OuterLoop:
             state, train_dataset, train_total_steps, train_loop_steps, specs,
             log_train_total_steps,
         )
+
+    def _prefetched(self, iterator: Iterator[Any], step: Any) -> Any:
+        """The iterator with batches prepared ahead on a background thread (a context
+        manager that stops the thread), or the iterator itself when prefetch is 0."""
+        from jaxloop import data  # noqa: PLC0415
+
+        if not self._prefetch:
+            return contextlib.nullcontext(iterator)
+        return data.prefetch_to_device(iterator, step.prepare_batch, self._prefetch)
 
     def _restore(self, state: State, iterator: Iterator[Any]) -> State:
         if self._checkpoint_spec is None:
@@ -235,13 +253,16 @@ class OuterLoop:
             log.info("Training from step %d to %s.", step, total_steps)
         progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress)
         outputs: Output | None = None
-        try:
+        with (
+            self._prefetched(iterator, train_loop.step) as batches,
+            contextlib.closing(progress),
+        ):
             while total_steps is None or step < total_steps:
                 num_steps = loop_steps
                 if total_steps is not None:
                     num_steps = min(loop_steps or total_steps, total_steps - step)
                 try:
-                    state, outputs = train_loop(state, iterator, num_steps=num_steps)
+                    state, outputs = train_loop(state, batches, num_steps=num_steps)
                 except stop_handler.StopTrainingError as e:
                     log.info("Training stopped by an action: %s", e)
                     break
@@ -260,8 +281,6 @@ class OuterLoop:
                     break
                 if stop:
                     break
-        finally:
-            progress.close()
         self._finish(train_loop)
         return state, outputs
 

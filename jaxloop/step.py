@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,6 +49,16 @@ _SPEC_HELP = (
     "expected a shape such as [1, 28, 28, 1], a (shape, dtype) pair such as "
     "([1, 28, 28, 1], 'float32'), or a dict/list/tuple of these"
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedBatch:
+    """A batch already preprocessed and placed on the devices by `Step.prepare_batch`.
+
+    A device prefetcher hands these to the step, which then skips both stages.
+    """
+
+    batch: Batch
 
 
 def _is_shape(x: Any) -> bool:
@@ -330,6 +341,14 @@ class Step:
         """Host-side transformation of the raw batch before sharding (numpy in, numpy out)."""
         return batch
 
+    def prepare_batch(self, batch: Batch) -> PreparedBatch:
+        """`preprocess_batch`, then sharding (if enabled): the host-side work for a batch,
+        which a prefetcher may do in the background ahead of the step."""
+        batch = self.preprocess_batch(batch)
+        if self._should_shard_batch:
+            batch = self._partitioner.shard_batch(batch)
+        return PreparedBatch(batch)
+
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
         """Runs before the compiled `run`, outside jit, on the sharded batch."""
         return state, batch
@@ -353,9 +372,9 @@ class Step:
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
         """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions."""
-        batch = self.preprocess_batch(batch)
-        if self._should_shard_batch:
-            batch = self._partitioner.shard_batch(batch)
+        if not isinstance(batch, PreparedBatch):
+            batch = self.prepare_batch(batch)
+        batch = batch.batch
         for action in self._begin_actions:
             if per_loop_step_number % action.interval == 0:
                 action(state, None, batch=batch, per_loop_step_number=per_loop_step_number)

@@ -368,3 +368,35 @@ def test_early_stopping_ends_outer_loop():
                      train_loop_steps=2, eval_specs=[outer_loop.EvalSpec(BATCHES, num_steps=1)])
     assert int(state.step) == 6
     assert handler.get_best_info() == (2.0, 2)
+
+
+def _train_outer(prefetch, dataset, total=12):
+    train, evaluate = steps()
+    outer = outer_loop.OuterLoop(
+        train_loop=train_loop_lib.TrainLoop(train),
+        eval_loops=[eval_loop_lib.EvalLoop(evaluate)], prefetch=prefetch)
+    return outer(train.initialize_model([1, 16]), dataset, train_total_steps=total,
+                 train_loop_steps=5, eval_specs=[outer_loop.EvalSpec(BATCHES, num_steps=2)])
+
+
+def test_prefetch_gives_identical_results_and_leaks_no_thread():
+    before = set(threading.enumerate())
+    plain, _ = _train_outer(0, forever())
+    prefetched, outputs = _train_outer(3, forever())
+    assert int(prefetched.step) == 12 and len(outputs["loss"]) == 2
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(plain.params),
+                 jax.device_get(prefetched.params))
+    assert set(threading.enumerate()) <= before
+
+
+def test_prefetch_surfaces_dataset_errors():
+    def broken():
+        yield from BATCHES[:7]
+        raise OSError("disk on fire")
+
+    before = set(threading.enumerate())
+    with pytest.raises(OSError, match="disk on fire"):
+        _train_outer(2, broken())
+    assert set(threading.enumerate()) <= before
+    with pytest.raises(ValueError, match="prefetch"):
+        outer_loop.OuterLoop(prefetch=-1)
