@@ -202,8 +202,15 @@ class CheckpointAction(Action):
         return self._ckpt_manager
 
     def __call__(
-        self, state: State, outputs: Output | None, loop: Any = None, **kwargs: Any
+        self,
+        state: State,
+        outputs: Output | None,
+        loop: Any = None,
+        force: bool = False,
+        **kwargs: Any,
     ) -> bool:
+        """Saves `state` at its step; `force` saves even where the manager's policy would
+        skip this step (preemption)."""
         step = int(state.step)
         from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
 
@@ -212,7 +219,8 @@ class CheckpointAction(Action):
             state = state.replace(dataset_state=dataset_state)
         meta = {"loop_count": getattr(loop, "loop_count", None)}
         saved = checkpoint.save(
-            self._ckpt_manager, step, state, meta=meta, metrics=scalar_metrics(outputs)
+            self._ckpt_manager, step, state, meta=meta, metrics=scalar_metrics(outputs),
+            force=force,
         )
         if saved:
             log.info("Saving checkpoint for step %d to %s.", step, self._ckpt_manager.directory)

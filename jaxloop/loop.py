@@ -21,8 +21,8 @@ from typing import Any
 import jax
 from clu import metrics as clu_metrics
 
+from jaxloop import preemption, types
 from jaxloop import step as step_lib
-from jaxloop import types
 
 Output = types.Output
 State = types.TrainState
@@ -63,6 +63,7 @@ class Loop:
         self._max_steps_in_flight = max_steps_in_flight
         self._in_flight: collections.deque = collections.deque()
         self.dataset_exhausted = False
+        self.preempted = False
         self.num_steps_run = 0
 
     @property
@@ -152,7 +153,12 @@ class Loop:
         return_state_from_step = kwargs.pop("return_state_from_step", True)
         loop_outputs: Output = collections.defaultdict(list)
         self.dataset_exhausted = False
+        self.preempted = False
         self._in_flight.clear()
+        # Preemption is checked between training steps against a host-side step count, read
+        # once here (a loop boundary) so the per-step check never waits for the device.
+        check_preemption = preemption.active() and return_state_from_step
+        host_step = int(state.step) if check_preemption else 0
         per_loop_step_number = 0
         while num_steps is None or per_loop_step_number < num_steps:
             try:
@@ -169,6 +175,9 @@ class Loop:
                 self.dataset_exhausted = True
                 break
             per_loop_step_number += 1
+            if check_preemption and preemption.reached_sync_point(host_step + per_loop_step_number):
+                self.preempted = True
+                break
         self._in_flight.clear()
         self.num_steps_run = per_loop_step_number
         return state, dict(loop_outputs)

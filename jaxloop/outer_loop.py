@@ -32,10 +32,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import jax
 from etils import epath
 
 from jaxloop import actions as actions_lib
-from jaxloop import checkpoint, stop_handler, types
+from jaxloop import checkpoint, preemption, stop_handler, types
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import train_loop as train_loop_lib
 
@@ -143,6 +144,7 @@ class OuterLoop:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self._train_loop = train_loop
         self._prefetch = prefetch
+        self.preempted = False
         self._eval_loops = list(eval_loops or [])
         self._checkpoint_spec = checkpoint_spec
         self._progress = progress
@@ -253,7 +255,9 @@ class OuterLoop:
             log.info("Training from step %d to %s.", step, total_steps)
         progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress)
         outputs: Output | None = None
+        self.preempted = False
         with (
+            preemption.handling_preemption(),
             self._prefetched(iterator, train_loop.step) as batches,
             contextlib.closing(progress),
         ):
@@ -268,6 +272,9 @@ class OuterLoop:
                     break
                 step = int(state.step)
                 progress(state, outputs, first_step=train_loop.first_step)
+                if train_loop.preempted or preemption.requested():
+                    self._save_on_preemption(state, outputs)
+                    return state, outputs
                 if train_loop.dataset_exhausted:
                     log.warning("The train dataset is exhausted at step %d; stopping.", step)
                     break
@@ -281,15 +288,39 @@ class OuterLoop:
                     break
                 if stop:
                     break
-        self._finish(train_loop)
+        self._finish()
         return state, outputs
 
-    def _finish(self, train_loop: train_loop_lib.TrainLoop) -> None:
-        for action in train_loop.end_actions:
-            manager = getattr(action, "ckpt_manager", None)
-            if manager is not None:
-                manager.wait_until_finished()
-        if self._checkpoint_spec is not None:
+    def _writers_and_managers(self) -> tuple[list[Any], list[Any]]:
+        loops = [self._train_loop, *self._eval_loops]
+        all_actions = [a for lp in loops if lp is not None for a in lp.end_actions]
+        writers = [a.summary_writer for a in all_actions if hasattr(a, "summary_writer")]
+        managers = [a for a in all_actions if isinstance(a, actions_lib.CheckpointAction)]
+        return writers, managers
+
+    def _save_on_preemption(self, state: State, outputs: Output | None) -> None:
+        """Saves the state at this step boundary, waits for the write, flushes writers."""
+        self.preempted = True
+        writers, ckpt_actions = self._writers_and_managers()
+        step = int(state.step)
+        for action in ckpt_actions[:1]:
+            if step not in action.ckpt_manager.all_steps():
+                action(state, outputs, loop=self._train_loop, force=True)
+            action.ckpt_manager.wait_until_finished()
+        if not ckpt_actions:
+            log.warning("Preempted at step %d, but no CheckpointAction saves the state.", step)
+        for writer in writers:
+            writer.flush()
+        log.warning("Preempted: stopped at step %d after saving.", step)
+
+    def _finish(self) -> None:
+        """Waits for checkpoint writes, flushes writers, marks training as finished."""
+        writers, ckpt_actions = self._writers_and_managers()
+        for action in ckpt_actions:
+            action.ckpt_manager.wait_until_finished()
+        for writer in writers:
+            writer.flush()
+        if self._checkpoint_spec is not None and jax.process_index() == 0:
             marker = epath.Path(self._checkpoint_spec.checkpoint_dir) / _STOP_FILE_NAME
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text("training finished\n")

@@ -47,6 +47,7 @@ log = logging.getLogger("digits")
 NUM_CLASSES = 10
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0  # fixed, so accuracies are comparable across --seed values
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what schedulers expect of a terminated job
 
 
 class CNN(nn.Module):
@@ -215,6 +216,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         train_loop_steps=args.train_loop_steps,
         eval_specs=[outer_loop.EvalSpec(dataset=eval_ds)],
     )
+    if outer.preempted:
+        manager.close()
+        train_writer.close()
+        eval_writer.close()
+        log.warning("Preempted at step %d; run the same command to resume.", int(state.step))
+        sys.exit(PREEMPTED_EXIT_CODE)
     if "accuracy" not in final:  # resumed at the end: nothing trained, evaluate once
         _, outputs = evaluator(state, iter(eval_ds))
         final.update(actions.scalar_metrics(outputs))
