@@ -227,6 +227,29 @@ class CheckpointAction(Action):
         return saved
 
 
+class BestCheckpointAction(CheckpointAction):
+    """Keeps the best k checkpoints by an eval metric, beside the latest ones.
+
+    Put it on an eval loop; each evaluation offers the state with the eval outputs as
+    metrics, and the manager (from `checkpoint.make_best_manager`) keeps the best k. These
+    checkpoints are for picking a model, so no data position or loop count is saved.
+
+    Example::
+
+        best = checkpoint.make_best_manager(workdir / 'best', 'accuracy', mode='max', k=2)
+        eval_loop = EvalLoop(eval_step, end_actions=[BestCheckpointAction(best)])
+        state = checkpoint.restore_best(state, workdir / 'best', 'accuracy', mode='max')
+    """
+
+    def __call__(
+        self, state: State, outputs: Output | None, loop: Any = None, force: bool = False,
+        **kwargs: Any,
+    ) -> bool:
+        if int(state.step) in self._ckpt_manager.all_steps():
+            return False  # several evals after one train loop: the first one is offered
+        return super().__call__(state.replace(dataset_state=None), outputs, force=force)
+
+
 class EarlyStoppingAction(Action):
     """Stops training when a monitored metric stops improving (or becomes NaN).
 

@@ -50,6 +50,45 @@ def make_manager(
     )
 
 
+def make_best_manager(
+    directory: Any, metric: str, *, mode: str = "min", k: int = 3, async_save: bool = True
+) -> ocp.CheckpointManager:
+    """A manager that keeps the `k` best checkpoints by `metric` (``'min'`` or ``'max'``).
+
+    Use it in a directory of its own, beside the manager that keeps the latest checkpoints,
+    with `actions.BestCheckpointAction` on an eval loop.
+    """
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
+
+    def best_fn(metrics: dict[str, float]) -> float:
+        if metric not in metrics:
+            raise ValueError(f"Best-checkpoint metric {metric!r} not in {sorted(metrics)}")
+        return metrics[metric]
+
+    return make_manager(
+        directory, max_to_keep=k, async_save=async_save, best_fn=best_fn, best_mode=mode,
+        keep_checkpoints_without_metrics=False,
+    )
+
+
+def restore_best(
+    state: State, directory: Any, metric: str, mode: str = "min", partitioner: Any = None,
+    skip_optimizer: bool = False,
+) -> State:
+    """Restores the best checkpoint (by `metric`, as saved by BestCheckpointAction)."""
+    manager = make_best_manager(directory, metric, mode=mode)
+    try:
+        best = manager.best_step()
+    finally:
+        manager.close()
+    if best is None:
+        raise ValueError(f"No checkpoint with metric {metric!r} in {directory}")
+    return restore_state(state, directory, best, partitioner, skip_optimizer)
+
+
 def _is_single_item(manager: ocp.CheckpointManager) -> bool:
     flag = getattr(manager, "_default_item", None)
     return bool(flag.get()) if flag is not None else False

@@ -301,7 +301,12 @@ class OuterLoop:
     def _save_on_preemption(self, state: State, outputs: Output | None) -> None:
         """Saves the state at this step boundary, waits for the write, flushes writers."""
         self.preempted = True
-        writers, ckpt_actions = self._writers_and_managers()
+        writers, _ = self._writers_and_managers()
+        ckpt_actions = [
+            a for a in self._train_loop.end_actions
+            if isinstance(a, actions_lib.CheckpointAction)
+            and not isinstance(a, actions_lib.BestCheckpointAction)
+        ]
         step = int(state.step)
         for action in ckpt_actions[:1]:
             if step not in action.ckpt_manager.all_steps():
