@@ -19,38 +19,11 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from common import MLP, TrainStep, batches  # noqa: E402
 
-from jaxloop import actions, checkpoint, outer_loop, step, train_loop  # noqa: E402
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(1024)(x))
-        x = nn.relu(nn.Dense(1024)(x))
-        return nn.Dense(10)(x)
-
-
-class TrainStep(step.Step):
-    def run(self, state, batch):
-        def loss_fn(params):
-            logits = state.apply_fn({"params": params}, batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-
-def batches(batch_size):
-    rng = np.random.default_rng(0)
-    batch = {"x": rng.normal(size=(batch_size, 784)).astype(np.float32),
-             "y": rng.integers(0, 10, size=(batch_size,)).astype(np.int32)}
-    while True:
-        yield batch
+from jaxloop import actions, checkpoint, outer_loop, train_loop  # noqa: E402
 
 
 def steps_per_sec(train, loops, loop_steps, batch_size, with_checkpoints):

@@ -23,49 +23,20 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from common import MLP, TrainStep, batches  # noqa: E402
 
-from jaxloop import outer_loop, step, train_loop  # noqa: E402
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(1024)(x))
-        x = nn.relu(nn.Dense(1024)(x))
-        return nn.Dense(10)(x)
-
-
-class TrainStep(step.Step):
-    def run(self, state, batch):
-        def loss_fn(params):
-            logits = state.apply_fn({"params": params}, batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-
-def batches(n, batch_size, delay):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch_size, 784)).astype(np.float32)
-    y = rng.integers(0, 10, size=(batch_size,)).astype(np.int32)
-    for _ in range(n):
-        if delay:
-            time.sleep(delay)  # host-side loading work that releases the GIL
-        yield {"x": x, "y": y}
+from jaxloop import outer_loop, train_loop  # noqa: E402
 
 
 def run_training(n, batch_size, delay, prefetch):
     train = TrainStep(jax.random.key(0), MLP(), optimizer=optax.sgd(1e-3), train=True)
     state = train.initialize_model([1, 784])
     outer = outer_loop.OuterLoop(train_loop=train_loop.TrainLoop(train), prefetch=prefetch)
-    outer(train.initialize_model([1, 784]), batches(5, batch_size, 0), train_total_steps=5)
+    outer(train.initialize_model([1, 784]), batches(batch_size, 5), train_total_steps=5)
     start = time.perf_counter()
-    state, _ = outer(state, batches(n, batch_size, delay),
+    state, _ = outer(state, batches(batch_size, n, delay),
                      train_total_steps=n, train_loop_steps=n)
     jax.block_until_ready(state)
     return n / (time.perf_counter() - start)
@@ -83,7 +54,7 @@ def main():
     results = {"no prefetch": [], "prefetch": [], "input alone": []}
     for _ in range(args.repeats):
         start = time.perf_counter()
-        for _ in batches(args.steps, args.batch_size, delay):
+        for _ in batches(args.batch_size, args.steps, delay):
             pass
         results["input alone"].append(args.steps / (time.perf_counter() - start))
         results["no prefetch"].append(run_training(args.steps, args.batch_size, delay, 0))
