@@ -142,6 +142,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
+    parser.add_argument(
+        "--distributed", action="store_true",
+        help="join a multi-process job (flags, JAXLOOP_* environment, or cluster auto-detection)",
+    )
     args = parser.parse_args(argv)
     for name in ("train_steps", "train_loop_steps", "batch_size", "checkpoint_every"):
         if getattr(args, name) <= 0:
@@ -152,7 +156,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Trains and evaluates; returns the final results (also printed as the last line)."""
     args = parse_args(argv)
-    if args.coordinator or args.num_processes:
+    joins_job = (
+        args.distributed or args.coordinator or args.num_processes
+        or args.process_id is not None or os.environ.get("JAXLOOP_COORDINATOR")
+    )
+    if joins_job:
         from jaxloop import distributed  # noqa: PLC0415
 
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -164,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         force=True,  # absl (imported by orbax) installs a root handler first
     )
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
-    workdir = os.path.abspath(args.workdir)
+    # Remote storage (gs://...) is shared by all hosts; only local paths are made absolute.
+    workdir = args.workdir if "://" in args.workdir else os.path.abspath(args.workdir)
     train_data, test_data = load_digits()
     partitioner = make_partitioner(args.partitioner)
     train_ds = data.GlobalBatchDataset(
