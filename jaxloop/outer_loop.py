@@ -231,6 +231,8 @@ class OuterLoop:
 
         if restored.dataset_state is not None:
             data.restore_iterator_state(iterator, restored.dataset_state)
+            # The iterator now holds the position; the state carries no host data into jit.
+            restored = restored.replace(dataset_state=None)
         loop_count = meta.get("loop_count")
         if loop_count is not None:
             self._train_loop.loop_count = int(loop_count)
