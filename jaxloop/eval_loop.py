@@ -7,6 +7,9 @@ Example::
 
     eval_loop = EvalLoop(eval_step, end_actions=[summary_action])
     _, outputs = eval_loop(state, eval_batches)
+
+    # 8 batches per compiled call; a last partial group runs as single steps.
+    eval_loop = EvalLoop(eval_step, steps_per_execution=8)
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ State = types.TrainState
 
 
 class EvalLoop(action_loop.ActionLoop):
-    """An ActionLoop that keeps the state fixed across its steps."""
+    """An ActionLoop that keeps the state fixed across its steps.
+
+    Arguments are those of `ActionLoop`, including ``steps_per_execution`` (default 1):
+    with k > 1, k batches run in one compiled call, each on the same state.
+    """
 
     def run(
         self,

@@ -5,6 +5,11 @@ runs: before dispatching a step it waits for the step `max_steps_in_flight` back
 the device busy while capping queued work (unbounded dispatch of sharded steps crashed XLA's
 CPU collectives on small machines, and would hold every batch in memory).
 
+With ``steps_per_execution=k`` the loop runs k steps per compiled call (`Step.call_steps`,
+a `jax.lax.scan` over k stacked batches), which removes the per-step dispatch cost for
+small steps. Results, step counts and outputs (per-step lists) equal those of k=1; see
+`Loop` for how executions are cut.
+
 Example::
 
     loop = Loop(train_step)
@@ -37,6 +42,25 @@ def _merge_metrics(total: clu_metrics.Metric, new: clu_metrics.Metric) -> clu_me
     return total.merge(new)
 
 
+def _split_steps(outputs: Output, num_steps: int) -> list[Output]:
+    per_step: list[Output] = [{} for _ in range(num_steps)]
+    for key, value in outputs.items():
+        if isinstance(value, clu_metrics.Metric | clu_metrics.Collection):
+            # Merged here in step order, so the loop merges once per execution.
+            merged = jax.tree.map(lambda x: x[0], value)
+            for i in range(1, num_steps):
+                merged = merged.merge(jax.tree.map(lambda x, i=i: x[i], value))
+            per_step[-1][key] = merged
+        else:
+            for i in range(num_steps):
+                per_step[i][key] = jax.tree.map(lambda x, i=i: x[i], value)
+    return per_step
+
+
+# Splits an execution's stacked outputs into per-step outputs in one dispatch.
+_split_steps_jit = jax.jit(_split_steps, static_argnums=1)
+
+
 def _sync_token(outputs: Any) -> jax.Array | None:
     """An array that is ready once its step has finished and that no later step donates."""
     for leaf in jax.tree.leaves(outputs):
@@ -50,17 +74,54 @@ class Loop:
 
     Args:
       step: the Step to run on each batch.
-      max_steps_in_flight: how many dispatched steps may be unfinished at once (>= 1).
+      max_steps_in_flight: how many dispatched executions (steps, when
+        `steps_per_execution` is 1) may be unfinished at once (>= 1).
+      steps_per_execution: how many steps run in one compiled call (>= 1).
+      unroll: with ``steps_per_execution > 1``, how many steps the compiled loop body
+        holds (`jax.lax.scan`'s `unroll`; True: all of them). 1 compiles fastest and suits
+        dense models; XLA:CPU runs convolutions inside a loop body on a slower kernel that
+        also rounds differently, so unroll conv nets there (see
+        `Partitioner.partition_steps`).
 
-    Override `begin`, `run`, `end` or `update_outputs` to customise; `_get_next_batch` and
-    `_run_one_step` are the per-batch hooks.
+    With ``steps_per_execution=k > 1`` the loop reads k batches, stacks them and runs them
+    with `Step.call_steps`; each step's outputs still reach `update_outputs` one step at a
+    time (split on the device in one dispatch; clu metrics arrive merged over the
+    execution, with its last step). Executions are cut so that everything the host sees
+    stays exact:
+
+    - a loop of n steps runs ``n // k`` executions of k and one smaller execution for the
+      rest (compiled once per distinct size; one step runs as a plain step);
+    - a step-level action of the Step (see `step.action_fires`) fires exactly on its steps:
+      an execution starts at each step a begin action fires on and ends at each step an end
+      action fires on, so intervals that are multiples of k cost nothing;
+    - the Step's `begin` and `end` run once per execution, on the stacked batch (leading
+      axis k) and the stacked outputs;
+    - when the dataset ends inside an execution, the batches read run as single steps;
+      batches of different shapes (a smaller last batch) also run as single steps;
+    - preemption is honoured at the end of the execution holding the requested step.
+
+    Override `begin`, `run`, `end` or `update_outputs` to customise; `_get_next_batch`,
+    `_run_one_step` and (for executions of several steps) `_run_steps` are the per-batch
+    hooks.
     """
 
-    def __init__(self, step: Step, max_steps_in_flight: int = DEFAULT_MAX_STEPS_IN_FLIGHT):
+    def __init__(
+        self,
+        step: Step,
+        max_steps_in_flight: int = DEFAULT_MAX_STEPS_IN_FLIGHT,
+        steps_per_execution: int = 1,
+        unroll: int | bool = 1,
+    ):
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}")
+        if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
+            raise ValueError(
+                f"steps_per_execution must be a positive integer, got {steps_per_execution!r}"
+            )
         self._step = step
         self._max_steps_in_flight = max_steps_in_flight
+        self._steps_per_execution = steps_per_execution
+        self._unroll = unroll
         self._in_flight: collections.deque = collections.deque()
         self.dataset_exhausted = False
         self.preempted = False
@@ -73,6 +134,10 @@ class Loop:
     @property
     def max_steps_in_flight(self) -> int:
         return self._max_steps_in_flight
+
+    @property
+    def steps_per_execution(self) -> int:
+        return self._steps_per_execution
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         """Called before the first step of each loop; returns the state and iterator."""
@@ -113,7 +178,7 @@ class Loop:
             return
         self._in_flight.append(token)
         while len(self._in_flight) >= self._max_steps_in_flight:
-            jax.block_until_ready(self._in_flight.popleft())
+            self._in_flight.popleft().block_until_ready()
 
     def _run_one_step(
         self,
@@ -139,6 +204,81 @@ class Loop:
         self._wait_for_room(step_outputs, new_state)
         return state, self.update_outputs(loop_outputs, step_outputs)
 
+    def _run_steps(
+        self,
+        state: State,
+        dataset: Iterator[Any],
+        loop_outputs: Output,
+        per_loop_step_number: int,
+        num_steps: int,
+        log_num_flops: bool = False,
+        return_state_from_step: bool = True,
+        **kwargs: Any,
+    ) -> tuple[State, Output, int]:
+        """Runs `num_steps` batches in one execution and records each step's outputs.
+
+        Returns the state, the loop outputs and how many steps ran: fewer (as single steps)
+        when the dataset ends first, which also sets `dataset_exhausted`.
+        """
+        batches = []
+        try:
+            for _ in range(num_steps):
+                batches.append(self._get_next_batch(dataset))
+        except StopIteration:
+            self.dataset_exhausted = True
+            if not batches:
+                raise
+        layouts = {step_lib.batch_layout(b) for b in batches}
+        if len(batches) < num_steps or len(layouts) > 1:
+            remaining = iter(batches)
+            for i in range(len(batches)):
+                state, loop_outputs = self._run_one_step(
+                    state, remaining, loop_outputs, per_loop_step_number + i,
+                    log_num_flops=log_num_flops and i == 0,
+                    return_state_from_step=return_state_from_step, **kwargs,
+                )
+            return state, loop_outputs, len(batches)
+        new_state, outputs = self._step.call_steps(
+            state, batches, per_loop_step_number, log_num_flops=log_num_flops,
+            carry_state=return_state_from_step, unroll=self._unroll, **kwargs,
+        )
+        if return_state_from_step:
+            state = new_state
+        per_step = [None] * num_steps if outputs is None else _split_steps_jit(
+            outputs, num_steps)
+        self._wait_for_room(per_step[-1], new_state)
+        for step_outputs in per_step:
+            loop_outputs = self.update_outputs(loop_outputs, step_outputs)
+        return state, loop_outputs, num_steps
+
+    def _execution_size(self, first: int, remaining: int | None) -> int:
+        """How many steps the execution starting at step `first` runs (see `Loop`)."""
+        size = self._steps_per_execution
+        if remaining is not None:
+            size = min(size, remaining)
+        begin_actions = self._step.begin_actions
+        end_actions = self._step.end_actions
+        if begin_actions or end_actions:
+            for n in range(first, first + size):
+                if n > first and any(
+                    step_lib.action_fires(a, n, begin=True) for a in begin_actions
+                ):
+                    return n - first
+                if any(step_lib.action_fires(a, n, begin=False) for a in end_actions):
+                    return n - first + 1
+        return size
+
+    @staticmethod
+    def _reached_sync_point(host_step: int, steps_done: int, size: int) -> bool:
+        if size == 1:
+            return preemption.reached_sync_point(host_step + steps_done)
+        # Every step number is offered: with several processes the agreed sync step may
+        # fall inside an execution, and all processes then stop at that execution's end.
+        return any(
+            preemption.reached_sync_point(host_step + n)
+            for n in range(steps_done - size + 1, steps_done + 1)
+        )
+
     def run(
         self,
         state: State,
@@ -159,24 +299,43 @@ class Loop:
         # once here (a loop boundary) so the per-step check never waits for the device.
         check_preemption = preemption.active() and return_state_from_step
         host_step = int(state.step) if check_preemption else 0
+        fused = self._steps_per_execution > 1
         per_loop_step_number = 0
         while num_steps is None or per_loop_step_number < num_steps:
+            size = 1
+            if fused:
+                remaining = None if num_steps is None else num_steps - per_loop_step_number
+                size = self._execution_size(per_loop_step_number + 1, remaining)
             try:
-                state, loop_outputs = self._run_one_step(
-                    state,
-                    dataset,
-                    loop_outputs,
-                    per_loop_step_number + 1,
-                    log_num_flops=log_num_flops and per_loop_step_number == 0,
-                    return_state_from_step=return_state_from_step,
-                    **kwargs,
-                )
+                if size == 1:
+                    state, loop_outputs = self._run_one_step(
+                        state,
+                        dataset,
+                        loop_outputs,
+                        per_loop_step_number + 1,
+                        log_num_flops=log_num_flops and per_loop_step_number == 0,
+                        return_state_from_step=return_state_from_step,
+                        **kwargs,
+                    )
+                else:
+                    state, loop_outputs, size = self._run_steps(
+                        state,
+                        dataset,
+                        loop_outputs,
+                        per_loop_step_number + 1,
+                        size,
+                        log_num_flops=log_num_flops and per_loop_step_number == 0,
+                        return_state_from_step=return_state_from_step,
+                        **kwargs,
+                    )
             except StopIteration:
                 self.dataset_exhausted = True
                 break
-            per_loop_step_number += 1
-            if check_preemption and preemption.reached_sync_point(host_step + per_loop_step_number):
+            per_loop_step_number += size
+            if check_preemption and self._reached_sync_point(host_step, per_loop_step_number, size):
                 self.preempted = True
+                break
+            if self.dataset_exhausted:
                 break
         self._in_flight.clear()
         self.num_steps_run = per_loop_step_number

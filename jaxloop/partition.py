@@ -22,16 +22,20 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 PyTree = Any
+
+# Distinct batch layouts remembered per partitioner before the cache starts over.
+_MAX_PLACEMENTS = 64
 
 
 def _path_str(path: tuple) -> str:
@@ -40,6 +44,33 @@ def _path_str(path: tuple) -> str:
 
 def _is_box(x: Any) -> bool:
     return isinstance(x, meta.AxisMetadata)
+
+
+class _Placement:
+    """The shardings of one validated batch layout and the fastest way to apply them."""
+
+    def __init__(
+        self, treedef: Any, shardings: tuple[NamedSharding, ...], single_device: bool
+    ):
+        self.shardings = shardings
+        # The shardings as a tree like the batch: `in_shardings` for a jitted step that
+        # places host batches itself.
+        self.tree = jax.tree.unflatten(treedef, shardings)
+        self.key = (treedef, shardings)
+        self._sharding_list = list(shardings)
+        # On one device, a jitted identity places numpy leaves through jit's C++ argument
+        # path, several times faster than device_put's Python path. On a multi-device mesh
+        # it runs a real computation and is slower, so device_put places those.
+        self._put_numpy = (
+            jax.jit(lambda *xs: xs, in_shardings=shardings, out_shardings=shardings)
+            if single_device
+            else None
+        )
+
+    def put(self, leaves: list) -> Sequence[jax.Array]:
+        if self._put_numpy is not None and all(type(x) is np.ndarray for x in leaves):
+            return self._put_numpy(*leaves)
+        return jax.device_put(leaves, self._sharding_list)
 
 
 class Partitioner(abc.ABC):
@@ -61,10 +92,16 @@ class Partitioner(abc.ABC):
         self._data_axis = data_axis
         self._batch_sharding = NamedSharding(mesh, P(data_axis))
         self._replicated = NamedSharding(mesh, P())
+        self._stacked_sharding = NamedSharding(mesh, P(None, data_axis))
         self._local_data_shards = self._count_local_data_shards()
         # Shardings chosen for states this partitioner created, so a jitted step can pin its
         # output state to exactly the placement of its input state (keeps donation aliasing).
         self._known_state_shardings: dict[Any, PyTree] = {}
+        # Batch layouts already validated, keyed by (stacked, treedef, leaf shapes): a
+        # training run sees one or two layouts, so the per-leaf checks run once per layout.
+        self._placements: dict[tuple, _Placement] = {}
+        self._stackers: dict[tuple, Callable] = {}
+        self._single_process = jax.process_count() == 1
 
     def _count_local_data_shards(self) -> int:
         if self._data_axis is None:
@@ -140,17 +177,60 @@ class Partitioner(abc.ABC):
 
         return sharded_init
 
-    def _check_batch_leaf(self, path: tuple, x: Any) -> None:
+    def _check_batch_leaf(self, path: tuple, x: Any, stacked: bool) -> None:
         shape = np.shape(x)
-        if not shape:
+        axis = 1 if stacked else 0
+        if len(shape) <= axis:
             return
-        if shape[0] % self._local_data_shards:
+        if shape[axis] % self._local_data_shards:
+            what = "batch dimension" if stacked else "leading dimension"
             raise ValueError(
-                f"Batch leaf {_path_str(path)} has shape {tuple(shape)}: its leading dimension "
-                f"{shape[0]} does not divide by the {self._local_data_shards} local devices "
+                f"Batch leaf {_path_str(path)} has shape {tuple(shape)}"
+                f"{f' ({shape[0]} stacked batches)' if stacked else ''}: its {what} "
+                f"{shape[axis]} does not divide by the {self._local_data_shards} local devices "
                 f"along mesh axis {self._data_axis!r} of process {jax.process_index()}. Use a "
                 f"per-process batch size that is a multiple of {self._local_data_shards}."
             )
+
+    def _placement(self, batch: PyTree, leaves: list, key: tuple) -> _Placement:
+        stacked = key[0]
+        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            self._check_batch_leaf(path, x, stacked)
+        split = self._stacked_sharding if stacked else self._batch_sharding
+        min_ndim = 2 if stacked else 1
+        shardings = tuple(
+            split if np.ndim(x) >= min_ndim else self._replicated for x in leaves
+        )
+        if len(self._placements) >= _MAX_PLACEMENTS:
+            self._placements.clear()  # shapes vary without bound (e.g. sequence lengths)
+        placement = self._placements[key] = _Placement(
+            key[1], shardings, self._mesh.size == 1 and self._single_process
+        )
+        return placement
+
+    def _host_batch_placement(self, batch: PyTree) -> _Placement | None:
+        """The validated placement of a batch of numpy leaves, which a jitted call can then
+        transfer itself; None for other batches (or several processes)."""
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        if not self._single_process or not all(type(x) is np.ndarray for x in leaves):
+            return None
+        key = (False, treedef, tuple(x.shape for x in leaves))
+        return self._placements.get(key) or self._placement(batch, leaves, key)
+
+    def _place(self, batch: PyTree, stacked: bool) -> PyTree:
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        key = (stacked, treedef, tuple(map(np.shape, leaves)))
+        placement = self._placements.get(key) or self._placement(batch, leaves, key)
+        if self._single_process:
+            out = placement.put(leaves)
+        else:
+            out = [
+                x
+                if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, np.ndim(x))
+                else jax.make_array_from_process_local_data(s, np.asarray(x))
+                for x, s in zip(leaves, placement.shardings, strict=True)
+            ]
+        return jax.tree.unflatten(treedef, out)
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """Turns this process's local batch into global arrays split along the data axis.
@@ -158,29 +238,59 @@ class Partitioner(abc.ABC):
         Each leaf's leading dimension is this process's share of the global batch; with P
         processes the global leading dimension is P times larger. 0-d leaves are replicated.
         Leaves already placed with the batch sharding pass through untouched, so a
-        prefetcher may shard ahead of time.
+        prefetcher may shard ahead of time. A batch layout (tree structure and shapes) is
+        validated the first time it is seen; later batches of that layout skip the checks.
+
+        Example::
+
+            sharded = partitioner.shard_batch({'x': np.ones((32, 784)), 'y': np.zeros(32)})
 
         Raises:
           ValueError: a leaf's leading dimension does not divide by the local device count
             along the data axis (the message names the leaf path and shape).
         """
-        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(batch)
-        for path, x in leaves_with_path:
-            self._check_batch_leaf(path, x)
-        leaves = [x for _, x in leaves_with_path]
-        shardings = [
-            self._batch_sharding if np.ndim(x) else self._replicated for x in leaves
-        ]
-        if jax.process_count() == 1:
-            out = jax.device_put(leaves, shardings)
-        else:
-            out = [
-                x
-                if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, np.ndim(x))
-                else jax.make_array_from_process_local_data(s, np.asarray(x))
-                for x, s in zip(leaves, shardings, strict=True)
-            ]
-        return jax.tree.unflatten(treedef, out)
+        return self._place(batch, stacked=False)
+
+    def shard_stacked_batch(self, batch: PyTree) -> PyTree:
+        """Like `shard_batch` for k batches stacked on a new leading axis (``np.stack``).
+
+        The stacking axis stays whole on every device and the batch axis (the second) is
+        split along the data axis, so ``stacked[i]`` is placed like ``shard_batch`` places
+        batch i. Leaves with fewer than two dimensions (stacked scalars) are replicated.
+
+        Example::
+
+            stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)  # (k, B, ...)
+            placed = partitioner.shard_stacked_batch(stacked)
+
+        Raises:
+          ValueError: a leaf's second dimension does not divide by the local device count
+            along the data axis (the message names the leaf path and shape).
+        """
+        return self._place(batch, stacked=True)
+
+    def stack_batches(self, batches: Sequence[PyTree]) -> PyTree:
+        """Stacks batches already placed by `shard_batch` into one placed as
+        `shard_stacked_batch` places it, on the devices (one dispatch, no host copy).
+
+        Example::
+
+            stacked = partitioner.stack_batches([partitioner.shard_batch(b) for b in batches])
+        """
+        leaves, treedef = jax.tree_util.tree_flatten(batches[0])
+        key = (treedef, tuple(np.ndim(x) for x in leaves), len(batches))
+        stack = self._stackers.get(key)
+        if stack is None:
+            shardings = jax.tree.unflatten(
+                treedef,
+                [self._stacked_sharding if np.ndim(x) >= 1 else self._replicated
+                 for x in leaves],
+            )
+            stack = self._stackers[key] = jax.jit(
+                lambda bs: jax.tree.map(lambda *xs: jnp.stack(xs), *bs),
+                out_shardings=shardings,
+            )
+        return stack(list(batches))
 
     def partition(self, fn: Callable[..., tuple[PyTree, Any]], **jit_kwargs: Any) -> Callable:
         """Jits `fn(state, batch, ...) -> (state, outputs)` for this placement.
@@ -190,30 +300,111 @@ class Partitioner(abc.ABC):
         keeps per-example outputs split like the batch. `jit_kwargs` go to `jax.jit`; an
         unknown one raises TypeError here, not at the first call.
 
+        The returned function also has ``call_placing_batch(state, host_batch)``, which
+        places a numpy batch as `shard_batch` would within the call itself.
+
         Example::
 
             train_fn = partitioner.partition(step_fn, donate_argnums=(0,))
             state, outputs = train_fn(state, partitioner.shard_batch(batch))
+            state, outputs = train_fn.call_placing_batch(state, batch)  # the same, faster
         """
-        return _PartitionedFn(self, fn, jit_kwargs)
+        return _PartitionedFn(self, fn, jit_kwargs, _ONE_STEP)
+
+    def partition_steps(
+        self,
+        fn: Callable[..., tuple[PyTree, Any]],
+        carry_state: bool = True,
+        unroll: int | bool = 1,
+        **jit_kwargs: Any,
+    ) -> Callable:
+        """Jits several steps of `fn` in one call: a `jax.lax.scan` over stacked batches.
+
+        The returned function takes ``(state, stacked_batch, ...)``, with batches stacked on
+        a leading axis (`shard_stacked_batch`), and returns the final state and the stacked
+        outputs. Each step's new state is pinned exactly as `partition` pins it, so every
+        step compiles to the same arithmetic as a `partition`-ed step and the results are
+        bit-identical to running the steps one by one, as far as XLA compiles the scan's
+        body like a top-level program (see `unroll`). With ``carry_state=False`` every step
+        sees the given state and the function returns it (evaluation).
+
+        `unroll` goes to `jax.lax.scan`: 1 keeps one compiled loop body (fast to compile),
+        True inlines every step. XLA:CPU compiles convolutions inside a loop body to a
+        slower kernel that also rounds differently (about 10x slower for the guide's CNN);
+        unrolled, they match single steps bit for bit at k times the compile time.
+
+        Example::
+
+            train_steps = partitioner.partition_steps(step_fn, donate_argnums=(0,))
+            state, outputs = train_steps(state, partitioner.shard_stacked_batch(stacked))
+        """
+        return _PartitionedFn(
+            self, fn, jit_kwargs, _CARRIED if carry_state else _FIXED, unroll=unroll
+        )
+
+
+# What a _PartitionedFn compiles: one step, or a scan of steps with the state carried from
+# step to step or fixed.
+_ONE_STEP, _CARRIED, _FIXED = "one step", "carried", "fixed"
 
 
 class _PartitionedFn:
     """A step function jitted once, with the output state's shardings taken from the input."""
 
-    def __init__(self, partitioner: Partitioner, fn: Callable, jit_kwargs: dict[str, Any]):
+    def __init__(
+        self,
+        partitioner: Partitioner,
+        fn: Callable,
+        jit_kwargs: dict[str, Any],
+        mode: str,
+        unroll: int | bool = 1,
+    ):
         self._partitioner = partitioner
         self._fn = fn
+        self._unroll = unroll
+        self._jit_kwargs = jit_kwargs
         self._state_shardings: PyTree = None
-        self._jitted = jax.jit(self._constrained, **jit_kwargs)
+        traced = {_ONE_STEP: self._one_step, _CARRIED: self._carried, _FIXED: self._fixed}
+        self._jitted = jax.jit(traced[mode], **jit_kwargs)
+        # Variants of a one-step function whose batch argument has pinned shardings, so
+        # host batches are placed by the call itself; keyed by the batch placement.
+        self._placing: dict[tuple, Callable] = {}
+        self._can_place = mode == _ONE_STEP and "in_shardings" not in jit_kwargs
 
-    def _constrained(self, state: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, Any]:
-        new_state, outputs = self._fn(state, *args, **kwargs)
+    def _pin(self, state: PyTree) -> PyTree:
+        # The pinned placement also fixes how XLA partitions the gradient reductions, so a
+        # scanned step must be pinned like a single one for their bits to agree.
         if self._state_shardings is not None and jax.tree.structure(
-            new_state
+            state
         ) == jax.tree.structure(self._state_shardings):
-            new_state = jax.lax.with_sharding_constraint(new_state, self._state_shardings)
-        return new_state, outputs
+            state = jax.lax.with_sharding_constraint(state, self._state_shardings)
+        return state
+
+    def _one_step(self, state: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, Any]:
+        new_state, outputs = self._fn(state, *args, **kwargs)
+        return self._pin(new_state), outputs
+
+    def _carried(self, state: PyTree, batches: PyTree, *args: Any,
+                 **kwargs: Any) -> tuple[PyTree, Any]:
+        # Pinning the carry on entry too fixes the loop's carried placement, so the final
+        # state leaves the loop already where a single step would put it.
+        state, outputs = jax.lax.scan(
+            lambda s, batch: self._one_step(self._pin(s), batch, *args, **kwargs),
+            state,
+            batches,
+            unroll=self._unroll,
+        )
+        return self._pin(state), outputs
+
+    def _fixed(self, state: PyTree, batches: PyTree, *args: Any,
+               **kwargs: Any) -> tuple[PyTree, Any]:
+        _, outputs = jax.lax.scan(
+            lambda carry, batch: (carry, self._one_step(state, batch, *args, **kwargs)[1]),
+            None,
+            batches,
+            unroll=self._unroll,
+        )
+        return state, outputs
 
     def _input_shardings(self, state: PyTree) -> PyTree:
         leaves = jax.tree.leaves(state)
@@ -225,6 +416,24 @@ class _PartitionedFn:
         if self._state_shardings is None and state is not None:
             self._state_shardings = self._input_shardings(state)
         return self._jitted(state, *args, **kwargs)
+
+    def call_placing_batch(self, state: PyTree, batch: PyTree) -> tuple[PyTree, Any]:
+        """Calls the function on a host batch that the call places as
+        `Partitioner.shard_batch` would (validated alike), in jit's own argument transfer:
+        one dispatch instead of two, and no separate copy on CPU."""
+        placement = self._partitioner._host_batch_placement(batch) if self._can_place else None
+        if placement is None:
+            return self(state, self._partitioner.shard_batch(batch))
+        jitted = self._placing.get(placement.key)
+        if jitted is None:
+            # None leaves the state's placement to its arguments, as in the plain variant.
+            jitted = jax.jit(
+                self._one_step, in_shardings=(None, placement.tree), **self._jit_kwargs
+            )
+            self._placing[placement.key] = jitted
+        if self._state_shardings is None and state is not None:
+            self._state_shardings = self._input_shardings(state)
+        return jitted(state, batch)
 
     def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
         """Lowers the jitted function for these arguments (for cost analysis)."""

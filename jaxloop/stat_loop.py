@@ -54,6 +54,8 @@ class StatLoop(loop_lib.Loop):
         examples/s (when `global_batch_size` is known) and the loop time.
       global_batch_size: examples per step across all processes, for examples/s.
       max_steps_in_flight: see `Loop`.
+      steps_per_execution / unroll: steps per compiled call and how they compile, see
+        `Loop`.
     """
 
     def __init__(
@@ -62,8 +64,15 @@ class StatLoop(loop_lib.Loop):
         stat_names: Sequence[str] | None = None,
         global_batch_size: int | None = None,
         max_steps_in_flight: int = loop_lib.DEFAULT_MAX_STEPS_IN_FLIGHT,
+        steps_per_execution: int = 1,
+        unroll: int | bool = 1,
     ):
-        super().__init__(step, max_steps_in_flight=max_steps_in_flight)
+        super().__init__(
+            step,
+            max_steps_in_flight=max_steps_in_flight,
+            steps_per_execution=steps_per_execution,
+            unroll=unroll,
+        )
         stat_names = DEFAULT_STATS if stat_names is None else tuple(stat_names)
         unknown = sorted(set(stat_names) - set(ALL_STATS))
         if unknown:

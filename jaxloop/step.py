@@ -1,7 +1,9 @@
 """Step: what happens to one batch. Users subclass it and override `run`.
 
 `Step.__call__` runs ``preprocess_batch -> shard -> begin actions -> begin -> jitted run -> end
--> end actions``. `run` is compiled once through the partitioner and reused.
+-> end actions``. `run` is compiled once through the partitioner and reused. `Step.call_steps`
+runs several batches in one compiled call (a `jax.lax.scan` of `run`), which is what a loop
+with ``steps_per_execution > 1`` does.
 
 Example::
 
@@ -56,9 +58,46 @@ class PreparedBatch:
     """A batch already preprocessed and placed on the devices by `Step.prepare_batch`.
 
     A device prefetcher hands these to the step, which then skips both stages.
+    `Step.prepare_batches` makes one of several batches stacked on a new leading axis, with
+    `num_steps` set to their number (None for a single batch).
     """
 
     batch: Batch
+    num_steps: int | None = None
+
+
+def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
+    """Whether a step-level action runs at this step (before it when `begin`, else after).
+
+    An action fires every `interval` steps, or where its optional method
+    ``fires_at(per_loop_step_number, begin)`` says (for actions tied to one step range,
+    such as `profiling.ProfileAction`).
+
+    Example::
+
+        action_fires(SummaryAction(writer, interval=10), 20, begin=False)  # True
+    """
+    fires_at = getattr(action, "fires_at", None)
+    if fires_at is not None:
+        return bool(fires_at(per_loop_step_number, begin))
+    return per_loop_step_number % action.interval == 0
+
+
+def batch_layout(batch: Batch | PreparedBatch) -> tuple:
+    """The tree structure and leaf shapes of a batch: batches of one layout can be stacked."""
+    if isinstance(batch, PreparedBatch):
+        batch = batch.batch
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    return treedef, tuple(map(np.shape, leaves))
+
+
+def _index(tree: Any, i: int) -> Any:
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+@jax.jit
+def _stack_on_device(batches: list[Batch]) -> Batch:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
 
 
 def _is_shape(x: Any) -> bool:
@@ -127,7 +166,7 @@ class Step:
         already on the devices).
       nnx_model_args: positional arguments for an nnx module class.
       begin_actions / end_actions: actions run before / after each step whose number
-        (`per_loop_step_number`) is a multiple of their interval.
+        (`per_loop_step_number`) is a multiple of their interval (see `action_fires`).
       **nnx_model_kwargs: keyword arguments for an nnx module class.
     """
 
@@ -175,6 +214,10 @@ class Step:
         self._end_actions = list(end_actions or [])
         self._nnx_graphdef: Any = None
         self._compiled: Callable | None = None
+        self._runs_host_batches = False
+        self._jit_kwargs: dict[str, Any] = {}
+        # The multi-step programs of `call_steps`, keyed by (carry_state, unroll).
+        self._compiled_steps: dict[tuple[bool, int | bool], Callable] = {}
         self._num_params: int | None = None
         self._num_flops: float | None = None
 
@@ -195,6 +238,16 @@ class Step:
     @property
     def optimizer(self) -> optax.GradientTransformation:
         return self._optimizer
+
+    @property
+    def begin_actions(self) -> list[Any]:
+        """Actions run before the steps they fire on (see `action_fires`)."""
+        return self._begin_actions
+
+    @property
+    def end_actions(self) -> list[Any]:
+        """Actions run after the steps they fire on (see `action_fires`)."""
+        return self._end_actions
 
     @property
     def num_params(self) -> int | None:
@@ -324,7 +377,29 @@ class Step:
         kwargs = {"donate_argnums": (0,)} if self._train else {}
         kwargs.update(jit_kwargs)
         self._compiled = self._partitioner.partition(self.run, **kwargs)
+        self._jit_kwargs = kwargs
+        self._compiled_steps = {}
+        # Whether `__call__` may let the compiled call place host batches: only where
+        # neither an overridden `prepare_batch` nor `begin` expects them on the devices.
+        cls = type(self)
+        self._runs_host_batches = (
+            self._should_shard_batch
+            and cls.prepare_batch is Step.prepare_batch
+            and cls.begin is Step.begin
+            and callable(getattr(self._compiled, "call_placing_batch", None))
+        )
         return self._compiled
+
+    def _steps_program(self, carry_state: bool, unroll: int | bool) -> Callable:
+        program = self._compiled_steps.get((carry_state, unroll))
+        if program is None:
+            if self._compiled is None:
+                self.compile()
+            program = self._partitioner.partition_steps(
+                self.run, carry_state=carry_state, unroll=unroll, **self._jit_kwargs
+            )
+            self._compiled_steps[(carry_state, unroll)] = program
+        return program
 
     def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float:
         """Flops of one compiled `run` on this (sharded) batch, from XLA's cost analysis."""
@@ -349,8 +424,50 @@ class Step:
             batch = self._partitioner.shard_batch(batch)
         return PreparedBatch(batch)
 
+    def prepare_batches(self, batches: Sequence[Batch | PreparedBatch]) -> PreparedBatch:
+        """The host-side work for several batches run in one `call_steps` execution.
+
+        Each batch is preprocessed; host (numpy) batches are then stacked with `np.stack`
+        on a new leading axis and placed in one transfer with
+        `Partitioner.shard_stacked_batch`. Batches already on the devices (prefetched
+        `PreparedBatch`es, jax arrays) are stacked on the devices instead. All batches
+        must have the same layout (`batch_layout`).
+
+        Example::
+
+            stacked = step.prepare_batches([batch1, batch2, batch3, batch4])
+            state, outputs = step.call_steps(state, stacked)  # outputs['loss'].shape == (4,)
+        """
+        if not batches:
+            raise ValueError("prepare_batches needs at least one batch")
+        layouts = {batch_layout(b) for b in batches}
+        if len(layouts) > 1:
+            raise ValueError(
+                f"Batches run in one execution must share one layout (tree structure and "
+                f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}"
+            )
+        shard = self._should_shard_batch
+        if not any(isinstance(b, PreparedBatch) for b in batches):
+            host = [self.preprocess_batch(b) for b in batches]
+            if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(host)):
+                stacked = jax.tree.map(lambda *xs: np.stack(xs), *host)
+                if shard:
+                    stacked = self._partitioner.shard_stacked_batch(stacked)
+                return PreparedBatch(stacked, len(batches))
+            placed = [self._partitioner.shard_batch(b) if shard else b for b in host]
+        else:
+            placed = [
+                (b if isinstance(b, PreparedBatch) else self.prepare_batch(b)).batch
+                for b in batches
+            ]
+        stacked = self._partitioner.stack_batches(placed) if shard else _stack_on_device(placed)
+        return PreparedBatch(stacked, len(batches))
+
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
-        """Runs before the compiled `run`, outside jit, on the sharded batch."""
+        """Runs before the compiled `run`, outside jit, on the sharded batch.
+
+        In `call_steps` it runs once per execution, on the stacked batch.
+        """
         return state, batch
 
     def run(self, state: State, batch: Batch) -> tuple[State, Output | None]:
@@ -358,7 +475,10 @@ class Step:
         raise NotImplementedError("Subclasses of Step must implement run(state, batch)")
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
-        """Runs after the compiled `run`, outside jit."""
+        """Runs after the compiled `run`, outside jit.
+
+        In `call_steps` it runs once per execution, on the stacked outputs.
+        """
         return state, outputs
 
     # -- driver ---------------------------------------------------------------------------------
@@ -372,22 +492,117 @@ class Step:
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
         """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions."""
-        if not isinstance(batch, PreparedBatch):
-            batch = self.prepare_batch(batch)
-        batch = batch.batch
+        compiled = self._compiled or self.compile()
+        if isinstance(batch, PreparedBatch):
+            batch = batch.batch
+        elif (
+            self._runs_host_batches
+            and not self._begin_actions
+            and not log_num_flops
+            and not kwargs
+        ):
+            # Nothing looks at the placed batch before `run`, so the compiled call places it
+            # itself: one dispatch per step instead of two.
+            state, outputs = compiled.call_placing_batch(state, self.preprocess_batch(batch))
+            return self._end_step(state, outputs, per_loop_step_number)
+        else:
+            batch = self.prepare_batch(batch).batch
         for action in self._begin_actions:
-            if per_loop_step_number % action.interval == 0:
+            if action_fires(action, per_loop_step_number, begin=True):
                 action(state, None, batch=batch, per_loop_step_number=per_loop_step_number)
         state, batch = self.begin(state, batch)
-        compiled = self._compiled or self.compile()
         if log_num_flops:
             self.compute_num_flops(state, batch, **kwargs)
         state, outputs = compiled(state, batch, **kwargs)
+        return self._end_step(state, outputs, per_loop_step_number)
+
+    def _end_step(
+        self, state: State, outputs: Output | None, per_loop_step_number: int
+    ) -> tuple[State, Output | None]:
         state, outputs = self.end(state, outputs)
         for action in self._end_actions:
-            if per_loop_step_number % action.interval == 0:
+            if action_fires(action, per_loop_step_number, begin=False):
                 action(state, outputs, per_loop_step_number=per_loop_step_number)
         return state, outputs
+
+    def call_steps(
+        self,
+        state: State,
+        batches: Sequence[Batch | PreparedBatch] | PreparedBatch,
+        per_loop_step_number: int = 1,
+        log_num_flops: bool = False,
+        carry_state: bool = True,
+        unroll: int | bool = 1,
+        **kwargs: Any,
+    ) -> tuple[State, Output | None]:
+        """Runs several batches as consecutive steps in one compiled call.
+
+        The steps are a `jax.lax.scan` of `run` over the stacked batches, so the host
+        dispatches once for all of them, and the results equal those of calling the step on
+        each batch in turn. Outputs come back stacked: ``outputs['loss'][i]`` is step i's.
+
+        `begin` and `end` run once for the whole execution, on the stacked batch and the
+        stacked outputs. Step actions fire as in `__call__`, for step numbers
+        ``per_loop_step_number ...`` (the first step's number onwards), but only where the
+        host sees a step boundary: a begin action may fire on the first step (it is given
+        that step's batch) and an end action on the last (given that step's outputs).
+
+        Args:
+          state: the state before the first step.
+          batches: a sequence of batches, or their `prepare_batches` result.
+          per_loop_step_number: the number of the first step in its loop.
+          log_num_flops: compute `num_flops` of one step first.
+          carry_state: False runs every step on the given `state` (as eval loops do) and
+            returns it unchanged.
+          unroll: how many steps the compiled loop body holds (`jax.lax.scan`'s `unroll`;
+            True: all). See `Partitioner.partition_steps`: on XLA:CPU, unroll conv nets.
+          **kwargs: passed to every `run`.
+
+        Raises:
+          ValueError: a step action would fire on a step inside the execution.
+
+        Example::
+
+            state, outputs = step.call_steps(state, [batch1, batch2, batch3, batch4])
+        """
+        if not isinstance(batches, PreparedBatch):
+            batches = self.prepare_batches(batches)
+        if batches.num_steps is None:
+            raise ValueError(
+                "call_steps needs stacked batches: a sequence of batches or the result of "
+                "prepare_batches, not a single PreparedBatch"
+            )
+        num_steps = batches.num_steps
+        first = per_loop_step_number
+        last = first + num_steps - 1
+        self._check_no_inner_actions(first, last)
+        stacked = batches.batch
+        for action in self._begin_actions:
+            if action_fires(action, first, begin=True):
+                action(state, None, batch=_index(stacked, 0), per_loop_step_number=first)
+        state, stacked = self.begin(state, stacked)
+        if log_num_flops:
+            self.compute_num_flops(state, _index(stacked, 0), **kwargs)
+        state, outputs = self._steps_program(carry_state, unroll)(state, stacked, **kwargs)
+        state, outputs = self.end(state, outputs)
+        for action in self._end_actions:
+            if action_fires(action, last, begin=False):
+                action(state, _index(outputs, -1), per_loop_step_number=last)
+        return state, outputs
+
+    def _check_no_inner_actions(self, first: int, last: int) -> None:
+        for actions, begin, steps in (
+            (self._begin_actions, True, range(first + 1, last + 1)),
+            (self._end_actions, False, range(first, last)),
+        ):
+            for action in actions:
+                inner = [n for n in steps if action_fires(action, n, begin)]
+                if inner:
+                    raise ValueError(
+                        f"Step action {action!r} fires on step {inner[0]}, inside an "
+                        f"execution of steps {first}..{last}; run the steps around it "
+                        "separately (loops with steps_per_execution do this)"
+                    )
 
 
 def _nnx_param_leaf(var: nnx.Variable) -> Any:
