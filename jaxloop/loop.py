@@ -141,6 +141,9 @@ class Loop:
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         """Called before the first step of each loop; returns the state and iterator."""
+        if getattr(state, "dataset_state", None) is not None:
+            # A restored data position is host data for the iterator, not a jit argument.
+            state = state.replace(dataset_state=None)
         if not isinstance(dataset, Iterator):
             if not isinstance(dataset, Iterable):
                 raise TypeError(f"dataset must be an iterator or iterable, got {type(dataset)}")

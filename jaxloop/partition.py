@@ -46,6 +46,13 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, meta.AxisMetadata)
 
 
+def _unboxed(tree: PyTree) -> PyTree:
+    """The values inside flax `AxisMetadata` boxes, without the sharding constraint that
+    `meta.unbox` applies (it needs the annotation's axes in the mesh, which only the SPMD
+    partitioner has; placement comes from the jit's out_shardings anyway)."""
+    return jax.tree.map(lambda x: x.value if _is_box(x) else x, tree, is_leaf=_is_box)
+
+
 class _Placement:
     """The shardings of one validated batch layout and the fastest way to apply them."""
 
@@ -143,15 +150,15 @@ class Partitioner(abc.ABC):
         Works on concrete or abstract states (anything with `.shape`); used to place a state
         restored from a checkpoint exactly where training expects it.
         """
-        known = self._known_state_shardings.get(jax.tree.structure(meta.unbox(state)))
+        known = self._known_state_shardings.get(jax.tree.structure(_unboxed(state)))
         if known is not None:
             return known
         specs = self.state_specs(state)
         return jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
 
     def _mesh_context(self) -> contextlib.AbstractContextManager:
-        # nnx builds annotated variables eagerly and needs the mesh in context.
-        return jax.set_mesh(self._mesh)
+        """The context state creation runs in; SPMD needs its mesh there (see there)."""
+        return contextlib.nullcontext()
 
     def shard_init_fn(self, init_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
         """Wraps a state-creating function so its result is born in place on the mesh.
@@ -172,7 +179,7 @@ class Partitioner(abc.ABC):
                 specs = self.state_specs(abstract)
                 shardings = jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
                 self._known_state_shardings[jax.tree.structure(shardings)] = shardings
-                fn = jax.jit(lambda *a, **k: meta.unbox(init_fn(*a, **k)), out_shardings=shardings)
+                fn = jax.jit(lambda *a, **k: _unboxed(init_fn(*a, **k)), out_shardings=shardings)
                 return fn(*args, **kwargs)
 
         return sharded_init
@@ -349,7 +356,8 @@ _ONE_STEP, _CARRIED, _FIXED = "one step", "carried", "fixed"
 
 
 class _PartitionedFn:
-    """A step function jitted once, with the output state's shardings taken from the input."""
+    """A step function (or a scan of steps) jitted once, with the output state's shardings
+    taken from the input state's."""
 
     def __init__(
         self,
@@ -455,7 +463,7 @@ class DataParallelPartitioner(Partitioner):
         super().__init__(mesh, data_axis)
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
-        return jax.tree.map(lambda _: P(), meta.unbox(abstract_state))
+        return jax.tree.map(lambda _: P(), _unboxed(abstract_state))
 
 
 class SingleDevicePartitioner(DataParallelPartitioner):
@@ -502,7 +510,7 @@ class FSDPPartitioner(Partitioner):
         return P(*[self._data_axis if d == dim else None for d in range(len(shape))])
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
-        return jax.tree.map(lambda x: self.leaf_spec(tuple(x.shape)), meta.unbox(abstract_state))
+        return jax.tree.map(lambda x: self.leaf_spec(np.shape(x)), _unboxed(abstract_state))
 
 
 class SPMDPartitioner(Partitioner):
@@ -522,6 +530,10 @@ class SPMDPartitioner(Partitioner):
 
     def __init__(self, mesh: Mesh, data_axis: str = "data"):
         super().__init__(mesh, data_axis)
+
+    def _mesh_context(self) -> contextlib.AbstractContextManager:
+        # nnx builds annotated variables eagerly and needs the mesh in context.
+        return jax.set_mesh(self._mesh)
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         def spec(x: Any) -> P:

@@ -156,3 +156,32 @@ def test_restoring_a_different_structure_names_the_leaf(tmp_path):
     sgd = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.sgd(0.1), train=True)
     with pytest.raises(ValueError, match="does not match the state's structure"):
         sgd.restore_model(sgd.initialize_model([1, 16]), tmp_path / "ckpt")
+
+
+def test_fsdp_resume_and_restored_state_in_loops(tmp_path):
+    from jaxloop import partition
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+
+    def run(total):
+        part = partition.FSDPPartitioner(mesh, "data", min_weight_size=64)
+        step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
+                              partitioner=part, train=True)
+        manager = checkpoint.make_manager(tmp_path / "ckpt")
+        outer = outer_loop.OuterLoop(
+            train_loop=train_loop_lib.TrainLoop(
+                step, end_actions=[actions.CheckpointAction(manager)]),
+            checkpoint_spec=outer_loop.CheckpointSpec(tmp_path / "ckpt"))
+        state, _ = outer(step.initialize_model([1, 16]), iter(make_dataset("global")),
+                         train_total_steps=total, train_loop_steps=4)
+        manager.close()
+        return state, step
+
+    run(4)
+    state, step = run(8)  # resumes; the restored data position must not reach the step
+    assert int(state.step) == 8 and state.dataset_state is None
+    restored = step.restore_model(step.initialize_model([1, 16]), tmp_path / "ckpt")
+    assert restored.dataset_state is not None  # the position is there for the user
+    evaluate = ClassifierStep(jax.random.key(0), LinenMLP(), partitioner=step.partitioner)
+    _, outputs = eval_loop_lib.EvalLoop(evaluate)(restored, [toy_data(16)])
+    assert len(outputs["loss"]) == 1

@@ -196,3 +196,23 @@ def test_bad_mesh_arguments():
         partition.DataParallelPartitioner(mesh1d(), "batch")
     with pytest.raises(TypeError, match="Mesh"):
         partition.DataParallelPartitioner(jax.devices(), "data")
+
+
+@pytest.mark.parametrize("kind", ["dp", "fsdp"])
+def test_annotated_linen_model_under_dp_and_fsdp(kind):
+    class Annotated(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+            x = nn.relu(nn.Dense(64, kernel_init=init, name="dense1")(x))
+            return nn.Dense(10, name="dense2")(x)
+
+    # Annotations name axes a 1-D data mesh lacks: DP and FSDP place by their own rule.
+    step = ClassifierStep(jax.random.key(0), Annotated(), optimizer=optax.adam(1e-2),
+                          partitioner=make(kind), train=True)
+    state = step.initialize_model([1, 16])
+    kernel = state.params["dense1"]["kernel"]
+    assert kernel.shape == (16, 64)
+    assert shard_shapes(kernel) == ({(16, 8)} if kind == "fsdp" else {(16, 64)})
+    _, out = step(state, toy_data(32))
+    assert np.isfinite(float(out["loss"]))
