@@ -84,7 +84,12 @@ def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
 
 
 def batch_layout(batch: Batch | PreparedBatch) -> tuple:
-    """The tree structure and leaf shapes of a batch: batches of one layout can be stacked."""
+    """The tree structure and leaf shapes of a batch: batches of one layout can be stacked.
+
+    Example::
+
+        batch_layout({'x': np.ones((8, 2))}) == batch_layout({'x': np.zeros((8, 2))})  # True
+    """
     if isinstance(batch, PreparedBatch):
         batch = batch.batch
     leaves, treedef = jax.tree_util.tree_flatten(batch)
@@ -491,18 +496,23 @@ class Step:
         log_num_flops: bool = False,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
-        """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions."""
+        """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions.
+
+        When nothing looks at the sharded batch before `run` (`prepare_batch` and `begin`
+        not overridden, no begin action firing), the compiled call places the host batch
+        itself, exactly as `Partitioner.shard_batch` would: one dispatch instead of two.
+        """
         compiled = self._compiled or self.compile()
         if isinstance(batch, PreparedBatch):
             batch = batch.batch
         elif (
             self._runs_host_batches
-            and not self._begin_actions
             and not log_num_flops
             and not kwargs
+            and not (self._begin_actions and any(
+                action_fires(a, per_loop_step_number, begin=True) for a in self._begin_actions
+            ))
         ):
-            # Nothing looks at the placed batch before `run`, so the compiled call places it
-            # itself: one dispatch per step instead of two.
             state, outputs = compiled.call_placing_batch(state, self.preprocess_batch(batch))
             return self._end_step(state, outputs, per_loop_step_number)
         else:
