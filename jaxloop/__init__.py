@@ -12,6 +12,7 @@ Example::
 from jaxloop import (
     action_loop,
     actions,
+    async_action_context,
     checkpoint,
     eval_loop,
     loop,
@@ -19,8 +20,10 @@ from jaxloop import (
     partition,
     stat_loop,
     step,
+    step_number_writer,
     stop_handler,
     train_loop,
+    trainers,
     types,
     writers,
 )
@@ -77,6 +80,7 @@ __all__ = [
     "TrainState",
     "action_loop",
     "actions",
+    "async_action_context",
     "checkpoint",
     "eval_loop",
     "loop",
@@ -84,8 +88,10 @@ __all__ = [
     "partition",
     "stat_loop",
     "step",
+    "step_number_writer",
     "stop_handler",
     "train_loop",
+    "trainers",
     "types",
     "writers",
 ]

@@ -1,0 +1,160 @@
+"""Errors of background work, surfaced at the next loop boundary.
+
+Work that jaxloop (or an action) does off the training thread -- an `AsyncWriter`'s file
+writes, an asynchronous orbax checkpoint save -- would otherwise fail silently: the thread
+logs the exception and training carries on. Such work registers a
+`concurrent.futures.Future` with the process-wide `AsyncActionContext`; every loop boundary
+(an `ActionLoop` firing its actions) calls `check_exceptions_and_raise(wait=False)`, which
+re-raises the exception of the first failed future, with a note naming the work, on the
+training thread. `OuterLoop` waits for all of it when training ends.
+
+Example, an action that uploads files in the background::
+
+    from concurrent import futures
+    from jaxloop import async_action_context
+
+    pool = futures.ThreadPoolExecutor(1)
+
+    class UploadAction(actions.Action):
+        def __call__(self, state, outputs, **kwargs):
+            future = pool.submit(upload, workdir, int(state.step))
+            async_action_context.get_async_action_context().add_future('upload', future)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+Future = futures.Future
+
+log = logging.getLogger(__name__)
+
+
+class AsyncActionContext:
+    """The futures of background work whose errors must reach the training thread.
+
+    Futures are kept in the order they were added. Checking forgets every future it has
+    looked at, so each error is raised (or logged) once.
+    """
+
+    def __init__(self) -> None:
+        self._futures: list[tuple[str, Future[Any]]] = []
+        self._mutex = threading.Lock()
+
+    @property
+    def futures(self) -> list[tuple[str, Future[Any]]]:
+        """A copy of the registered ``(name, future)`` pairs, oldest first."""
+        with self._mutex:
+            return list(self._futures)
+
+    def add_future(self, future_name: str, future: Future[Any]) -> None:
+        """Registers `future`; `future_name` says in error notes which work failed.
+
+        Example::
+
+            context.add_future('CheckpointAction(step 100)', future)
+        """
+        if not isinstance(future, Future):
+            raise TypeError(
+                f"add_future({future_name!r}, ...) needs a concurrent.futures.Future, got "
+                f"{type(future).__name__}"
+            )
+        with self._mutex:
+            self._futures.append((future_name, future))
+
+    def add_exception(self, future_name: str, exception: BaseException) -> Future[Any]:
+        """Registers work that has already failed with `exception`; returns its future."""
+        future: Future[Any] = Future()
+        future.set_exception(exception)
+        self.add_future(future_name, future)
+        return future
+
+    def submit(self, future_name: str, fn: Callable[..., Any], *args: Any,
+               **kwargs: Any) -> Future[Any]:
+        """Runs ``fn(*args, **kwargs)`` on jaxloop's background thread and registers it.
+
+        The thread runs one call at a time, in order of submission.
+
+        Example::
+
+            context.submit('wait for checkpoint 100', manager.wait_until_finished)
+        """
+        future = _executor().submit(fn, *args, **kwargs)
+        self.add_future(future_name, future)
+        return future
+
+    def discard(self, future: Future[Any]) -> bool:
+        """Forgets `future`; returns whether it was still registered (not yet checked)."""
+        with self._mutex:
+            for i, (_, registered) in enumerate(self._futures):
+                if registered is future:
+                    del self._futures[i]
+                    return True
+        return False
+
+    def check_exceptions_and_raise(
+        self, raise_exception: bool = True, wait: bool = True
+    ) -> None:
+        """Raises the exception of the first failed future, then forgets the futures.
+
+        Args:
+          raise_exception: re-raise the exception (with a note naming the failed work);
+            when False, only log it and let training go on.
+          wait: wait for every registered future (the reference's behaviour, used when
+            training ends). With False, only futures already done are looked at and
+            forgotten; work still running stays registered for a later check, so a loop
+            boundary never waits for background work.
+
+        Example::
+
+            get_async_action_context().check_exceptions_and_raise()
+        """
+        with self._mutex:
+            pending = list(self._futures)
+        if wait:
+            checked = pending
+            futures.wait([f for _, f in checked])
+        else:
+            checked = [(name, f) for name, f in pending if f.done()]
+        if not checked:
+            return
+        with self._mutex:
+            ids = {id(f) for _, f in checked}
+            self._futures = [(n, f) for n, f in self._futures if id(f) not in ids]
+        for name, future in checked:
+            error = None if future.cancelled() else future.exception()
+            if error is None:
+                continue
+            note = f"The exception above was raised by background work: {name}."
+            if not raise_exception:
+                log.error("%s: %r", note, error)
+                continue
+            if note not in getattr(error, "__notes__", ()):
+                error.add_note(note)
+            raise error
+
+
+_context: AsyncActionContext | None = None
+_context_lock = threading.Lock()
+_pool: futures.ThreadPoolExecutor | None = None
+
+
+def get_async_action_context() -> AsyncActionContext:
+    """The process-wide `AsyncActionContext` that loop boundaries check."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            _context = AsyncActionContext()
+        return _context
+
+
+def _executor() -> futures.ThreadPoolExecutor:
+    global _pool
+    with _context_lock:
+        if _pool is None:
+            _pool = futures.ThreadPoolExecutor(1, thread_name_prefix="jaxloop-async")
+        return _pool

@@ -1,0 +1,21 @@
+"""Step-number writers: tell an external watcher how far training has got.
+
+Example::
+
+    from jaxloop import actions
+    from jaxloop.step_number_writer import LocalFileStepNumberWriter
+
+    train_loop = TrainLoop(step, end_actions=[
+        actions.StepNumberAction(LocalFileStepNumberWriter(workdir / 'steps.txt'))])
+"""
+
+from jaxloop.step_number_writer import local_file_step_number_writer, step_number_writer
+from jaxloop.step_number_writer.local_file_step_number_writer import LocalFileStepNumberWriter
+from jaxloop.step_number_writer.step_number_writer import StepNumberWriter
+
+__all__ = [
+    "LocalFileStepNumberWriter",
+    "StepNumberWriter",
+    "local_file_step_number_writer",
+    "step_number_writer",
+]

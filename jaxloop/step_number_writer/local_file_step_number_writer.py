@@ -1,0 +1,47 @@
+"""A step-number writer that appends to a local file."""
+
+from __future__ import annotations
+
+import operator
+import os
+import time
+
+from jaxloop.step_number_writer import step_number_writer
+
+
+class LocalFileStepNumberWriter(step_number_writer.StepNumberWriter):
+    """Appends ``timestamp_ms:<ms>,step_number:<n>`` lines to a local file.
+
+    Construction creates the file empty (truncating an old one, so a restarted job shows
+    as initialising again) and its parent directories. Each `write` appends one whole line
+    with a single write call, so a reader never sees half a line.
+
+    Args:
+      file_path: the file to write.
+
+    Example::
+
+        writer = LocalFileStepNumberWriter('/tmp/run/steps.txt')
+        writer.write(100)   # the file now ends with "timestamp_ms:1732212345678,step_number:100"
+    """
+
+    def __init__(self, file_path: str | os.PathLike[str]):
+        self._file_path = os.fspath(file_path)
+        parent = os.path.dirname(self._file_path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        with open(self._file_path, "w"):
+            pass
+
+    @property
+    def file_path(self) -> str:
+        return self._file_path
+
+    def write(self, step_number: int) -> None:
+        try:
+            step_number = operator.index(step_number)  # ints, numpy and jax integer scalars
+        except TypeError:
+            raise TypeError(f"step_number must be an integer, got {step_number!r}") from None
+        timestamp_ms = time.time_ns() // 1_000_000
+        with open(self._file_path, "a") as f:
+            f.write(f"timestamp_ms:{timestamp_ms},step_number:{step_number}\n")
