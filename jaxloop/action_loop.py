@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxloop import actions as actions_lib
-from jaxloop import stat_loop, types
+from jaxloop import async_action_context, stat_loop, types
 
 Output = types.Output
 State = types.TrainState
@@ -79,6 +79,8 @@ class ActionLoop(stat_loop.StatLoop):
         return self._dataset
 
     def _fire(self, actions: Sequence[Any], state: State, outputs: Output | None) -> None:
+        # A loop boundary: errors of background work (async writes, checkpoint saves) surface.
+        async_action_context.get_async_action_context().check_exceptions_and_raise(wait=False)
         for action in actions:
             if self._loop_count % action.interval == 0:
                 action(

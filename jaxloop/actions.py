@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -31,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxloop import checkpoint, stop_handler, types
+from jaxloop import async_action_context, checkpoint, stop_handler, types
+from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
 
 Output = types.Output
 State = types.TrainState
@@ -236,6 +236,11 @@ class CheckpointAction(Action):
         )
         if saved:
             log.info("Saving checkpoint for step %d to %s.", step, self._ckpt_manager.directory)
+            # An asynchronous save fails off this thread: surface it at a loop boundary.
+            async_action_context.get_async_action_context().submit(
+                f"saving checkpoint {step} to {self._ckpt_manager.directory}",
+                self._ckpt_manager.wait_until_finished,
+            )
         return saved
 
 
@@ -312,30 +317,30 @@ class EarlyStoppingAction(Action):
         return outputs
 
 
-class StepNumberFileWriter:
-    """Writes the latest step number to a file, atomically (for external schedulers)."""
-
-    def __init__(self, path: str | os.PathLike[str]):
-        self._path = os.fspath(path)
-
-    def write(self, step: int) -> None:
-        tmp = f"{self._path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{step}\n")
-        os.replace(tmp, self._path)
+StepNumberFileWriter = LocalFileStepNumberWriter
+"""The step-number file writer (an alias of `step_number_writer.LocalFileStepNumberWriter`)."""
 
 
 class StepNumberAction(Action):
-    """Reports the state's step to a writer with a ``write(step)`` method.
+    """Reports the state's step to a `StepNumberWriter` (anything with ``write(step)``).
 
     Example::
 
-        StepNumberAction(StepNumberFileWriter(workdir / 'step.txt'))
+        StepNumberAction(LocalFileStepNumberWriter(workdir / 'steps.txt'))
     """
 
-    def __init__(self, step_writer: Any, interval: int = 1):
+    def __init__(self, step_writer: StepNumberWriter, interval: int = 1):
         super().__init__(interval)
+        if not callable(getattr(step_writer, "write", None)):
+            raise TypeError(
+                "StepNumberAction needs a StepNumberWriter (an object with write(step_number)), "
+                f"got {step_writer!r}"
+            )
         self._step_writer = step_writer
+
+    @property
+    def step_writer(self) -> StepNumberWriter:
+        return self._step_writer
 
     def __call__(self, state: State, outputs: Output | None = None, **kwargs: Any) -> None:
         self._step_writer.write(int(state.step))

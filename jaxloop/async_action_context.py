@@ -75,16 +75,29 @@ class AsyncActionContext:
 
     def submit(self, future_name: str, fn: Callable[..., Any], *args: Any,
                **kwargs: Any) -> Future[Any]:
-        """Runs ``fn(*args, **kwargs)`` on jaxloop's background thread and registers it.
+        """Runs ``fn(*args, **kwargs)`` on a background thread and registers its future.
 
-        The thread runs one call at a time, in order of submission.
+        The thread is a daemon: work that never finishes cannot keep the process from
+        exiting.
 
         Example::
 
             context.submit('wait for checkpoint 100', manager.wait_until_finished)
         """
-        future = _executor().submit(fn, *args, **kwargs)
+        future: Future[Any] = Future()
+
+        def work() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # reported through the future, on the loop's thread
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
         self.add_future(future_name, future)
+        threading.Thread(target=work, name=f"jaxloop-async: {future_name}", daemon=True).start()
         return future
 
     def discard(self, future: Future[Any]) -> bool:
@@ -140,7 +153,6 @@ class AsyncActionContext:
 
 _context: AsyncActionContext | None = None
 _context_lock = threading.Lock()
-_pool: futures.ThreadPoolExecutor | None = None
 
 
 def get_async_action_context() -> AsyncActionContext:
@@ -150,11 +162,3 @@ def get_async_action_context() -> AsyncActionContext:
         if _context is None:
             _context = AsyncActionContext()
         return _context
-
-
-def _executor() -> futures.ThreadPoolExecutor:
-    global _pool
-    with _context_lock:
-        if _pool is None:
-            _pool = futures.ThreadPoolExecutor(1, thread_name_prefix="jaxloop-async")
-        return _pool

@@ -36,7 +36,7 @@ import jax
 from etils import epath
 
 from jaxloop import actions as actions_lib
-from jaxloop import checkpoint, preemption, stop_handler, types
+from jaxloop import async_action_context, checkpoint, preemption, stop_handler, types
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import train_loop as train_loop_lib
 
@@ -327,6 +327,7 @@ class OuterLoop:
             action.ckpt_manager.wait_until_finished()
         for writer in writers:
             writer.flush()
+        async_action_context.get_async_action_context().check_exceptions_and_raise()
         if self._checkpoint_spec is not None and jax.process_index() == 0:
             marker = epath.Path(self._checkpoint_spec.checkpoint_dir) / _STOP_FILE_NAME
             marker.parent.mkdir(parents=True, exist_ok=True)

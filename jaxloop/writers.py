@@ -50,9 +50,12 @@ import wave
 import weakref
 import zlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from jaxloop import async_action_context
 
 __all__ = [
     "AsyncWriter",
@@ -839,7 +842,7 @@ _CLOSE = "close"
 def _async_worker(
     work: queue.Queue[tuple[str, tuple[Any, ...], dict[str, Any]]],
     writer: MetricWriter,
-    errors: list[BaseException],
+    errors: list[Future],
 ) -> None:
     # A plain function, not a bound method, so the thread holds no reference to the
     # AsyncWriter and an abandoned one can still be garbage-collected (see weakref.finalize).
@@ -853,7 +856,9 @@ def _async_worker(
                 method,
                 exc_info=True,
             )
-            errors.append(e)
+            # Also reported to the loop, which re-raises it at its next boundary.
+            errors.append(async_action_context.get_async_action_context().add_exception(
+                f"AsyncWriter({type(writer).__name__}).{method}", e))
         finally:
             work.task_done()
         if method == _CLOSE:
@@ -902,7 +907,7 @@ class AsyncWriter(_ContextManagerMixin):
         self._queue: queue.Queue[tuple[str, tuple[Any, ...], dict[str, Any]]] = queue.Queue(
             maxsize=max_queue
         )
-        self._errors: list[BaseException] = []
+        self._errors: list[Future] = []
         self._closed = False
         self._thread = threading.Thread(
             target=_async_worker,
@@ -920,10 +925,14 @@ class AsyncWriter(_ContextManagerMixin):
 
     def _raise_pending(self) -> None:
         if self._errors:
-            error = self._errors.pop(0)
-            # Later errors were logged on the thread; the first one is the likely cause.
+            failed = list(self._errors)
             self._errors.clear()
-            raise error
+            # An error a loop boundary already raised is not raised again. Of the others,
+            # the first is the likely cause; later ones were logged on the thread.
+            context = async_action_context.get_async_action_context()
+            unraised = [f for f in failed if context.discard(f)]
+            if unraised:
+                raise unraised[0].exception()
 
     def _enqueue(self, method: str, *args: Any, **kwargs: Any) -> None:
         self._raise_pending()
