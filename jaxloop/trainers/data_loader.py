@@ -132,7 +132,10 @@ class SimpleDataLoader(TrainerDataLoader):
             return batch
         batch = next(self._dataset)
         if self._validate_batches:
-            self._validate(batch)
+            if self._batch_spec is _MISSING:
+                self._batch_spec = _batch_spec(batch)  # the first batch sets the spec
+            else:
+                self._validate(batch)
         return batch
 
 
