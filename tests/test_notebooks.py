@@ -21,7 +21,7 @@ nbclient = pytest.importorskip("nbclient")
 kernelspec = pytest.importorskip("ipykernel.kernelspec")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["01_quick_start", "02_intermediate", "03_custom_loop_and_action"]
+NAMES = ["01_quick_start", "02_intermediate", "03_custom_loop_and_action", "04_simple_trainer"]
 
 # Appended to the executed copy only: TensorFlow must stay out of the notebooks even where it
 # is installed (the kernel does not inherit the TF-free tier's import block), and the kernel
@@ -139,3 +139,17 @@ def test_03_custom_loop_and_action(kernel_env, tmp_path):
     assert number(r"predictions: (\d+)", text) == 359
     assert "tensorflow imported: False" in text
     print(f"03_custom_loop_and_action ran in {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_04_simple_trainer(kernel_env, tmp_path):
+    text, outputs, seconds = execute("04_simple_trainer", tmp_path)
+    assert number(r"trained to step (\d+)", text) == 1000
+    assert number(r"initialised at step (\d+)", text) == 0
+    assert number(r"finished at step (\d+)", text) == 1400  # resumed from step 1000
+    assert number(r"sine held-out mse: ([0-9.]+)", text) < 0.01
+    assert number(r"digits eval accuracy: ([0-9.]+)", text) >= 0.9
+    assert number(r"on (\d+) images", text) == 360
+    assert any("image/png" in out.get("data", {}) for out in outputs)
+    assert "tensorflow imported: False" in text
+    print(f"04_simple_trainer ran in {seconds:.1f} s")
