@@ -64,6 +64,12 @@ class SimpleStep(step_lib.Step):
             )
         return batch["input_features"]
 
+    def _update_input_features(self, batch: Batch, updated_input_features: PyTree) -> Batch:
+        """The batch with its input features replaced (e.g. by `preprocess_batch`)."""
+        if not isinstance(batch, Mapping):
+            return updated_input_features
+        return {**batch, "input_features": updated_input_features}
+
     def _get_output_features(self, batch: Batch) -> PyTree:
         """The targets of a batch (``batch['output_features']``)."""
         if not isinstance(batch, Mapping) or "output_features" not in batch:

@@ -22,6 +22,7 @@ import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import optax
 from flax import nnx
@@ -200,6 +201,10 @@ class SimpleTrainer:
         self._eval_loops: list[Any] = []
 
         self._model_state = self._train_step.initialize_model(batch_spec, log_num_params)
+        if not isinstance(model, nn.Module):
+            # Non-linen models (nnx) keep per-step model structure: initialise the eval
+            # step too, as google/jaxloop does. A linen model is stateless: nothing to do.
+            self._eval_step.initialize_model(batch_spec)
 
     # -- construction helpers -------------------------------------------------------------------
 
@@ -260,12 +265,11 @@ class SimpleTrainer:
         """The eval loop for the `index`-th EvalSpec (built once, on first use)."""
         while len(self._eval_loops) <= index:
             i = len(self._eval_loops)
-            end_actions = []
+            kwargs = dict(self._loop_kw)
             if self._summary_config is not None:
-                end_actions.append(self._summary_action("eval" if i == 0 else f"eval_{i}"))
-            self._eval_loops.append(self._eval_loop_class(
-                step=self._eval_step, end_actions=end_actions, **self._loop_kw
-            ))
+                name = "eval" if i == 0 else f"eval_{i}"
+                kwargs["end_actions"] = [self._summary_action(name)]
+            self._eval_loops.append(self._eval_loop_class(step=self._eval_step, **kwargs))
         return self._eval_loops[index]
 
     # -- public API -------------------------------------------------------------------------------
