@@ -121,10 +121,10 @@ def test_eval_specs_evaluate_without_advancing_the_step(tmp_path):
     train = regression_batches(6)
     evals = regression_batches(2, seed=1)
     trainer = SimpleTrainer(MLP(), epochs=2, steps_per_epoch=3, batch_spec=SPEC,
-                            summary_config=SummaryConfig(tmp_path / "tb", asynchronous=False))
+                            summary_config=SummaryConfig(tmp_path / "tb"))  # asynchronous
     trainer.train(train, eval_specs=[outer_loop.EvalSpec(dataset=evals)])
     assert int(trainer.model_state.step) == 6
-    trainer.close()
+    trainer.close()  # waits for the writer threads
     eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     acc = eam.EventAccumulator(str(tmp_path / "tb" / "eval"), size_guidance={eam.SCALARS: 0})
     acc.Reload()
@@ -457,3 +457,26 @@ def test_simple_trainer_trains_a_causal_lm_with_transformer_step():
     assert int(trainer.model_state.step) == 8
     assert outputs["output_features_pred"][0].shape == (4, 8, 12)
     assert eval_loss() < 0.5 * initial
+
+
+def test_module_names_are_the_references():
+    import jaxloop
+    from jaxloop.step_number_writer import local_file_step_number_writer, step_number_writer
+    from jaxloop.trainers import (
+        data_loader,
+        data_preprocessor,
+        simple_step,
+        simple_trainer,
+        trainer_utils,
+        transformer_step,
+    )
+
+    assert simple_trainer.SimpleTrainer is SimpleTrainer
+    assert simple_step.SimpleStep is SimpleStep and transformer_step.TransformerStep
+    assert data_loader.SimpleDataLoader is SimpleDataLoader
+    assert data_preprocessor.DataPreprocessorBuilder is DataPreprocessorBuilder
+    assert trainer_utils.CheckpointingConfig is CheckpointingConfig
+    assert step_number_writer.StepNumberWriter
+    assert local_file_step_number_writer.LocalFileStepNumberWriter
+    assert jaxloop.trainers.SimpleTrainer is SimpleTrainer
+    assert jaxloop.async_action_context.get_async_action_context()
