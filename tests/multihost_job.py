@@ -193,6 +193,7 @@ def digits_job(argv: list[str]) -> dict:
 
 def main() -> None:
     scenario, result_dir = sys.argv[1], Path(sys.argv[2])
+    result_dir.mkdir(parents=True, exist_ok=True)
     workdir = result_dir / "work"
     if scenario == "digits":
         result = digits_job(sys.argv[3:])

@@ -122,3 +122,18 @@ def test_uncheckpointable_iterator_warns_once_at_first_checkpoint(tmp_path, capl
     assert len(warnings) == 1, warnings
     assert "generator" in warnings[0]
     assert checkpoint.all_steps(tmp_path / "ckpt") == [2, 4, 6]
+
+
+def test_batch_rows_follow_the_partitioner_mesh():
+    from jaxloop import partition  # noqa: PLC0415
+
+    devices = np.array(jax.devices()).reshape(2, 4).T  # data=4 x model=2
+    mesh = jax.sharding.Mesh(devices, ("data", "model"))
+    part = partition.DataParallelPartitioner(mesh, "data")
+    assert data.batch_rows(mesh, "data", 64) == (0, 64)  # one process holds every row
+    ds = data.GlobalBatchDataset(toy_data(128), 64, partitioner=part)
+    assert ds.rows == (0, 64) and next(iter(ds))["x"].shape == (64, 16)
+    with pytest.raises(ValueError, match=r"global_batch_size=30 does not divide by the 4"):
+        data.batch_rows(mesh, "data", 30)
+    with pytest.raises(ValueError, match=r"data_axis 'batch' is not an axis"):
+        data.batch_rows(mesh, "batch", 64)
