@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxloop import action_loop, actions, types
+from jaxloop import step as step_lib
 
 Output = types.Output
 State = types.TrainState
@@ -30,6 +31,8 @@ State = types.TrainState
 def _example_count(batch: Any, mask_key: str) -> Any:
     """The real examples in a batch: its mask's sum (on the device for a placed batch, no
     transfer), else the leading size of its first leaf (metadata)."""
+    if isinstance(batch, step_lib.PreparedBatch):  # prefetched: preprocessed and placed
+        batch = batch.batch
     if isinstance(batch, Mapping) and mask_key in batch:
         mask = batch[mask_key]
         return jnp.sum(mask) if isinstance(mask, jax.Array) else int(np.sum(mask))
@@ -39,6 +42,8 @@ def _example_count(batch: Any, mask_key: str) -> Any:
 
 def _is_local(batch: Any) -> bool:
     # A host (numpy) batch holds this process's rows only; a placed batch is global.
+    if isinstance(batch, step_lib.PreparedBatch):
+        batch = batch.batch
     return not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
 
 

@@ -47,15 +47,17 @@ def exact(state, x, y):
         np.mean(np.argmax(logits, -1) == y))
 
 
-@pytest.mark.parametrize("padded", [True, False], ids=["padded-mask", "smaller-last"])
-def test_eval_summary_is_the_mean_over_examples(tmp_path, padded):
+@pytest.mark.parametrize("kind", ["padded-mask", "smaller-last", "prefetched"])
+def test_eval_summary_is_the_mean_over_examples(tmp_path, kind):
     evaluate = MaskedStep(jax.random.key(0), LinenMLP())
     state = evaluate.initialize_model([1, 16])
     test = toy_data(40, seed=5)  # batches of 16: 16 + 16 + 8 real examples
-    if padded:
-        batches = data.pad_to_global_batches(test, 16)
-    else:
+    if kind == "smaller-last":
         batches = [{k: v[i:i + 16] for k, v in test.items()} for i in range(0, 40, 16)]
+    else:
+        batches = list(data.pad_to_global_batches(test, 16))
+    if kind == "prefetched":  # what OuterLoop's device prefetcher hands the loop
+        batches = [evaluate.prepare_batch(b) for b in batches]
     writer = writers.SummaryWriter(str(tmp_path / "eval"))
     loop = eval_loop.EvalLoop(evaluate, end_actions=[actions.SummaryAction(writer)])
     _, outputs = loop(state, iter(batches))
