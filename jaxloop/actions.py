@@ -278,7 +278,10 @@ class CheckpointAction(Action):
     before `save` returns, so training continues while the files are written). The state's
     `dataset_state` is filled from the train iterator when it can report its position, and
     the loop count is saved too, so a resumed run reads the same batches and fires actions
-    on the same loops. Scalar outputs are passed as metrics (for `best_fn` policies).
+    on the same loops. An iterator that cannot report its position (a generator, a tf.data
+    iterator) is named in a warning at the first checkpoint: a resume replays its data from
+    the start. Scalar outputs are passed as metrics (for `best_fn` policies); per-example
+    outputs are recognised by shape and never copied to the host.
 
     Example::
 
