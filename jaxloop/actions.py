@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from jaxloop import async_action_context, checkpoint, stop_handler, types
 from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
@@ -59,45 +60,117 @@ class Action:
         raise NotImplementedError("Action subclasses implement __call__(state, outputs, **kw)")
 
 
-def _host_value(value: Any) -> Any:
-    """A loop output as host data: clu metrics computed, lists stacked, arrays fetched.
+# Per-step counts of real examples, which `EvalLoop` adds to its outputs so that means over
+# a loop weight each batch by its examples (a smaller or padded last batch counts less).
+EXAMPLE_COUNTS = "jaxloop/example_counts"
 
-    A per-step list of same-shaped device arrays is stacked on the device first, so it
-    comes back in one transfer instead of one per step.
-    """
-    if hasattr(value, "compute") and callable(value.compute):
-        value = value.compute()
+
+def _fetch(value: Any) -> Any:
+    """Host copy of `value`. An array that spans other processes' devices and is not
+    replicated is gathered first (a collective: every process must call this, as every
+    process runs the loops' actions)."""
     if (
-        isinstance(value, list)
-        and len(value) > 1
-        and all(isinstance(v, jax.Array) for v in value)
-        and len({(v.shape, v.dtype) for v in value}) == 1
+        isinstance(value, jax.Array)
+        and not value.is_fully_addressable
+        and not value.is_fully_replicated
     ):
-        return list(np.asarray(jax.device_get(jnp.stack(value))))
+        return multihost_utils.process_allgather(value, tiled=True)
     return jax.device_get(value)
 
 
-def scalar_summary(value: Any) -> float | None:
-    """One number for an output (the mean of a per-step list), or None if not scalar."""
-    value = _host_value(value)
+def _is_number(x: Any) -> bool:
+    # Shape and dtype are metadata: nothing is copied from the device to decide.
+    if isinstance(x, bool | int | float | np.number):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return (
+        dtype is not None
+        and np.size(x) == 1
+        and (np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_))
+    )
+
+
+def _computed(value: Any) -> Any:
+    if hasattr(value, "compute") and callable(value.compute):
+        return value.compute()  # clu metrics: computed on the device
+    return value
+
+
+def _scalar_values(value: Any) -> float | list[float] | dict[str, float] | None:
+    """The scalar content of a loop output as host floats, or None when it has none.
+
+    Scalars are picked from shapes before any transfer, so a per-example array (logits,
+    say) is never copied to the host, and in a multi-process job never fetched from devices
+    of other processes. A per-step list of scalars is stacked on the device and comes back
+    in one transfer. A clu Collection (a dict once computed) gives its scalar entries.
+    """
+    value = _computed(value)
+    if isinstance(value, Mapping):
+        picked = {k: v for k, v in value.items() if _is_number(v)}
+        return {k: float(np.asarray(v, np.float64).reshape(()))
+                for k, v in _fetch(picked).items()}
     if isinstance(value, list | tuple):
-        if not value or any(np.size(v) != 1 for v in value):
+        if not value or not all(_is_number(v) for v in value):
             return None
-        return float(np.mean([np.asarray(v, np.float64) for v in value]))
-    if np.size(value) != 1 or not np.issubdtype(np.asarray(value).dtype, np.number):
+        arrays = [v for v in value if isinstance(v, jax.Array)]
+        if len(arrays) == len(value) > 1 and len({(v.shape, v.dtype) for v in value}) == 1:
+            return [float(v) for v in np.asarray(_fetch(jnp.stack(value)), np.float64).ravel()]
+        return [float(np.asarray(v, np.float64).reshape(())) for v in _fetch(list(value))]
+    if _is_number(value):
+        return float(np.asarray(_fetch(value), np.float64).reshape(()))
+    return None
+
+
+def _mean(numbers: Sequence[float], weights: Sequence[float] | None) -> float:
+    if weights is not None and len(weights) == len(numbers) and sum(weights) > 0:
+        return float(np.average(np.asarray(numbers, np.float64), weights=weights))
+    return float(np.mean(np.asarray(numbers, np.float64)))
+
+
+def example_weights(outputs: Output | None) -> list[float] | None:
+    """The per-step example counts of a loop's outputs (see `EXAMPLE_COUNTS`), or None."""
+    counts = (outputs or {}).get(EXAMPLE_COUNTS)
+    if counts is None:
         return None
-    return float(np.asarray(value, np.float64).reshape(()))
+    weights = _scalar_values(counts)
+    return weights if isinstance(weights, list) else None
+
+
+def scalar_summary(value: Any, weights: Sequence[float] | None = None) -> float | None:
+    """One number for an output (the mean of a per-step list), or None if not scalar.
+
+    With `weights` (one per step, e.g. the examples in each batch) a per-step list gives
+    the weighted mean, i.e. the mean over examples rather than over batches.
+    Non-scalar outputs are recognised from their shapes and never copied to the host.
+    """
+    host = _scalar_values(value)
+    if isinstance(host, list):
+        return _mean(host, weights)
+    return host if isinstance(host, float) else None
 
 
 def scalar_metrics(outputs: Output | None) -> dict[str, float]:
-    """The scalar outputs of a loop reduced to floats (means of per-step lists)."""
+    """The scalar outputs of a loop reduced to floats.
+
+    A per-step list gives its mean, weighted by the loop's example counts when it has them
+    (eval loops: the mean over real examples); a clu Collection gives ``key/name`` entries.
+    """
+    weights = example_weights(outputs)
     metrics = {}
     for key, value in (outputs or {}).items():
-        if isinstance(value, MetricWithMetadata) or key.startswith("jaxloop/stop"):
+        if isinstance(value, MetricWithMetadata) or key.startswith("jaxloop/stop") or (
+            key == EXAMPLE_COUNTS
+        ):
             continue
-        number = scalar_summary(value)
-        if number is not None:
-            metrics[key] = number
+        if isinstance(value, list | tuple) and value and isinstance(value[-1], MetricWithMetadata):
+            continue
+        host = _scalar_values(value)
+        if isinstance(host, list):
+            metrics[key] = _mean(host, weights)
+        elif isinstance(host, float):
+            metrics[key] = host
+        elif isinstance(host, dict):
+            metrics.update({f"{key}/{k}": v for k, v in host.items()})
     return metrics
 
 
@@ -107,12 +180,20 @@ class SummaryAction(Action):
     - A per-step list of scalars from a train loop is written value by value at the step
       numbers it was produced at (``first_step + 1 ... state.step``); when the steps do
       not line up (eval loops, whose state does not advance) its mean is written at
-      ``state.step``.
+      ``state.step``. An eval loop's mean weights each batch by its real examples (its
+      ``mask`` sum, else its size; see `EvalLoop`), so a smaller or padded last batch
+      counts for what it holds: the mean over examples, not the mean of batch means.
     - Plain scalars (such as the loop's statistics) and clu metrics (computed) are written
       at ``state.step``.
     - `MetricWithMetadata` values go to the writer method of their type (images,
       histograms, text, audio, video); for a per-step list the latest value is written.
-    - Other arrays (per-example logits, say) are not summaries and are skipped.
+    - Other arrays (per-example logits, say) are not summaries and are skipped; scalars
+      are recognised from shapes, so such arrays are never copied to the host.
+
+    In a multi-process job every process runs the loops and so this action (give the
+    non-main processes a writer that drops or logs values): scalars are replicated and
+    read locally; a `MetricWithMetadata` image or histogram spread over several processes
+    is gathered whole (`multihost_utils.process_allgather`, a collective) before writing.
 
     Args:
       summary_writer: any writer with clu's `MetricWriter` methods (`jaxloop.writers` or
@@ -131,7 +212,9 @@ class SummaryAction(Action):
         return self._summary_writer
 
     def _write_typed(self, step: int, key: str, metric: MetricWithMetadata) -> None:
-        value = np.asarray(jax.device_get(metric.value))
+        # Images, histograms, ... are gathered whole from every process (`_fetch`), so
+        # process 0's writer sees the same global value as a 1-process job would.
+        value = np.asarray(_fetch(metric.value))
         meta = dict(metric.metadata)
         writer = self._summary_writer
         if metric.type == MetricType.SCALAR:
@@ -156,9 +239,12 @@ class SummaryAction(Action):
         if not outputs:
             return
         step = int(state.step)
+        weights = example_weights(outputs)
         per_step: dict[int, dict[str, float]] = {}
         at_step: dict[str, float] = {}
         for key, value in outputs.items():
+            if key == EXAMPLE_COUNTS:
+                continue
             if isinstance(value, list | tuple) and value and isinstance(
                 value[-1], MetricWithMetadata
             ):
@@ -166,21 +252,17 @@ class SummaryAction(Action):
             if isinstance(value, MetricWithMetadata):
                 self._write_typed(step, key, value)
                 continue
-            host = _host_value(value)
-            if isinstance(host, list | tuple):
-                if not host or any(np.size(v) != 1 for v in host):
-                    continue
-                numbers = [float(np.asarray(v, np.float64).reshape(())) for v in host]
-                if first_step is not None and step - first_step == len(numbers):
-                    for i, number in enumerate(numbers):
+            host = _scalar_values(value)  # None for per-example arrays: never fetched
+            if isinstance(host, list):
+                if first_step is not None and step - first_step == len(host):
+                    for i, number in enumerate(host):
                         per_step.setdefault(first_step + 1 + i, {})[key] = number
                 else:
-                    at_step[key] = float(np.mean(numbers))
-            elif isinstance(host, Mapping):  # a clu Collection computes to a dict
-                at_step.update({f"{key}/{k}": float(v) for k, v in host.items()
-                                if np.size(v) == 1})
-            elif np.size(host) == 1 and np.issubdtype(np.asarray(host).dtype, np.number):
-                at_step[key] = float(np.asarray(host, np.float64).reshape(()))
+                    at_step[key] = _mean(host, weights)
+            elif isinstance(host, dict):  # a clu Collection computes to a dict
+                at_step.update({f"{key}/{k}": v for k, v in host.items()})
+            elif isinstance(host, float):
+                at_step[key] = host
         for s in sorted(per_step):
             self._summary_writer.write_scalars(s, per_step[s])
         if at_step:
@@ -196,7 +278,10 @@ class CheckpointAction(Action):
     before `save` returns, so training continues while the files are written). The state's
     `dataset_state` is filled from the train iterator when it can report its position, and
     the loop count is saved too, so a resumed run reads the same batches and fires actions
-    on the same loops. Scalar outputs are passed as metrics (for `best_fn` policies).
+    on the same loops. An iterator that cannot report its position (a generator, a tf.data
+    iterator) is named in a warning at the first checkpoint: a resume replays its data from
+    the start. Scalar outputs are passed as metrics (for `best_fn` policies); per-example
+    outputs are recognised by shape and never copied to the host.
 
     Example::
 
@@ -208,6 +293,7 @@ class CheckpointAction(Action):
     def __init__(self, ckpt_manager: ocp.CheckpointManager, interval: int = 1):
         super().__init__(interval)
         self._ckpt_manager = ckpt_manager
+        self._warned_no_position = False
 
     @property
     def ckpt_manager(self) -> ocp.CheckpointManager:
@@ -226,9 +312,18 @@ class CheckpointAction(Action):
         step = int(state.step)
         from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
 
-        dataset_state = data.iterator_state(getattr(loop, "dataset", None))
+        iterator = getattr(loop, "dataset", None)
+        dataset_state = data.iterator_state(iterator)
         if dataset_state is not None:
             state = state.replace(dataset_state=dataset_state)
+        elif iterator is not None and not self._warned_no_position:
+            self._warned_no_position = True
+            log.warning(
+                "The train iterator (%s) cannot report its position, so checkpoints hold no "
+                "data position: a resumed run will replay the data from the start. Use a "
+                "grain dataset or data.GlobalBatchDataset to resume the data exactly.",
+                data.describe_iterator(iterator),
+            )
         meta = {"loop_count": getattr(loop, "loop_count", None)}
         saved = checkpoint.save(
             self._ckpt_manager, step, state, meta=meta, metrics=scalar_metrics(outputs),

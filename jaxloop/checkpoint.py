@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -42,6 +43,13 @@ def make_manager(
     Extra keyword arguments go to `ocp.CheckpointManagerOptions` (for example
     ``best_fn=...``, ``keep_period=...``).
     """
+    if "multiprocessing_options" not in options:
+        # orbax names its cross-process barriers by step; two managers saving the same step
+        # (latest and best) in a multi-process job would collide without a distinct prefix.
+        name = hashlib.blake2b(str(directory).encode(), digest_size=6).hexdigest()
+        options["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+            barrier_sync_key_prefix=f"jaxloop-{name}"
+        )
     opts = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, **options
     )

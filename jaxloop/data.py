@@ -35,6 +35,8 @@ __all__ = [
     "GlobalBatchDataset",
     "GlobalBatchIterator",
     "as_iterator",
+    "batch_rows",
+    "describe_iterator",
     "iterator_state",
     "pad_to_global_batches",
     "prefetch_to_device",
@@ -165,6 +167,17 @@ def iterator_state(iterator: Any) -> dict[str, Any] | None:
     return state
 
 
+def describe_iterator(iterator: Any) -> str:
+    """A short name of an iterator's kind for messages (a prefetcher names its source)."""
+    source = getattr(iterator, "source", None)
+    if isinstance(iterator, DevicePrefetchIterator) and source is not None:
+        return f"{describe_iterator(source)} behind a device prefetcher"
+    if isinstance(iterator, _TFToNumpyIterator):
+        return "a tf.data iterator"
+    kind = type(iterator)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
 def restore_iterator_state(iterator: Any, state: Mapping[str, Any]) -> None:
     """Restores a state returned by `iterator_state` into an iterator of the same kind.
 
@@ -249,6 +262,65 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+def batch_rows(
+    mesh: jax.sharding.Mesh,
+    data_axis: str | Sequence[str] | None,
+    global_batch_size: int,
+    process_index: int | None = None,
+) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of each global batch that a process must provide.
+
+    A global batch split along `data_axis` gives rows ``[c*G/D, (c+1)*G/D)`` to the devices
+    at coordinate ``c`` of that axis (``D`` its size). A process provides the rows of the
+    data coordinates its devices hold: with a 1-D data mesh in process order that is its
+    ``1/P`` share, but where another axis (say 'model') crosses processes, several
+    processes hold the same coordinates and must read the same rows.
+
+    Example::
+
+        # 2 processes x 4 devices, mesh data=4 x model=2 with 'model' across processes:
+        devices = np.array(jax.devices()).reshape(2, 4).T  # [[0, 4], [1, 5], ...]
+        mesh = Mesh(devices, ('data', 'model'))
+        batch_rows(mesh, 'data', 64)  # (0, 64) on both processes
+
+    Raises:
+      ValueError: the global batch does not divide by the data axis size, or this
+        process's data coordinates are not contiguous (no block of rows is its share).
+    """
+    if process_index is None:
+        process_index = jax.process_index()
+    if data_axis is None:
+        return 0, global_batch_size
+    axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+    for axis in axes:
+        if axis not in mesh.axis_names:
+            raise ValueError(f"data_axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+    positions = [mesh.axis_names.index(a) for a in axes]
+    sizes = [mesh.devices.shape[i] for i in positions]
+    num_shards = int(np.prod(sizes))
+    if global_batch_size % num_shards:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} does not divide by the {num_shards} "
+            f"shards of mesh axis {data_axis!r} (mesh {dict(mesh.shape)})."
+        )
+    coords = sorted({
+        int(np.ravel_multi_index(tuple(idx[i] for i in positions), sizes))
+        for idx, device in np.ndenumerate(mesh.devices)
+        if device.process_index == process_index
+    })
+    if not coords:
+        raise ValueError(f"Process {process_index} holds no device of the mesh {mesh}.")
+    if coords != list(range(coords[0], coords[-1] + 1)):
+        raise ValueError(
+            f"Process {process_index} holds data coordinates {coords} of mesh axis "
+            f"{data_axis!r}, which are not contiguous, so no block of rows of a global "
+            "batch is its share. Lay the mesh out so each process's devices hold adjacent "
+            "data coordinates (e.g. reshape jax.devices() in process order)."
+        )
+    shard = global_batch_size // num_shards
+    return coords[0] * shard, (coords[-1] + 1) * shard
+
+
 def _stack(examples: Sequence[Example]) -> Batch:
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
 
@@ -259,7 +331,10 @@ class GlobalBatchDataset(Iterable[Batch]):
     The examples are read in the order of the concatenation of per-epoch permutations of
     the source; global batch ``k`` holds positions ``[k*G, (k+1)*G)`` of that order. Process
     ``p`` of ``P`` reads only rows ``[p*G/P, (p+1)*G/P)`` of each global batch and yields them
-    stacked (leading dimension ``G/P``). So the global batches depend only on the source,
+    stacked (leading dimension ``G/P``). Given a `partitioner`, a process reads instead the
+    rows of the data coordinates its devices hold in the partitioner's mesh (`batch_rows`),
+    so processes that share data coordinates (a model axis across processes) read the same
+    rows, as `Partitioner.shard_batch` expects. So the global batches depend only on the source,
     `global_batch_size`, `seed`, `shuffle` and `num_epochs`, never on the process count, and
     the iterator's state (the next global batch index) restores under any process count.
 
@@ -280,6 +355,9 @@ class GlobalBatchDataset(Iterable[Batch]):
       process_index: this process's index (default ``jax.process_index()``).
       process_count: number of processes (default ``jax.process_count()``).
       mask_key: key of the mask added when `drop_remainder` is False.
+      partitioner: read the rows this process's devices hold in `partitioner.mesh` along
+        `partitioner.data_axis` (instead of by process index). Needed when the data axis
+        does not split the devices in process order, e.g. a model axis across processes.
 
     Example::
 
@@ -306,6 +384,7 @@ class GlobalBatchDataset(Iterable[Batch]):
         process_index: int | None = None,
         process_count: int | None = None,
         mask_key: str = "mask",
+        partitioner: Any = None,
     ):
         if isinstance(source, Mapping):
             # A dict has __len__ and __getitem__ too, but indexes keys, not examples.
@@ -325,7 +404,7 @@ class GlobalBatchDataset(Iterable[Batch]):
             raise ValueError(
                 f"Invalid process_index={process_index} for process_count={process_count}."
             )
-        if global_batch_size % process_count:
+        if partitioner is None and global_batch_size % process_count:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by "
                 f"process_count={process_count}."
@@ -349,7 +428,15 @@ class GlobalBatchDataset(Iterable[Batch]):
         self.process_count = int(process_count)
         self.mask_key = mask_key
         self.num_examples = int(num_examples)
-        self.local_batch_size = self.global_batch_size // self.process_count
+        if partitioner is not None:
+            self.rows = batch_rows(
+                partitioner.mesh, partitioner.data_axis, self.global_batch_size,
+                self.process_index,
+            )
+        else:
+            share = self.global_batch_size // self.process_count
+            self.rows = (self.process_index * share, (self.process_index + 1) * share)
+        self.local_batch_size = self.rows[1] - self.rows[0]
         self._pad = num_epochs is not None and not drop_remainder
         self._zero_example: Example | None = None
 
@@ -377,7 +464,7 @@ class GlobalBatchDataset(Iterable[Batch]):
             f"global_batch_size={self.global_batch_size}, seed={self.seed}, "
             f"shuffle={self.shuffle}, num_epochs={self.num_epochs}, "
             f"drop_remainder={self.drop_remainder}, "
-            f"process={self.process_index}/{self.process_count})"
+            f"process={self.process_index}/{self.process_count}, rows={self.rows})"
         )
 
     # Reading ------------------------------------------------------------------------------
@@ -420,8 +507,7 @@ class GlobalBatchDataset(Iterable[Batch]):
 
     def local_batch(self, batch_index: int) -> Batch:
         """This process's rows of global batch `batch_index` (no bounds check)."""
-        start = batch_index * self.global_batch_size
-        start += self.process_index * self.local_batch_size
+        start = batch_index * self.global_batch_size + self.rows[0]
         positions = np.arange(start, start + self.local_batch_size, dtype=np.int64)
         if self._pad:
             total = self.num_examples * self.num_epochs
@@ -515,6 +601,7 @@ def pad_to_global_batches(
     process_count: int | None = None,
     mask_key: str = "mask",
     transform: Callable[[Example], Example] | None = None,
+    partitioner: Any = None,
 ) -> GlobalBatchDataset:
     """One in-order pass over a finite eval source, padded to whole global batches.
 
@@ -531,6 +618,7 @@ def pad_to_global_batches(
       process_count: number of processes (default ``jax.process_count()``).
       mask_key: key of the mask in each batch.
       transform: optional per-example function.
+      partitioner: read rows by the partitioner's mesh layout (see `GlobalBatchDataset`).
 
     Example::
 
@@ -548,6 +636,7 @@ def pad_to_global_batches(
         process_index=process_index,
         process_count=process_count,
         mask_key=mask_key,
+        partitioner=partitioner,
     )
 
 
@@ -683,12 +772,19 @@ class DevicePrefetchIterator(Iterator[Batch]):
             raise value
         raise StopIteration
 
+    @property
+    def source(self) -> Iterator[Batch]:
+        """The iterator this prefetcher reads from."""
+        return self._source
+
     def get_state(self) -> dict[str, Any] | None:
         """The source iterator's state after the last consumed batch (None if stateless)."""
         return self._state
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         """Moves the source iterator to `state`, dropping batches prefetched so far."""
+        if not callable(getattr(self._source, "set_state", None)):
+            restore_iterator_state(self._source, state)  # raises, naming the source's type
         self._shutdown()
         restore_iterator_state(self._source, state)
         self._state = iterator_state(self._source)

@@ -14,13 +14,67 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from jaxloop import action_loop, types
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxloop import action_loop, actions, types
+from jaxloop import step as step_lib
 
 Output = types.Output
 State = types.TrainState
+
+
+def _example_count(batch: Any, mask_key: str) -> Any:
+    """The real examples in a batch: its mask's sum (on the device for a placed batch, no
+    transfer), else the leading size of its first leaf (metadata)."""
+    if isinstance(batch, step_lib.PreparedBatch):  # prefetched: preprocessed and placed
+        batch = batch.batch
+    if isinstance(batch, Mapping) and mask_key in batch:
+        mask = batch[mask_key]
+        return jnp.sum(mask) if isinstance(mask, jax.Array) else int(np.sum(mask))
+    leaves = jax.tree.leaves(batch)
+    return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
+
+
+def _is_local(batch: Any) -> bool:
+    # A host (numpy) batch holds this process's rows only; a placed batch is global.
+    if isinstance(batch, step_lib.PreparedBatch):
+        batch = batch.batch
+    return not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
+
+
+class _CountingIterator(Iterator[Any]):
+    """Passes batches through and records each one's example count."""
+
+    def __init__(self, iterator: Iterator[Any], mask_key: str):
+        self._iterator = iterator
+        self._mask_key = mask_key
+        self.counts: list[Any] = []
+        self.local: list[bool] = []
+
+    def __next__(self) -> Any:
+        batch = next(self._iterator)
+        count = _example_count(batch, self._mask_key)
+        self.counts.append(count)
+        self.local.append(_is_local(batch))
+        return batch
+
+    def global_counts(self) -> list[Any]:
+        """Counts over all processes: host batches' local counts are summed across
+        processes (one small collective per loop, only in a multi-process job)."""
+        if jax.process_count() == 1 or not any(self.local):
+            return self.counts
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        local = np.array([c if lo else 0 for c, lo in zip(self.counts, self.local,
+                                                          strict=True)], np.int64)
+        summed = np.asarray(multihost_utils.process_allgather(local)).sum(axis=0)
+        return [int(s) if lo else c for s, c, lo in zip(summed, self.counts, self.local,
+                                                        strict=True)]
 
 
 class EvalLoop(action_loop.ActionLoop):
@@ -28,7 +82,21 @@ class EvalLoop(action_loop.ActionLoop):
 
     Arguments are those of `ActionLoop`, including ``steps_per_execution`` (default 1):
     with k > 1, k batches run in one compiled call, each on the same state.
+
+    The outputs also hold ``outputs[actions.EXAMPLE_COUNTS]``: the real examples of each
+    step's batch (the sum of ``batch[mask_key]`` when the batch has one, as
+    `data.pad_to_global_batches` batches do, else the batch size). `SummaryAction` and
+    `actions.scalar_metrics` weight per-step means by it, so a smaller or padded last
+    batch gives the mean over examples. Step outputs that are already means over the
+    real examples of their batch (a masked mean) then average exactly.
+
+    Args:
+      mask_key: the batch entry that marks real examples.
     """
+
+    def __init__(self, step: Any, *args: Any, mask_key: str = "mask", **kwargs: Any):
+        super().__init__(step, *args, **kwargs)
+        self._mask_key = mask_key
 
     def run(
         self,
@@ -39,4 +107,10 @@ class EvalLoop(action_loop.ActionLoop):
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
         kwargs.setdefault("return_state_from_step", False)
-        return super().run(state, dataset, num_steps, log_num_flops=log_num_flops, **kwargs)
+        counting = _CountingIterator(dataset, self._mask_key)
+        state, outputs = super().run(
+            state, counting, num_steps, log_num_flops=log_num_flops, **kwargs
+        )
+        if outputs is not None and counting.counts:
+            outputs[actions.EXAMPLE_COUNTS] = counting.global_counts()
+        return state, outputs

@@ -4,41 +4,54 @@ SIGKILL lands during a checkpoint write, during start-up and mid-loop; SIGTERM m
 save at the next step boundary and exit 143. Re-running the same command resumes.
 """
 
+import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from jaxloop import checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ARGS = ["--train-steps", "300", "--train-loop-steps", "25", "--batch-size", "32"]
-FINAL = re.compile(r"final step=(\d+) .* fingerprint=([0-9a-f]{64})")
+JOB = Path(__file__).resolve().parent / "multihost_job.py"
+
+
+def results_dir(workdir):
+    return workdir.parent / f"{workdir.name}-results"
 
 
 def start(workdir):
+    """The digits job through tests/multihost_job.py, which writes its results to a file
+    (never parsed from the output streams)."""
+    results = results_dir(workdir)
+    results.mkdir(exist_ok=True)
+    (results / "result-0.json").unlink(missing_ok=True)
     return subprocess.Popen(
-        [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(workdir), *ARGS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, str(JOB), "digits", str(results), "--workdir", str(workdir), *ARGS],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
 
 
 def finish(proc, timeout=300):
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def result_of(workdir):
+    return json.loads((results_dir(workdir) / "result-0.json").read_text())
 
 
 def fingerprint_of(workdir):
-    code, out, err = finish(start(workdir))
+    code, err = finish(start(workdir))
     assert code == 0, err[-3000:]
-    match = FINAL.search(out)
-    assert match, out
-    return int(match.group(1)), match.group(2)
+    result = result_of(workdir)
+    return result["step"], result["fingerprint"]
 
 
 def wait_for(predicate, proc, timeout=240, poll=0.002):
@@ -93,9 +106,9 @@ def test_sigterm_saves_exits_143_and_resumes(tmp_path, uninterrupted):
     proc = start(tmp_path)
     wait_for(lambda: 25 in checkpoint.all_steps(tmp_path / "checkpoints"), proc, poll=0.01)
     proc.send_signal(signal.SIGTERM)
-    code, _, err = finish(proc)
+    code, err = finish(proc)
     assert code == 143, err[-3000:]
-    stopped = int(re.search(r"Preempted at step (\d+)", err).group(1))
+    stopped = result_of(tmp_path)["preempted_step"]
     assert 25 <= stopped < 300
     assert max(checkpoint.all_steps(tmp_path / "checkpoints")) == stopped
     assert not (tmp_path / "checkpoints" / "STOPPED").exists()

@@ -9,6 +9,7 @@ inherited flags (conftest forces 8 devices) are removed first.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -22,16 +23,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 
-from jaxloop import distributed
+from jaxloop import checkpoint, distributed
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-FINAL = re.compile(
-    r"^final step=(\d+) eval_accuracy=([0-9.]+) eval_loss=([0-9.]+) fingerprint=([0-9a-f]{64})$"
-)
 STEPS = ("--train-steps", "200", "--train-loop-steps", "100", "--batch-size", "64")
 RUN_TIMEOUT = 300  # seconds for one digits run (all its processes)
 # Short failure timeouts, so a broken run fails the test instead of hanging it.
@@ -99,22 +98,12 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> list[int]:
     return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
 
 
-GLOO_LINE = re.compile(r"\[Gloo\]|connected to \d+ peer ranks")
-
-
-def _program_output(text: str) -> str:
-    # gloo's C++ threads print their connection set-up to stdout, sometimes interleaved
-    # mid-line; keep only the program's own lines.
-    return "".join(line for line in text.splitlines(True) if not GLOO_LINE.search(line))
-
-
 def read_logs(logdir: Path, n: int) -> list[Finished]:
+    """The processes' output, for failure messages only: gloo's C++ threads write to
+    stdout, even mid-line, so no test reads results from these streams. Results come
+    from files the processes write (see tests/multihost_job.py)."""
     return [
-        Finished(
-            -1,
-            _program_output((logdir / f"p{i}.out").read_text()),
-            (logdir / f"p{i}.err").read_text(),
-        )
+        Finished(-1, (logdir / f"p{i}.out").read_text(), (logdir / f"p{i}.err").read_text())
         for i in range(n)
     ]
 
@@ -124,41 +113,42 @@ class Result(NamedTuple):
     accuracy: float
     loss: float
     fingerprint: str
-    stderr: str
+    restored_step: int | None
+
+
+JOB = REPO / "tests" / "multihost_job.py"
 
 
 def run_digits(workdir: Path, *flags: str, processes: int = 2) -> Result:
     """Runs the digits job as `processes` processes (4 devices each) or, with 1, as one
-    process with 8 devices; returns process 0's final line."""
-    base = [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(workdir), *flags]
+    process with 8 devices; returns its results (the same in every process)."""
+    result_dir = workdir.parent / f"{workdir.name}-run-{time.monotonic_ns()}"
+    command = [sys.executable, str(JOB), "digits", str(result_dir), "--workdir", str(workdir),
+               *flags]
     if processes == 1:
-        commands, envs = [base], [process_env(8)]
+        envs = [process_env(8)]
     else:
         port = free_port()
-        commands = [
-            [*base, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
-             "--process-id", str(i)]
+        envs = [
+            process_env(4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}",
+                        JAXLOOP_NUM_PROCESSES=str(processes), JAXLOOP_PROCESS_ID=str(i))
             for i in range(processes)
         ]
-        envs = [process_env(4)] * processes
-    logdir = workdir.parent / f"{workdir.name}-logs-{time.monotonic_ns()}"
-    with started(commands, envs, logdir) as procs:
+    with started([command] * processes, envs, result_dir / "logs") as procs:
         try:
             codes = wait_all(procs, RUN_TIMEOUT)
         except subprocess.TimeoutExpired:
             codes = [p.poll() for p in procs]
-        logs = read_logs(logdir, len(procs))
+        logs = read_logs(result_dir / "logs", processes)
     for i, (code, log) in enumerate(zip(codes, logs, strict=True)):
         assert code == 0, f"process {i} exited {code}:\n{log.stderr[-4000:]}"
-    lines = logs[0].stdout.strip().splitlines()
-    match = FINAL.match(lines[-1]) if lines else None
-    assert match, f"process 0 printed no final line: {logs[0].stdout[-2000:]}"
-    for log in logs[1:]:
-        assert not log.stdout.strip(), f"a non-main process printed: {log.stdout[-500:]}"
-    return Result(
-        int(match.group(1)), float(match.group(2)), float(match.group(3)), match.group(4),
-        logs[0].stderr,
-    )
+    results = [json.loads((result_dir / f"result-{i}.json").read_text())
+               for i in range(processes)]
+    for other in results[1:]:
+        assert other["fingerprint"] == results[0]["fingerprint"], results
+    r = results[0]
+    return Result(r["step"], r["eval_accuracy"], r["eval_loss"], r["fingerprint"],
+                  r["restored_step"])
 
 
 @pytest.fixture(scope="module")
@@ -208,14 +198,14 @@ def test_resume_under_two_processes_and_under_one(dp_two_processes, tmp_path):
     shutil.copytree(workdir, copy)
 
     resumed = run_digits(workdir, "--partitioner", "dp", *STEPS)
-    assert "Restored checkpoint step 100" in resumed.stderr
+    assert resumed.restored_step == 100
     assert resumed.step == 200
     assert resumed.fingerprint == uninterrupted.fingerprint
     assert resumed.loss == uninterrupted.loss
 
     # The 2-process checkpoint restores into a 1-process, 8-device run.
     single = run_digits(copy, "--partitioner", "dp", *STEPS, processes=1)
-    assert "Restored checkpoint step 100" in single.stderr
+    assert single.restored_step == 100
     assert single.step == 200
     assert abs(single.loss - uninterrupted.loss) < 1e-4, (single, uninterrupted)
 
@@ -232,7 +222,11 @@ WORKER = textwrap.dedent(
     x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), np.ones(4, np.float32))
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
     assert float(total(x)) == 8.0, float(total(x))
-    print("ready", jax.process_index(), jax.process_count(), jax.device_count(), flush=True)
+    # Readiness goes to a file: gloo writes its own lines to stdout.
+    ready = os.path.join(os.environ["READY_DIR"], f"ready-{jax.process_index()}")
+    with open(ready + ".tmp", "w") as f:
+        f.write(f"{jax.process_index()} {jax.process_count()} {jax.device_count()}")
+    os.replace(ready + ".tmp", ready)
     start = time.monotonic()
     steps = int(os.environ.get("STEPS", "0"))  # 0: forever
     for _ in iter(int, 1) if not steps else range(steps):
@@ -249,7 +243,7 @@ FAILURE_BOUND = 60  # seconds from the failure to the survivor's exit
 def wait_for_ready(logdir: Path, n: int, procs: Sequence[subprocess.Popen]) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if all("ready" in (logdir / f"p{i}.out").read_text() for i in range(n)):
+        if all((logdir / f"ready-{i}").exists() for i in range(n)):
             return
         dead = [p.returncode for p in procs if p.poll() is not None]
         assert not dead, f"a worker exited early: {read_logs(logdir, n)}"
@@ -268,7 +262,7 @@ def test_survivor_exits_when_a_peer_fails(tmp_path, failure, survivor):
             4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}", JAXLOOP_NUM_PROCESSES="2",
             JAXLOOP_PROCESS_ID=str(i), JAXLOOP_HEARTBEAT_TIMEOUT=str(FAILURE_HEARTBEAT),
             JAXLOOP_SHUTDOWN_TIMEOUT=str(FAILURE_SHUTDOWN),
-            **({"RAISE_IN": "1"} if failure == "worker-raises" else {}),
+            READY_DIR=str(tmp_path), **({"RAISE_IN": "1"} if failure == "worker-raises" else {}),
         )
         for i in range(2)
     ]
@@ -285,8 +279,9 @@ def test_survivor_exits_when_a_peer_fails(tmp_path, failure, survivor):
         elapsed = time.monotonic() - start
         err = read_logs(tmp_path, 2)[survivor].stderr
     print(f"{failure}: process {survivor} exited {code} after {elapsed:.1f} s")
+    # JAX's own message about the failure is not asserted on (another library's output);
+    # exiting with an error within the bound is the behaviour that matters.
     assert code != 0, err[-3000:]
-    assert "distributed service detected fatal errors" in err, err[-3000:]
 
 
 def test_initialize_detects_a_slurm_job(tmp_path):
@@ -298,7 +293,8 @@ def test_initialize_detects_a_slurm_job(tmp_path):
             break
     envs = [
         process_env(
-            4, STEPS="5", SLURM_JOB_ID=str(job_id), SLURM_STEP_NODELIST="127.0.0.1",
+            4, STEPS="5", READY_DIR=str(tmp_path), SLURM_JOB_ID=str(job_id),
+            SLURM_STEP_NODELIST="127.0.0.1",
             SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID=str(i),
         )
         for i in range(2)
@@ -308,7 +304,7 @@ def test_initialize_detects_a_slurm_job(tmp_path):
         logs = read_logs(tmp_path, 2)
     for i, (code, log) in enumerate(zip(codes, logs, strict=True)):
         assert code == 0, log.stderr[-3000:]
-        assert log.stdout.split() == ["ready", str(i), "2", "8"], log.stdout
+        assert (tmp_path / f"ready-{i}").read_text().split() == [str(i), "2", "8"]
 
 
 def test_initialize_single_process_job_is_idempotent(tmp_path):
@@ -349,18 +345,18 @@ def test_initialize_single_process_job_is_idempotent(tmp_path):
             assert "must run before any JAX computation" in str(e), e
         else:
             raise AssertionError("initialised after the backends were up")
-        print("ok")
+        open(os.environ["OK_FILE"], "w").close()  # a file, not stdout: see read_logs
         """
     )
     env = process_env(
         1, JAXLOOP_COORDINATOR=f"127.0.0.1:{free_port()}", JAXLOOP_NUM_PROCESSES="1",
-        JAXLOOP_PROCESS_ID="0",
+        JAXLOOP_PROCESS_ID="0", OK_FILE=str(tmp_path / "ok"),
     )
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
         timeout=120,
     )
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert proc.returncode == 0 and (tmp_path / "ok").exists(), proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -392,3 +388,135 @@ def test_initialize_rejects_bad_environment(monkeypatch):
     monkeypatch.setenv("JAXLOOP_PROCESS_ID", "5")
     with pytest.raises(ValueError, match="process_id=5"):
         distributed.initialize(initialization_timeout=1)
+
+
+# ----------------------------------------------------------------------------------------
+# Jobs of tests/multihost_job.py: each process writes its results to a JSON file.
+# ----------------------------------------------------------------------------------------
+
+JOB_TIMEOUT = 240
+
+
+def run_job(scenario: str, result_dir: Path, processes: int = 2) -> list[dict]:
+    """Runs a multihost_job scenario as `processes` processes x 4 devices (1: one process
+    with 8 devices) and returns each process's results, read from its result file."""
+    result_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(JOB), scenario, str(result_dir)]
+    if processes == 1:
+        envs = [process_env(8)]
+    else:
+        port = free_port()
+        envs = [
+            process_env(4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}",
+                        JAXLOOP_NUM_PROCESSES=str(processes), JAXLOOP_PROCESS_ID=str(i))
+            for i in range(processes)
+        ]
+    logdir = result_dir / "logs"
+    with started([command] * processes, envs, logdir) as procs:
+        try:
+            codes = wait_all(procs, JOB_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{scenario}: still running after {JOB_TIMEOUT} s (a hang)")
+        logs = read_logs(logdir, processes)
+    for i, (code, log) in enumerate(zip(codes, logs, strict=True)):
+        assert code == 0, f"{scenario}: process {i} exited {code}:\n{log.stderr[-4000:]}"
+    return [json.loads((result_dir / f"result-{i}.json").read_text()) for i in range(processes)]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_actions_with_per_example_outputs_across_processes(tmp_path):
+    """Logits sharded over the data axis beside the scalars: summaries every step and every
+    loop, checkpoints, best checkpoints and eval summaries all work with 2 processes."""
+    results = run_job("actions", tmp_path)
+    first, second = results
+    assert first["process_count"] == 2 and first["step"] == 12
+    # Both processes computed the same metrics and saw the same checkpoints.
+    for key in ("eval", "train_loss", "checkpoints", "best", "fingerprint"):
+        assert first[key] == second[key], key
+    assert first["checkpoints"] == [8, 12] and len(first["best"]) == 1
+    assert sorted(first["eval"]) == ["12", "4", "8"]
+    # Process 0 wrote the event files; the eval mean is over the 72 real examples.
+    eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    train = eam.EventAccumulator(str(tmp_path / "work" / "train"), size_guidance={
+        eam.SCALARS: 0, eam.HISTOGRAMS: 0})
+    train.Reload()
+    assert sorted(e.step for e in train.Scalars("loss")) == sorted(list(range(1, 13)) * 2)
+    assert train.Histograms("logit_hist")
+    evals = eam.EventAccumulator(str(tmp_path / "work" / "eval"))
+    evals.Reload()
+    assert [e.step for e in evals.Scalars("loss")] == [4, 8, 12]
+    assert evals.Scalars("loss")[-1].value == pytest.approx(first["eval"]["12"]["loss"], 1e-6)
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 60)
+def test_rows_follow_the_mesh_data_coordinate(tmp_path):
+    """data=4 x model=2 with 'model' across the processes: both processes hold every data
+    coordinate, so both read the whole global batch, and training equals one process."""
+    two = run_job("cross_mesh", tmp_path / "two")
+    (one,) = run_job("cross_mesh", tmp_path / "one", processes=1)
+    for result in two:
+        assert result["rows"] == [0, 32] and result["global_batch_shape"] == [32, 16]
+        assert result["first_batch"] == one["first_batch"]
+        assert result["step"] == one["step"] == 20
+        # Same batches and seed: only the reduction order across processes differs.
+        np.testing.assert_allclose(result["losses"], one["losses"], rtol=1e-5, atol=1e-6)
+
+
+def job_commands(args: Sequence[str], result_dir: Path, processes: int = 2):
+    port = free_port()
+    command = [sys.executable, str(JOB), *args[:1], str(result_dir), *args[1:]]
+    envs = [
+        process_env(4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}",
+                    JAXLOOP_NUM_PROCESSES=str(processes), JAXLOOP_PROCESS_ID=str(i))
+        for i in range(processes)
+    ]
+    return [command] * processes, envs
+
+
+PREEMPT_STEPS = ("--train-steps", "200", "--train-loop-steps", "20", "--batch-size", "64")
+NOTICES = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT, "request": signal.SIGUSR1}
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT)
+@pytest.mark.parametrize("notice", ["SIGTERM", "SIGINT", "request"])
+def test_preemption_reaching_one_process_stops_all_at_one_step(
+    dp_two_processes, tmp_path, notice
+):
+    """A notice delivered to process 1 only: both stop at the same step, one checkpoint of
+    that step is written, both exit 143; the same command then finishes the run exactly."""
+    uninterrupted, _ = dp_two_processes
+    result_dir = tmp_path / "run"
+    workdir = tmp_path / "work"
+    args = ["digits", "--workdir", str(workdir), "--partitioner", "dp", *PREEMPT_STEPS]
+    commands, envs = job_commands(args, result_dir)
+    ckpt = workdir / "checkpoints"
+    with started(commands, envs, tmp_path / "logs") as procs:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while not (ckpt.exists() and 20 in checkpoint.all_steps(ckpt)):
+            assert all(p.poll() is None for p in procs), read_logs(tmp_path / "logs", 2)
+            assert time.monotonic() < deadline, "no checkpoint at step 20"
+            time.sleep(0.05)
+        os.kill(procs[1].pid, NOTICES[notice])  # "request": process 1 calls request()
+        try:
+            codes = wait_all(procs, JOB_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{notice} to process 1: the job hung")
+        logs = read_logs(tmp_path / "logs", 2)
+    assert codes == [143, 143], [log.stderr[-3000:] for log in logs]
+    results = [json.loads((result_dir / f"result-{i}.json").read_text()) for i in range(2)]
+    stopped = {r["preempted_step"] for r in results}
+    assert len(stopped) == 1, results  # the same step everywhere
+    (step,) = stopped
+    assert 20 < step < 200
+    assert max(checkpoint.all_steps(ckpt)) == step  # one consistent checkpoint, of that step
+    assert not (ckpt / "STOPPED").exists()
+    if notice != "SIGTERM":
+        return  # resuming is the same for every notice: checked once
+    (result_dir / "result-0.json").unlink()
+    commands, envs = job_commands(args, result_dir)
+    with started(commands, envs, tmp_path / "logs2") as procs:
+        codes = wait_all(procs, JOB_TIMEOUT)
+    assert codes == [0, 0], [log.stderr[-3000:] for log in read_logs(tmp_path / "logs2", 2)]
+    resumed = json.loads((result_dir / "result-0.json").read_text())
+    assert resumed["step"] == 200
+    assert resumed["fingerprint"] == uninterrupted.fingerprint
