@@ -10,6 +10,9 @@ Example::
 
     # 8 batches per compiled call; a last partial group runs as single steps.
     eval_loop = EvalLoop(eval_step, steps_per_execution=8)
+
+    # Evaluate the moving average of the parameters (see `jaxloop.ema`).
+    eval_loop = EvalLoop(eval_step, use_ema=True)
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ class EvalLoop(action_loop.ActionLoop):
 
     Arguments are those of `ActionLoop`, including ``steps_per_execution`` (default 1):
     with k > 1, k batches run in one compiled call, each on the same state.
+    With ``use_ema=True`` the steps see the state's ``ema_params`` as ``params``
+    (`jaxloop.ema`); the loop still returns the state it was given.
     """
+
+    def __init__(self, *args: Any, use_ema: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.use_ema = use_ema
 
     def run(
         self,
@@ -39,4 +48,11 @@ class EvalLoop(action_loop.ActionLoop):
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
         kwargs.setdefault("return_state_from_step", False)
-        return super().run(state, dataset, num_steps, log_num_flops=log_num_flops, **kwargs)
+        if not self.use_ema:
+            return super().run(state, dataset, num_steps, log_num_flops=log_num_flops, **kwargs)
+        from jaxloop import ema  # noqa: PLC0415
+
+        _, outputs = super().run(
+            ema.swap_in(state), dataset, num_steps, log_num_flops=log_num_flops, **kwargs
+        )
+        return state, outputs
