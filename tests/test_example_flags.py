@@ -1,0 +1,42 @@
+"""The examples' opt-in feature flags, run as a user would (real subprocesses)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+FINAL = re.compile(r"^final step=(\d+) eval_accuracy=([0-9.]+) ")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_digits_with_accumulation_ema_guard_telemetry_and_cache(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(tmp_path / "w"),
+         "--train-steps", "200", "--train-loop-steps", "100", "--microbatches", "2",
+         "--ema-decay", "0.9", "--nonfinite", "skip", "--telemetry",
+         "--compilation-cache", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = FINAL.match(proc.stdout.strip().splitlines()[-1])
+    assert match and int(match.group(1)) == 200 and float(match.group(2)) > 0.9
+    record = json.loads((tmp_path / "w" / "run.json").read_text())
+    assert record["config"]["microbatches"] == 2 and record["mesh"]["shape"] == {"data": 8}
+    acc = eam.EventAccumulator(str(tmp_path / "w" / "train"), size_guidance={eam.SCALARS: 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"telemetry/grad_norm", "telemetry/update_norm", "nonfinite/skipped"} <= tags
+    assert [e.value for e in acc.Scalars("nonfinite/skipped")] == [0.0] * 200
+    assert any((tmp_path / "cache").iterdir())
+
+
+def test_digits_rejects_indivisible_microbatches(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(tmp_path),
+         "--batch-size", "64", "--microbatches", "3"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "multiple of --microbatches" in proc.stderr
