@@ -87,11 +87,11 @@ def test_indivisible_batch_names_the_leaf():
 
 def test_accumulation_lowers_the_compiled_steps_temporary_memory():
     def temp_bytes(k):
-        step = AccumStep(jax.random.key(0), LinenMLP(hidden=512), optimizer=optax.sgd(0.1),
+        step = AccumStep(jax.random.key(0), LinenMLP(hidden=256), optimizer=optax.sgd(0.1),
                          train=True, num_microbatches=k)
-        state = step.initialize_model([1, 256])
+        state = step.initialize_model([1, 64])
         batch = step.partitioner.shard_batch(
-            {"x": np.zeros((2048, 256), np.float32), "y": np.zeros((2048,), np.int32)})
+            {"x": np.zeros((1024, 64), np.float32), "y": np.zeros((1024,), np.int32)})
         return step.compile().lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(4) < 0.8 * temp_bytes(1)

@@ -34,9 +34,13 @@ def test_digits_with_accumulation_ema_guard_telemetry_and_cache(tmp_path):
     assert any((tmp_path / "cache").iterdir())
 
 
-def test_digits_rejects_indivisible_microbatches(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(tmp_path),
-         "--batch-size", "64", "--microbatches", "3"],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "multiple of --microbatches" in proc.stderr
+def test_example_flags_are_checked(capsys):
+    from jaxloop.examples import digits, transformer
+
+    for module in (digits, transformer):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--batch-size", "64", "--microbatches", "3"])
+        assert "multiple of --microbatches" in capsys.readouterr().err
+    args = digits.parse_args(["--nonfinite", "raise", "--compilation-cache", "/tmp/c"])
+    assert args.nonfinite == "raise" and args.compilation_cache == "/tmp/c"
+    assert args.microbatches == 1 and args.ema_decay is None and not args.telemetry
