@@ -108,6 +108,10 @@ class MlflowWriter(writers._ContextManagerMixin):
 
     Images are logged with ``log_image`` and texts as artifacts; histograms become their
     mean/min/max metrics; videos and audio are not recorded by MLflow (warned once).
+
+    MLflow 3 refuses a local file store (``file:///...``) unless the environment sets
+    ``MLFLOW_ALLOW_FILE_STORE=true``; a database store (``sqlite:///mlflow.db``) needs the
+    full ``mlflow`` package, a tracking server only ``mlflow-skinny``.
     """
 
     def __init__(

@@ -44,3 +44,20 @@ def test_example_flags_are_checked(capsys):
     args = digits.parse_args(["--nonfinite", "raise", "--compilation-cache", "/tmp/c"])
     assert args.nonfinite == "raise" and args.compilation_cache == "/tmp/c"
     assert args.microbatches == 1 and args.ema_decay is None and not args.telemetry
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_features_under_two_processes_match_one_process(tmp_path):
+    # The guard's decision and the accumulated gradients are global (SPMD) values, so two
+    # processes of 4 devices train like one process of 8.
+    from test_multiprocess import run_digits
+
+    flags = ("--train-steps", "100", "--train-loop-steps", "50", "--batch-size", "64",
+             "--microbatches", "2", "--ema-decay", "0.9", "--nonfinite", "skip", "--telemetry")
+    two = run_digits(tmp_path / "two", *flags)
+    one = run_digits(tmp_path / "one", *flags, processes=1)
+    assert one.step == two.step == 100
+    assert abs(one.loss - two.loss) < 1e-4, (one, two)
+    record = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert record["devices"]["process_count"] == 2 and record["devices"]["count"] == 8
