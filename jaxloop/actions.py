@@ -288,12 +288,21 @@ class CheckpointAction(Action):
         manager = ocp.CheckpointManager(workdir / 'ckpt',
                                         options=ocp.CheckpointManagerOptions(max_to_keep=3))
         train_loop = TrainLoop(step, end_actions=[CheckpointAction(manager, interval=5)])
+
+    `meta` adds JSON values to every checkpoint's metadata (a mapping, or a function
+    returning one), e.g. a tracker's run id: ``meta={'tracker_run_id': writer.run_id}``.
     """
 
-    def __init__(self, ckpt_manager: ocp.CheckpointManager, interval: int = 1):
+    def __init__(
+        self,
+        ckpt_manager: ocp.CheckpointManager,
+        interval: int = 1,
+        meta: Mapping[str, Any] | Any = None,
+    ):
         super().__init__(interval)
         self._ckpt_manager = ckpt_manager
         self._warned_no_position = False
+        self._extra_meta = meta
 
     @property
     def ckpt_manager(self) -> ocp.CheckpointManager:
@@ -324,7 +333,8 @@ class CheckpointAction(Action):
                 "grain dataset or data.GlobalBatchDataset to resume the data exactly.",
                 data.describe_iterator(iterator),
             )
-        meta = {"loop_count": getattr(loop, "loop_count", None)}
+        extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
+        meta = {**(extra or {}), "loop_count": getattr(loop, "loop_count", None)}
         saved = checkpoint.save(
             self._ckpt_manager, step, state, meta=meta, metrics=scalar_metrics(outputs),
             force=force,

@@ -10,6 +10,9 @@ Example::
 
     # 8 batches per compiled call; a last partial group runs as single steps.
     eval_loop = EvalLoop(eval_step, steps_per_execution=8)
+
+    # Evaluate the moving average of the parameters (see `jaxloop.ema`).
+    eval_loop = EvalLoop(eval_step, use_ema=True)
 """
 
 from __future__ import annotations
@@ -90,13 +93,21 @@ class EvalLoop(action_loop.ActionLoop):
     batch gives the mean over examples. Step outputs that are already means over the
     real examples of their batch (a masked mean) then average exactly.
 
+    With ``use_ema=True`` the steps see the state's ``ema_params`` as ``params``
+    (`jaxloop.ema`); the loop still returns the state it was given.
+
     Args:
       mask_key: the batch entry that marks real examples.
+      use_ema: evaluate the state's EMA parameters (`jaxloop.ema`).
     """
 
-    def __init__(self, step: Any, *args: Any, mask_key: str = "mask", **kwargs: Any):
+    def __init__(
+        self, step: Any, *args: Any, mask_key: str = "mask", use_ema: bool = False,
+        **kwargs: Any,
+    ):
         super().__init__(step, *args, **kwargs)
         self._mask_key = mask_key
+        self.use_ema = use_ema
 
     def run(
         self,
@@ -108,8 +119,13 @@ class EvalLoop(action_loop.ActionLoop):
     ) -> tuple[State, Output | None]:
         kwargs.setdefault("return_state_from_step", False)
         counting = _CountingIterator(dataset, self._mask_key)
-        state, outputs = super().run(
-            state, counting, num_steps, log_num_flops=log_num_flops, **kwargs
+        evaluated = state
+        if self.use_ema:
+            from jaxloop import ema  # noqa: PLC0415
+
+            evaluated = ema.swap_in(state)
+        _, outputs = super().run(
+            evaluated, counting, num_steps, log_num_flops=log_num_flops, **kwargs
         )
         if outputs is not None and counting.counts:
             outputs[actions.EXAMPLE_COUNTS] = counting.global_counts()

@@ -44,6 +44,12 @@ ALL_STATS = (
 )
 DEFAULT_STATS = (STAT_STEPS_PER_SEC, STAT_EXAMPLES_PER_SEC, STAT_LOOP_TIME_SECS)
 
+# Opt-in (see `jaxloop.goodput`): reported when StatLoop is given model flops / a recorder.
+STAT_MFU = "jaxloop/mfu"
+STAT_MFU_XLA = "jaxloop/mfu_xla_cost_analysis"
+STAT_GOODPUT = "jaxloop/goodput"
+STAT_TIME_PREFIX = "jaxloop/time/"
+
 
 class StatLoop(loop_lib.Loop):
     """Adds `jaxloop/...` statistics (plain floats) to the loop outputs.
@@ -56,6 +62,13 @@ class StatLoop(loop_lib.Loop):
       max_steps_in_flight: see `Loop`.
       steps_per_execution / unroll: steps per compiled call and how they compile, see
         `Loop`.
+      model_flops_per_example: training flops per example (forward and backward) to report
+        ``jaxloop/mfu`` (needs `global_batch_size`), or ``'xla'`` for
+        ``jaxloop/mfu_xla_cost_analysis`` from XLA's cost analysis of the compiled step;
+        left out where the device's peak is unknown (see `jaxloop.goodput`).
+      recorder: a `goodput.Recorder`: the loop times its input waits and its steps and
+        reports the wall-time split since the previous loop (``jaxloop/time/*_secs``,
+        ``jaxloop/goodput``).
     """
 
     def __init__(
@@ -66,6 +79,8 @@ class StatLoop(loop_lib.Loop):
         max_steps_in_flight: int = loop_lib.DEFAULT_MAX_STEPS_IN_FLIGHT,
         steps_per_execution: int = 1,
         unroll: int | bool = 1,
+        model_flops_per_example: float | str | None = None,
+        recorder: Any = None,
     ):
         super().__init__(
             step,
@@ -81,12 +96,36 @@ class StatLoop(loop_lib.Loop):
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
         self._stat_names = stat_names
         self._global_batch_size = global_batch_size
+        if isinstance(model_flops_per_example, str) and model_flops_per_example != "xla":
+            raise ValueError(
+                f"model_flops_per_example must be a number or 'xla', got "
+                f"{model_flops_per_example!r}"
+            )
+        self._model_flops = model_flops_per_example
+        self._recorder = recorder
         self._created = time.perf_counter()
         self._loop_start = 0.0
+        self._input_secs = 0.0
+        self._compile_mark = 0.0
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         self._loop_start = time.perf_counter()
+        if self._recorder is not None:
+            from jaxloop import goodput  # noqa: PLC0415
+
+            self._input_secs, self._compile_mark = 0.0, goodput.compile_seconds()
         return super().begin(state, dataset)
+
+    def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
+        if self._recorder is None:
+            return super()._get_next_batch(dataset)
+        start = time.perf_counter()
+        try:
+            return super()._get_next_batch(dataset)
+        finally:
+            waited = time.perf_counter() - start
+            self._input_secs += waited
+            self._recorder.add("input", waited)
 
     def run(
         self,
@@ -96,7 +135,9 @@ class StatLoop(loop_lib.Loop):
         log_num_flops: bool = False,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
-        wants_flops = STAT_NUM_FLOPS in self._stat_names and self.step.num_flops is None
+        wants_flops = (
+            STAT_NUM_FLOPS in self._stat_names or self._model_flops == "xla"
+        ) and self.step.num_flops is None
         state, outputs = super().run(
             state, dataset, num_steps, log_num_flops=log_num_flops or wants_flops, **kwargs
         )
@@ -119,7 +160,36 @@ class StatLoop(loop_lib.Loop):
             stats[STAT_NUM_PARAMS] = float(self.step.num_params)
         if self.step.num_flops is not None:
             stats[STAT_NUM_FLOPS] = float(self.step.num_flops)
-        return {k: v for k, v in stats.items() if k in self._stat_names}
+        stats = {k: v for k, v in stats.items() if k in self._stat_names}
+        if self._model_flops is not None or self._recorder is not None:
+            stats.update(self._goodput_stats(elapsed, steps_per_sec))
+        return stats
+
+    def _goodput_stats(self, elapsed: float, steps_per_sec: float) -> dict[str, float]:
+        from jaxloop import goodput  # noqa: PLC0415
+
+        stats: dict[str, float] = {}
+        if self._model_flops == "xla" and self.step.num_flops:
+            # Cost analysis is of the compiled per-device program.
+            value = goodput.mfu(self.step.num_flops * steps_per_sec)
+            if value is not None:
+                stats[STAT_MFU_XLA] = value
+        elif self._model_flops is not None and self._global_batch_size is not None:
+            per_device = (
+                float(self._model_flops) * self._global_batch_size * steps_per_sec
+                / jax.device_count()
+            )
+            value = goodput.mfu(per_device)
+            if value is not None:
+                stats[STAT_MFU] = value
+        if self._recorder is not None:
+            compiled = goodput.compile_seconds() - self._compile_mark
+            self._recorder.train_loop(elapsed, self._input_secs, compiled)
+            split = self._recorder.window()
+            stats.update({f"{STAT_TIME_PREFIX}{k}_secs": v for k, v in split.items()})
+            if split["wall"] > 0:
+                stats[STAT_GOODPUT] = split["compute"] / split["wall"]
+        return stats
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         outputs = dict(outputs or {})

@@ -31,12 +31,17 @@ from clu import metrics as clu_metrics
 from jax.experimental import multihost_utils
 
 from jaxloop import (
+    accumulate,
     actions,
     checkpoint,
     data,
+    ema,
     eval_loop,
+    guard,
     outer_loop,
     partition,
+    run_record,
+    telemetry,
     train_loop,
     writers,
 )
@@ -64,7 +69,20 @@ class CNN(nn.Module):
 
 
 class DigitsStep(step_lib.Step):
-    """Cross-entropy training; evaluation returns masked clu metrics (exact over the split)."""
+    """Cross-entropy training; evaluation returns masked clu metrics (exact over the split).
+
+    Training options (all off by default): `microbatches` (gradient accumulation),
+    `ema_decay` (EMA of the parameters), `nonfinite_guard` and `telemetry` outputs.
+    """
+
+    def __init__(self, *args: Any, microbatches: int = 1, ema_decay: float | None = None,
+                 nonfinite_guard: guard.NonFiniteGuard | None = None,
+                 telemetry: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.microbatches = microbatches
+        self.ema_decay = ema_decay
+        self.nonfinite_guard = nonfinite_guard
+        self.telemetry = telemetry
 
     def run(self, state: Any, batch: dict[str, jax.Array]) -> tuple[Any, dict[str, Any]]:
         images, labels = batch["image"], batch["label"]
@@ -75,12 +93,26 @@ class DigitsStep(step_lib.Step):
             return losses.mean(), (logits, losses)
 
         if self.train:
-            (loss, (logits, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state.params
-            )
-            state = state.apply_gradients(grads=grads)
-            accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
-            return state, {"loss": loss, "accuracy": accuracy}
+            def train_loss(params: Any, micro: dict[str, jax.Array]) -> tuple[Any, Any]:
+                logits = state.apply_fn({"params": params}, micro["image"])
+                loss = optax.softmax_cross_entropy_with_integer_labels(
+                    logits, micro["label"]).mean()
+                return loss, jnp.mean(jnp.argmax(logits, -1) == micro["label"])
+
+            grad_fn = accumulate.value_and_grad(train_loss, self.microbatches, has_aux=True)
+            (loss, accuracy), grads = grad_fn(state.params, batch)
+            outputs = {"loss": loss, "accuracy": accuracy}
+            if self.nonfinite_guard is not None:
+                new_state, guard_outputs = self.nonfinite_guard.apply_gradients(
+                    state, grads, loss)
+                outputs.update(guard_outputs)
+            else:
+                new_state = state.apply_gradients(grads=grads)
+            if self.telemetry:
+                outputs.update(telemetry.train_metrics(state, grads, new_state))
+            if self.ema_decay is not None:
+                new_state = ema.update(new_state, self.ema_decay)
+            return new_state, outputs
         _, (logits, losses) = loss_fn(state.params)
         mask = batch["mask"]
         return state, {
@@ -146,8 +178,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--distributed", action="store_true",
         help="join a multi-process job (flags, JAXLOOP_* environment, or cluster auto-detection)",
     )
+    parser.add_argument("--compilation-cache", metavar="DIR", default=None,
+                        help="JAX persistent compilation cache directory (faster restarts)")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="gradient accumulation: split each batch into this many")
+    parser.add_argument("--ema-decay", type=float, default=None,
+                        help="keep an EMA of the parameters and evaluate it")
+    parser.add_argument("--nonfinite", default="off", choices=["off", "skip", "raise"],
+                        help="on a NaN/Inf loss or gradient: skip the update or stop")
+    parser.add_argument("--telemetry", action="store_true",
+                        help="write gradient/parameter/update norms and the learning rate")
     args = parser.parse_args(argv)
-    for name in ("train_steps", "train_loop_steps", "batch_size", "checkpoint_every"):
+    if args.batch_size % max(args.microbatches, 1):
+        parser.error("--batch-size must be a multiple of --microbatches")
+    for name in ("train_steps", "train_loop_steps", "batch_size", "checkpoint_every",
+                 "microbatches"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     return args
@@ -164,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from jaxloop import distributed  # noqa: PLC0415
 
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if args.compilation_cache:
+        from jaxloop import compilation_cache  # noqa: PLC0415
+
+        compilation_cache.enable(args.compilation_cache)
     is_main = jax.process_index() == 0
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING,
@@ -181,9 +230,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     eval_ds = data.pad_to_global_batches(data.ArraySource(test_data), args.batch_size)
 
+    nonfinite = None if args.nonfinite == "off" else guard.NonFiniteGuard(args.nonfinite)
     train_step = DigitsStep(
         jax.random.key(args.seed), CNN(), optimizer=optax.adam(args.learning_rate),
-        partitioner=partitioner, train=True,
+        partitioner=partitioner, train=True, microbatches=args.microbatches,
+        ema_decay=args.ema_decay, nonfinite_guard=nonfinite, telemetry=args.telemetry,
     )
     eval_step = DigitsStep(jax.random.key(args.seed), CNN(), partitioner=partitioner)
     manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"), max_to_keep=3)
@@ -195,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         else writers.LoggingWriter("train")
     )
     eval_writer = writers.create_default_writer(workdir, collection="eval", asynchronous=True)
+    run_record.write(workdir, config=vars(args), mesh=partitioner, writer=train_writer)
     final: dict[str, float] = {}
 
     class KeepEval(actions.Action):
@@ -204,13 +256,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     trainer = train_loop.TrainLoop(
         train_step,
         end_actions=[
+            *([nonfinite.action()] if nonfinite is not None else []),
             actions.SummaryAction(train_writer),
             actions.CheckpointAction(manager, interval=args.checkpoint_every),
         ],
         global_batch_size=args.batch_size,
     )
     evaluator = eval_loop.EvalLoop(
-        eval_step, end_actions=[actions.SummaryAction(eval_writer), KeepEval()]
+        eval_step, use_ema=args.ema_decay is not None,
+        end_actions=[actions.SummaryAction(eval_writer), KeepEval()],
     )
     outer = outer_loop.OuterLoop(
         train_loop=trainer,
@@ -218,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         checkpoint_spec=outer_loop.CheckpointSpec(os.path.join(workdir, "checkpoints")),
     )
     state = train_step.initialize_model([1, 8, 8, 1], log_num_params=True)
+    if args.ema_decay is not None:
+        state = ema.init(state)
     state, _ = outer(
         state,
         train_dataset=iter(train_ds),

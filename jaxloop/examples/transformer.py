@@ -57,8 +57,20 @@ import numpy as np
 import optax
 from clu import metrics as clu_metrics
 
-from jaxloop import actions, checkpoint, data, eval_loop, outer_loop, partition, train_loop, writers
+from jaxloop import (
+    accumulate,
+    actions,
+    checkpoint,
+    data,
+    eval_loop,
+    guard,
+    outer_loop,
+    partition,
+    train_loop,
+    writers,
+)
 from jaxloop import step as step_lib
+from jaxloop import telemetry as telemetry_lib
 
 log = logging.getLogger("transformer")
 
@@ -280,7 +292,36 @@ class LMStep(step_lib.Step):
 
     Training returns the mean loss per step; evaluation returns a masked clu ``Average`` of
     each window's loss, so the eval loop reports the exact mean over the held-out windows.
+    Training options (off by default): `microbatches` (gradient accumulation), a
+    `nonfinite_guard`, and `telemetry` outputs with the learning rate from `schedule`.
     """
+
+    def __init__(self, *args: Any, microbatches: int = 1,
+                 nonfinite_guard: guard.NonFiniteGuard | None = None,
+                 telemetry: bool = False, schedule: optax.Schedule | None = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.microbatches = microbatches
+        self.nonfinite_guard = nonfinite_guard
+        self.telemetry = telemetry
+        self.schedule = schedule
+
+    def _train_step(self, state: Any, tokens: jax.Array) -> tuple[Any, dict[str, Any]]:
+        def loss_fn(params: Any, micro: jax.Array) -> jax.Array:
+            logits = state.apply_fn({"params": params}, micro[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, micro[:, 1:]).mean()
+
+        loss, grads = accumulate.value_and_grad(loss_fn, self.microbatches)(state.params, tokens)
+        outputs = {"loss": loss}
+        if self.nonfinite_guard is not None:
+            new_state, guard_outputs = self.nonfinite_guard.apply_gradients(state, grads, loss)
+            outputs.update(guard_outputs)
+        else:
+            new_state = state.apply_gradients(grads=grads)
+        if self.telemetry:
+            outputs.update(telemetry_lib.train_metrics(state, grads, new_state, self.schedule))
+        return new_state, outputs
 
     def run(self, state: Any, batch: dict[str, jax.Array]) -> tuple[Any, dict[str, Any]]:
         tokens = batch["tokens"]
@@ -292,8 +333,7 @@ class LMStep(step_lib.Step):
             return losses.mean(), losses
 
         if self.train:
-            (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-            return state.apply_gradients(grads=grads), {"loss": loss}
+            return self._train_step(state, tokens)
         _, losses = loss_fn(state.params)
         per_window = losses.mean(axis=-1)
         return state, {
@@ -358,9 +398,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--workdir", default=None,
         help="write TensorBoard summaries and checkpoints here (and resume from them)",
     )
+    parser.add_argument("--compilation-cache", metavar="DIR", default=None,
+                        help="JAX persistent compilation cache directory (faster restarts)")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="gradient accumulation: split each batch into this many")
+    parser.add_argument("--nonfinite", default="off", choices=["off", "skip", "raise"],
+                        help="on a NaN/Inf loss or gradient: skip the update or stop")
+    parser.add_argument("--telemetry", action="store_true",
+                        help="write gradient/parameter/update norms and the learning rate")
+    parser.add_argument("--mfu", action="store_true",
+                        help="report MFU from XLA's cost analysis (GPUs and TPUs)")
     args = parser.parse_args(argv)
+    if args.batch_size % max(args.microbatches, 1):
+        parser.error("--batch-size must be a multiple of --microbatches")
     for name in ("train_steps", "train_loop_steps", "batch_size", "seq_len", "d_model",
-                 "num_heads", "num_layers"):
+                 "num_heads", "num_layers", "microbatches"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.d_model % args.num_heads:
@@ -368,15 +420,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def make_optimizer(learning_rate: float, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with a linear warm-up (10% of the steps) and cosine decay, clipped at norm 1."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def make_schedule(learning_rate: float, total_steps: int) -> optax.Schedule:
+    """A linear warm-up (10% of the steps) to `learning_rate`, then cosine decay."""
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=learning_rate,
         warmup_steps=max(1, total_steps // 10),
         decay_steps=total_steps,
         end_value=learning_rate / 10,
     )
+
+
+def make_optimizer(learning_rate: float, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with a linear warm-up (10% of the steps) and cosine decay, clipped at norm 1."""
+    schedule = make_schedule(learning_rate, total_steps)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
 
 
@@ -402,6 +459,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """
     args = parse_args(argv)
     start = time.perf_counter()
+    if args.compilation_cache:
+        from jaxloop import compilation_cache  # noqa: PLC0415
+
+        compilation_cache.enable(args.compilation_cache)
     config = LMConfig(
         seq_len=args.seq_len, d_model=args.d_model, num_heads=args.num_heads,
         num_layers=args.num_layers,
@@ -413,11 +474,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     train_step = LMStep(
         jax.random.key(args.seed), model,
         optimizer=make_optimizer(args.learning_rate, args.train_steps),
-        partitioner=partitioner, train=True,
+        partitioner=partitioner, train=True, microbatches=args.microbatches,
+        nonfinite_guard=None if args.nonfinite == "off" else guard.NonFiniteGuard(args.nonfinite),
+        telemetry=args.telemetry, schedule=make_schedule(args.learning_rate, args.train_steps),
     )
     eval_step = LMStep(jax.random.key(args.seed), model, partitioner=partitioner)
     train_metrics, eval_metrics = _KeepMetrics(), _KeepMetrics()
     train_actions: list[actions.Action] = [train_metrics]
+    if train_step.nonfinite_guard is not None:
+        train_actions.insert(0, train_step.nonfinite_guard.action())
     eval_actions: list[actions.Action] = [eval_metrics]
     checkpoint_spec = manager = None
     if args.workdir:
@@ -431,7 +496,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         checkpoint_spec = outer_loop.CheckpointSpec(os.path.join(workdir, "checkpoints"))
 
     trainer = train_loop.TrainLoop(
-        train_step, end_actions=train_actions, global_batch_size=args.batch_size
+        train_step, end_actions=train_actions, global_batch_size=args.batch_size,
+        model_flops_per_example="xla" if args.mfu else None,
     )
     evaluator = eval_loop.EvalLoop(eval_step, end_actions=eval_actions)
     outer = outer_loop.OuterLoop(

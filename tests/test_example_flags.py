@@ -1,0 +1,63 @@
+"""The examples' opt-in feature flags, run as a user would (real subprocesses)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+FINAL = re.compile(r"^final step=(\d+) eval_accuracy=([0-9.]+) ")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_digits_with_accumulation_ema_guard_telemetry_and_cache(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(tmp_path / "w"),
+         "--train-steps", "200", "--train-loop-steps", "100", "--microbatches", "2",
+         "--ema-decay", "0.9", "--nonfinite", "skip", "--telemetry",
+         "--compilation-cache", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = FINAL.match(proc.stdout.strip().splitlines()[-1])
+    assert match and int(match.group(1)) == 200 and float(match.group(2)) > 0.9
+    record = json.loads((tmp_path / "w" / "run.json").read_text())
+    assert record["config"]["microbatches"] == 2 and record["mesh"]["shape"] == {"data": 8}
+    acc = eam.EventAccumulator(str(tmp_path / "w" / "train"), size_guidance={eam.SCALARS: 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"telemetry/grad_norm", "telemetry/update_norm", "nonfinite/skipped"} <= tags
+    assert [e.value for e in acc.Scalars("nonfinite/skipped")] == [0.0] * 200
+    assert any((tmp_path / "cache").iterdir())
+
+
+def test_example_flags_are_checked(capsys):
+    from jaxloop.examples import digits, transformer
+
+    for module in (digits, transformer):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--batch-size", "64", "--microbatches", "3"])
+        assert "multiple of --microbatches" in capsys.readouterr().err
+    args = digits.parse_args(["--nonfinite", "raise", "--compilation-cache", "/tmp/c"])
+    assert args.nonfinite == "raise" and args.compilation_cache == "/tmp/c"
+    assert args.microbatches == 1 and args.ema_decay is None and not args.telemetry
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_features_under_two_processes_match_one_process(tmp_path):
+    # The guard's decision and the accumulated gradients are global (SPMD) values, so two
+    # processes of 4 devices train like one process of 8.
+    from test_multiprocess import run_digits
+
+    flags = ("--train-steps", "100", "--train-loop-steps", "50", "--batch-size", "64",
+             "--microbatches", "2", "--ema-decay", "0.9", "--nonfinite", "skip", "--telemetry")
+    two = run_digits(tmp_path / "two", *flags)
+    one = run_digits(tmp_path / "one", *flags, processes=1)
+    assert one.step == two.step == 100
+    assert abs(one.loss - two.loss) < 1e-4, (one, two)
+    record = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert record["devices"]["process_count"] == 2 and record["devices"]["count"] == 8
