@@ -332,7 +332,7 @@ def test_checkpoint_action_saves_loop_count_and_metrics(tmp_path):
     ("auto", [0.5, 0.4, 0.45, 0.46], 3),
 ])
 def test_early_stopping_action(mode, values, stop_at):
-    handler = actions.MetricMonitoringStopHandler("loss", patience=1, mode=mode)
+    handler = actions.MetricMonitoringStopHandler("loss", patience=2, mode=mode)
     action = actions.EarlyStoppingAction(handler)
     state = steps()[0].initialize_model([1, 16])
     with pytest.raises(actions.StopTrainingError) as err:
@@ -345,13 +345,13 @@ def test_early_stopping_action(mode, values, stop_at):
 def test_early_stopping_baseline_and_nan():
     state = steps()[0].initialize_model([1, 16])
     action = actions.EarlyStoppingAction(
-        actions.MetricMonitoringStopHandler("loss", patience=1, baseline=0.5))
+        actions.MetricMonitoringStopHandler("loss", patience=2, baseline=0.5))
     action(state, {"loss": [0.6]})
     with pytest.raises(actions.StopTrainingError):
         action(state, {"loss": [0.55]})
     action = actions.EarlyStoppingAction(actions.MetricMonitoringStopHandler("loss", patience=5))
     action(state, {"loss": [1.0]})
-    with pytest.raises(actions.StopTrainingError, match="NaN") as err:
+    with pytest.raises(actions.StopTrainingError, match="Metric 'loss' was NaN") as err:
         action(state, {"loss": [float("nan")]})
     assert err.value.best_metric == 1.0
 
@@ -361,7 +361,7 @@ def test_early_stopping_ends_outer_loop():
         def __call__(self, state, outputs, **kwargs):
             outputs["fake_loss"] = [float(state.step)]  # gets worse every eval
 
-    handler = actions.MetricMonitoringStopHandler("fake_loss", patience=1)
+    handler = actions.MetricMonitoringStopHandler("fake_loss", patience=2)
     train, outer, _ = make_outer(
         1, eval_end_actions=[Worsening(), actions.EarlyStoppingAction(handler)])
     state, _ = outer(train.initialize_model([1, 16]), forever(), train_total_steps=100,
