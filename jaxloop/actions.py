@@ -208,10 +208,16 @@ class CheckpointAction(Action):
     def __init__(self, ckpt_manager: ocp.CheckpointManager, interval: int = 1):
         super().__init__(interval)
         self._ckpt_manager = ckpt_manager
+        self._meta: dict[str, Any] = {}
 
     @property
     def ckpt_manager(self) -> ocp.CheckpointManager:
         return self._ckpt_manager
+
+    def add_meta(self, name: str, provider: Any) -> None:
+        """Saves ``provider()`` (JSON-serialisable) under `name` in each checkpoint's
+        metadata, e.g. `OuterLoop` saves its early-stopping progress this way."""
+        self._meta[name] = provider
 
     def __call__(
         self,
@@ -226,10 +232,13 @@ class CheckpointAction(Action):
         step = int(state.step)
         from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
 
-        dataset_state = data.iterator_state(getattr(loop, "dataset", None))
+        dataset = getattr(loop, "dataset", None)
+        position = getattr(loop, "data_position", None)  # knows about prefetched batches
+        dataset_state = position(dataset) if callable(position) else data.iterator_state(dataset)
         if dataset_state is not None:
             state = state.replace(dataset_state=dataset_state)
         meta = {"loop_count": getattr(loop, "loop_count", None)}
+        meta.update({name: provider() for name, provider in self._meta.items()})
         saved = checkpoint.save(
             self._ckpt_manager, step, state, meta=meta, metrics=scalar_metrics(outputs),
             force=force,

@@ -294,6 +294,31 @@ def all_steps(directory: Any) -> list[int]:
     return sorted(_step_paths(epath.Path(directory)))
 
 
+def read_meta(directory: Any, step: int) -> dict[str, Any]:
+    """The JSON metadata saved with the checkpoint at `step` (loop count, data positions,
+    early-stopping progress); {} for a single-item checkpoint, which has none."""
+    directory = epath.Path(directory)
+    paths = _step_paths(directory)
+    if step not in paths:
+        raise ValueError(f"No checkpoint for step {step} in {directory}; have {sorted(paths)}")
+    if not (paths[step] / META_ITEM).exists():
+        return {}
+    manager = ocp.CheckpointManager(
+        directory,
+        item_handlers={META_ITEM: ocp.JsonCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(
+            step_name_format=_name_format(paths[step], step), read_only=True, create=False
+        ),
+    )
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
+        )
+    finally:
+        manager.close()
+    return dict(restored[META_ITEM] or {})
+
+
 def _has_arrays(tree: Any) -> bool:
     return any(hasattr(x, "shape") for x in jax.tree.leaves(tree))
 
