@@ -50,6 +50,7 @@ State = types.TrainState
 STOP_LOOP = "jaxloop/stop_loop"
 _STOP_FILE_NAME = "STOPPED"
 _EARLY_STOPPING_META = "early_stopping"
+_EVALS_PENDING_META = "evals_pending"
 DEFAULT_ITERATE_INTERVAL_SECS = 10.0
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,7 @@ class OuterLoop:
         self._eval_loops = list(eval_loops or [])
         self._checkpoint_spec = checkpoint_spec
         self._progress = progress
+        self._evals_pending = False
 
     @property
     def train_loop(self) -> train_loop_lib.TrainLoop | None:
@@ -254,6 +256,7 @@ class OuterLoop:
         return [a.state_dict() for a in self._early_stopping_actions()]
 
     def _restore(self, state: State, iterator: Iterator[Any]) -> State:
+        self._evals_pending = False
         spec = self._checkpoint_spec
         if spec is None:
             return state
@@ -276,6 +279,7 @@ class OuterLoop:
         saved = meta.get(_EARLY_STOPPING_META) or []
         for action, progress in zip(self._early_stopping_actions(), saved, strict=False):
             action.load_state_dict(progress)
+        self._evals_pending = bool(meta.get(_EVALS_PENDING_META))
         return restored
 
     def _train(
@@ -305,6 +309,19 @@ class OuterLoop:
                         if isinstance(a, actions_lib.CheckpointAction)]
         for action in ckpt_actions:
             action.add_meta(_EARLY_STOPPING_META, self._early_stopping_meta)
+            # A loop-end checkpoint is written before that loop's evaluations run (a
+            # preemption checkpoint is not at a loop end: no evaluation follows it).
+            action.add_meta(_EVALS_PENDING_META, lambda: not self.preempted)
+        if self._evals_pending and (total_steps is None or step < total_steps):
+            # The evaluations that followed the restored checkpoint in the earlier run are
+            # not in it (early-stopping progress included): run them again first.
+            try:
+                _, stop = self._run_evals(
+                    state, specs, EvalContext(False, step, self._train_loop.loop_count)
+                )
+            except stop_handler.StopTrainingError as e:
+                log.info("Training stopped by an eval action: %s", e)
+                stop = True
         with (
             preemption.handling_preemption(),
             train_loop.prefetching(iterator, self._prefetch),
