@@ -157,8 +157,9 @@ class OuterLoop:
       checkpoint_spec: restore from / evaluate the checkpoints in this directory.
       progress: show a progress bar (None: only when interactive).
       prefetch: batches to preprocess and put on the devices in the background while the
-        current step runs (0: none). The train iterator is wrapped once for the whole
-        run, so its saved position counts only the batches actually trained on.
+        current step runs (0: none), through `Loop.prefetching`: the loops still receive
+        the very iterator you pass (custom loops may check it, read its attributes, call
+        its methods), and its saved position counts only the batches trained on.
     """
 
     def __init__(
