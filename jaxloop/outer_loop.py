@@ -210,7 +210,9 @@ class OuterLoop:
                 results.append(None)
                 continue
             batches = spec.iterator()
-            with loop.prefetching(batches, self._prefetch):
+            # Batches read ahead would be lost to the next evaluation of a shared iterator.
+            ahead = self._prefetch if spec.dataset_iterator is None else 0
+            with loop.prefetching(batches, ahead):
                 _, outputs = loop(state, batches, num_steps=spec.num_steps)
             results.append(outputs)
             stop = stop or bool((outputs or {}).get(STOP_LOOP, False))
