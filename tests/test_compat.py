@@ -261,6 +261,16 @@ def test_custom_train_loop_receives_the_users_iterator_while_prefetch_works():
     leaves_equal(state.params, unprefetched.params)
 
 
+def test_a_shared_eval_iterator_loses_no_batch_to_prefetch():
+    shared = CountingIterator(BATCHES)
+    step = train_step()
+    outer = outer_loop.OuterLoop(train_loop=train_loop_lib.TrainLoop(step),
+                                 eval_loops=[eval_loop_lib.EvalLoop(eval_step())], prefetch=2)
+    outer(step.initialize_model([1, 16]), forever(), train_total_steps=4, train_loop_steps=2,
+          eval_specs=[outer_loop.EvalSpec(dataset_iterator=shared, num_steps=2)])
+    assert shared.served == 4  # two evaluations of two batches, none read ahead
+
+
 # --- 11.6 and 11.7 log messages ---------------------------------------------------------------
 
 
