@@ -122,6 +122,8 @@ def save(
     With several processes every process must call this (orbax's save is collective too):
     each process's ``state.dataset_state`` is gathered, so that each one restores its own.
     """
+    if not force and not manager.should_save(step):
+        return False  # (before the gather below: no collective for a skipped step)
     positions = _gather_from_processes(state.dataset_state)
     meta = {
         "dataset_state": positions[0],
