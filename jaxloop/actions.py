@@ -303,10 +303,16 @@ class CheckpointAction(Action):
         self._ckpt_manager = ckpt_manager
         self._warned_no_position = False
         self._extra_meta = meta
+        self._meta: dict[str, Any] = {}
 
     @property
     def ckpt_manager(self) -> ocp.CheckpointManager:
         return self._ckpt_manager
+
+    def add_meta(self, name: str, provider: Any) -> None:
+        """Saves ``provider()`` (JSON-serialisable) under `name` in each checkpoint's
+        metadata, e.g. `OuterLoop` saves its early-stopping progress this way."""
+        self._meta[name] = provider
 
     def __call__(
         self,
@@ -322,7 +328,10 @@ class CheckpointAction(Action):
         from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
 
         iterator = getattr(loop, "dataset", None)
-        dataset_state = data.iterator_state(iterator)
+        position = getattr(loop, "data_position", None)  # knows about prefetched batches
+        dataset_state = (
+            position(iterator) if callable(position) else data.iterator_state(iterator)
+        )
         if dataset_state is not None:
             state = state.replace(dataset_state=dataset_state)
         elif iterator is not None and not self._warned_no_position:
@@ -335,6 +344,7 @@ class CheckpointAction(Action):
             )
         extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
         meta = {**(extra or {}), "loop_count": getattr(loop, "loop_count", None)}
+        meta.update({name: provider() for name, provider in self._meta.items()})
         saved = checkpoint.save(
             self._ckpt_manager, step, state, meta=meta, metrics=scalar_metrics(outputs),
             force=force,
@@ -376,7 +386,14 @@ class EarlyStoppingAction(Action):
     """Stops training when a monitored metric stops improving (or becomes NaN).
 
     Raises `StopTrainingError` (carrying the best step and metric); `OuterLoop` catches it
-    and ends training cleanly. Put it on an eval loop's end actions.
+    and ends training cleanly. Put it on an eval loop's end actions. The metric is the
+    mean of the loop's per-step values (or the computed clu metric). The messages are
+    google/jaxloop's: a missing metric is a warning ("... is not available in the outputs
+    dictionary ..."), a NaN raises "Metric '<name>' was NaN", and patience running out
+    raises "Early stopping triggered for metric '<name>'".
+
+    The handler's progress (best value, best step, patience left) goes into the
+    checkpoints of an `OuterLoop`'s train loop and comes back on resume (`state_dict`).
 
     Example::
 
@@ -393,29 +410,57 @@ class EarlyStoppingAction(Action):
     def handler(self) -> MetricMonitoringStopHandler:
         return self._handler
 
+    def state_dict(self) -> dict[str, Any]:
+        """The handler's progress, JSON-serialisable (saved with checkpoints)."""
+        return self._handler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores progress saved by `state_dict`."""
+        self._handler.load_state_dict(state)
+
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> Output | None:
         step = int(state.step)
-        if not outputs or self.monitored_metric not in outputs:
+        if outputs is None or self.monitored_metric not in outputs:
             log.warning(
-                "EarlyStoppingAction monitors %r, which is not among the outputs %s",
+                "Early stopping action '%s' is monitoring metric '%s' which is not available "
+                "in the outputs dictionary. Available metrics are: %s",
+                type(self).__name__,
                 self.monitored_metric,
-                sorted(outputs or {}),
+                sorted(outputs) if outputs is not None else None,
             )
             return outputs
         metric = scalar_summary(outputs[self.monitored_metric])
-        if metric is None or math.isnan(metric):
+        if metric is None:
+            raise ValueError(
+                f"EarlyStoppingAction monitors {self.monitored_metric!r}, but that output is "
+                "not a scalar (nor a list of per-step scalars)"
+            )
+        if math.isnan(metric):
+            log.error(
+                "[EarlyStoppingAction] Metric '%s' is NaN at step %d. Stopping training.",
+                self.monitored_metric,
+                step,
+            )
             best, best_step = self._handler.get_best_info()
             raise StopTrainingError(
-                f"Metric {self.monitored_metric!r} is NaN at step {step}",
+                f"Metric '{self.monitored_metric}' was NaN",
                 best_step=best_step,
                 best_metric=best,
             )
         self._handler.update_state(metric, step)
         if self._handler.should_stop():
             best, best_step = self._handler.get_best_info()
+            log.info(
+                "[EarlyStoppingAction] Stopping training at step %d. Metric '%s' did not "
+                "improve for %d cycles. Best metric %.4f at step %d.",
+                step,
+                self.monitored_metric,
+                self._handler.wait,
+                best,
+                best_step,
+            )
             raise StopTrainingError(
-                f"Early stopping: {self.monitored_metric!r} did not improve for "
-                f"{self._handler.wait} evaluations",
+                f"Early stopping triggered for metric '{self.monitored_metric}'",
                 best_step=best_step,
                 best_metric=best,
             )

@@ -5,7 +5,15 @@ optimizer state, batch stats, written by orbax's PyTree handler, sharded and mul
 aware) and ``meta`` (JSON: the data iterator's position and loop counters). No pickle.
 
 Managers built the way the Jaxloop guide builds them (one unnamed `Checkpointer`) hold a
-single item; jaxloop saves the state arrays there and restores either layout.
+single item; jaxloop saves the state arrays there and restores either layout, including
+checkpoints of a whole `TrainState` saved with ``args.PyTreeSave(state)`` by a user or by
+google/jaxloop (orbax stores tuples as lists there, and no data position).
+
+Step directories are found with orbax's own step naming: a manager's ``step_prefix`` and
+``step_format_fixed_length`` (``ckpt_000100``) restore like plain ``100``.
+
+With several processes, each process's data position is saved (gathered into the JSON
+item), so per-process pipelines resume where each of them stood.
 
 Example::
 
@@ -17,7 +25,9 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import flax.serialization
@@ -97,11 +107,6 @@ def restore_best(
     return restore_state(state, directory, best, partitioner, skip_optimizer)
 
 
-def _is_single_item(manager: ocp.CheckpointManager) -> bool:
-    flag = getattr(manager, "_default_item", None)
-    return bool(flag.get()) if flag is not None else False
-
-
 def state_arrays(state: State) -> dict[str, Any]:
     """The array part of a TrainState as a plain nested dict (what goes into ``state``)."""
     tree = flax.serialization.to_state_dict(state)
@@ -120,16 +125,93 @@ def save(
     """Saves `state` (and its data position) at `step`; asynchronous if the manager is.
 
     Returns whether a checkpoint was started (the manager may skip steps by its policy).
+    A manager holding a single unnamed item (the guide's) gets the state arrays only.
+
+    With several processes every process must call this (orbax's save is collective too):
+    each process's ``state.dataset_state`` is gathered, so that each one restores its own.
     """
-    meta = {"dataset_state": state.dataset_state, **(meta or {})}
+    if not force and not manager.should_save(step):
+        return False  # (before the gather below: no collective for a skipped step)
+    positions = _gather_from_processes(state.dataset_state)
+    meta = {
+        "dataset_state": positions[0],
+        "dataset_states": positions,
+        "process_count": len(positions),
+        **(meta or {}),
+    }
     arrays = state_arrays(state)
-    if _is_single_item(manager):
-        args = ocp.args.PyTreeSave(arrays)
-    else:
-        args = ocp.args.Composite(
-            **{STATE_ITEM: ocp.args.PyTreeSave(arrays), META_ITEM: ocp.args.JsonSave(meta)}
-        )
-    return manager.save(step, args=args, metrics=metrics, force=force)
+    composite = ocp.args.Composite(
+        **{STATE_ITEM: ocp.args.PyTreeSave(arrays), META_ITEM: ocp.args.JsonSave(meta)}
+    )
+    try:
+        return manager.save(step, args=composite, metrics=metrics, force=force)
+    except ValueError as e:
+        # orbax refuses a Composite, before doing anything, for a manager configured with
+        # one unnamed item; its public API offers no other way to ask.
+        if "single, unnamed" not in str(e):
+            raise
+    return manager.save(step, args=ocp.args.PyTreeSave(arrays), metrics=metrics, force=force)
+
+
+def _gather_from_processes(value: Any) -> list[Any]:
+    """`value` (JSON-serialisable) of every process, in process order."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = np.asarray(
+        multihost_utils.process_allgather(np.array([data.size], np.int32))
+    ).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, lengths, strict=True)]
+
+
+def _looks_process_independent(position: Any) -> bool:
+    # A GlobalBatchDataset position (next global batch) means the same in any process
+    # count; other iterators can say so with a truthy 'process_independent' entry.
+    return isinstance(position, Mapping) and (
+        bool(position.get("process_independent"))
+        or {"next_batch", "global_batch_size"} <= set(position)
+    )
+
+
+def dataset_state_for_process(
+    meta: Mapping[str, Any],
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> Any:
+    """This process's data position from a checkpoint's metadata (None if none saved).
+
+    A checkpoint written by the same number of processes gives each process its own
+    position. Under another process count only a process-independent position (a
+    `data.GlobalBatchDataset` iterator's, identical on every process) can be used.
+
+    Raises:
+      ValueError: when the checkpoint holds per-process positions for a different number
+        of processes (a per-process pipeline cannot resume exactly on another layout).
+    """
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    positions = meta.get("dataset_states")
+    if positions is None:  # written by one process, or by an older jaxloop
+        positions = [meta.get("dataset_state")]
+    saved_count = int(meta.get("process_count", len(positions)))
+    if all(p is None for p in positions):
+        return None
+    if saved_count == process_count and len(positions) == process_count:
+        return positions[process_index]
+    if all(p == positions[0] for p in positions) and _looks_process_independent(positions[0]):
+        return positions[0]
+    raise ValueError(
+        f"The checkpoint holds the data positions of {saved_count} process(es), but this "
+        f"job has {process_count}: a per-process pipeline (e.g. grain with "
+        "ShardByJaxProcess) cannot resume on another process count. Resume with "
+        f"{saved_count} processes, or read the data with data.GlobalBatchDataset, whose "
+        "position does not depend on the process count."
+    )
 
 
 def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -178,22 +260,114 @@ def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> A
     )
 
 
-def _reader(directory: epath.Path, single: bool) -> ocp.CheckpointManager:
+def _step_paths(directory: epath.Path) -> dict[int, epath.Path]:
+    """Finalized step directories by step, whatever the manager's step naming."""
+    if not directory.exists():
+        return {}
+    return {
+        ocp.path.step.step_from_checkpoint_name(path.name): path
+        for path in ocp.path.step.checkpoint_steps_paths(directory)
+    }
+
+
+def _name_format(path: epath.Path, step: int) -> Any:
+    """orbax's NameFormat that names `path` for `step` (``100``, ``ckpt_100``,
+    ``000100``, ``ckpt_000100``)."""
+    prefix, _, digits = path.name.rpartition("_")
+    fixed = len(digits) if len(digits) > len(str(step)) else None
+    return ocp.path.step.standard_name_format(
+        step_prefix=prefix or None, step_format_fixed_length=fixed
+    )
+
+
+def _reader(directory: epath.Path, single: bool, name_format: Any) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        step_name_format=name_format, read_only=True, create=False
+    )
     if single:
-        return ocp.CheckpointManager(directory, ocp.Checkpointer(ocp.PyTreeCheckpointHandler()))
+        return ocp.CheckpointManager(
+            directory, item_handlers=ocp.PyTreeCheckpointHandler(), options=options
+        )
     return ocp.CheckpointManager(
         directory,
         item_handlers={
             STATE_ITEM: ocp.PyTreeCheckpointHandler(),
             META_ITEM: ocp.JsonCheckpointHandler(),
         },
+        options=options,
     )
 
 
 def all_steps(directory: Any) -> list[int]:
-    """The steps of the complete checkpoints in `directory` (half-written ones excluded)."""
+    """The steps of the complete checkpoints in `directory` (half-written ones excluded),
+    whatever the step naming (``step_prefix``, ``step_format_fixed_length``)."""
+    return sorted(_step_paths(epath.Path(directory)))
+
+
+def read_meta(directory: Any, step: int) -> dict[str, Any]:
+    """The JSON metadata saved with the checkpoint at `step` (loop count, data positions,
+    early-stopping progress); {} for a single-item checkpoint, which has none."""
     directory = epath.Path(directory)
-    return sorted(ocp.utils.checkpoint_steps(directory)) if directory.exists() else []
+    paths = _step_paths(directory)
+    if step not in paths:
+        raise ValueError(f"No checkpoint for step {step} in {directory}; have {sorted(paths)}")
+    if not (paths[step] / META_ITEM).exists():
+        return {}
+    manager = ocp.CheckpointManager(
+        directory,
+        item_handlers={META_ITEM: ocp.JsonCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(
+            step_name_format=_name_format(paths[step], step), read_only=True, create=False
+        ),
+    )
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
+        )
+    finally:
+        manager.close()
+    return dict(restored[META_ITEM] or {})
+
+
+def _has_arrays(tree: Any) -> bool:
+    return any(hasattr(x, "shape") for x in jax.tree.leaves(tree))
+
+
+def _conform(target: Any, saved: Any) -> Any:
+    """`target` (a flax state dict) laid out as the checkpoint's tree `saved`.
+
+    flax writes a tuple as a dict with keys '0', '1', ...; orbax writes the tuples of a
+    TrainState saved as a whole (the guide's way) as lists, and an empty tuple (optax's
+    EmptyState) or an absent field as None. Entries of the target without arrays that the
+    checkpoint lacks (such as the data position) are dropped. Anything else is left for
+    `check_compatible` to report.
+    """
+    if isinstance(saved, list | tuple) and isinstance(target, Mapping):
+        if set(target) == {str(i) for i in range(len(saved))}:
+            return [_conform(target[str(i)], saved[i]) for i in range(len(saved))]
+    if isinstance(saved, Mapping) and isinstance(target, Mapping):
+        return {
+            k: _conform(v, saved[k]) if k in saved else v
+            for k, v in target.items()
+            if k in saved or _has_arrays(v)
+        }
+    if saved is None and not _has_arrays(target):
+        return None
+    return target
+
+
+def _unconform(restored: Any, target: Any) -> Any:
+    """The inverse of `_conform`: `restored` back in the layout of the flax state dict."""
+    if isinstance(target, Mapping):
+        if isinstance(restored, list | tuple):
+            return {k: _unconform(restored[int(k)], v) for k, v in target.items()}
+        restored = restored if isinstance(restored, Mapping) else {}
+        return {
+            k: _unconform(restored[k], v) if k in restored else v for k, v in target.items()
+        }
+    if restored is None and not _has_arrays(target):
+        return target
+    return restored
 
 
 def restore_state(
@@ -202,12 +376,13 @@ def restore_state(
     step: int | None = None,
     partitioner: Any = None,
     skip_optimizer: bool = False,
+    transforms: Any = None,
 ) -> State:
     """Restores the checkpoint at `step` (latest if None) from `directory` into `state`.
 
     See `restore`, which also returns the checkpoint's metadata (loop counters).
     """
-    return restore(state, directory, step, partitioner, skip_optimizer)[0]
+    return restore(state, directory, step, partitioner, skip_optimizer, transforms)[0]
 
 
 def restore(
@@ -216,6 +391,7 @@ def restore(
     step: int | None = None,
     partitioner: Any = None,
     skip_optimizer: bool = False,
+    transforms: Any = None,
 ) -> tuple[State, dict[str, Any]]:
     """Restores the checkpoint at `step` (latest if None); returns (state, metadata).
 
@@ -223,33 +399,53 @@ def restore(
     evaluation state has no optimizer to restore into).
 
     Arrays are placed where `partitioner` places `state` (or where the given state's arrays
-    are); the data iterator's position comes back in `state.dataset_state`. With no
-    checkpoint in `directory`, logs and returns `state` unchanged. A checkpoint whose
-    structure or shapes differ from `state` is a ValueError naming the leaf; an unreadable
-    one raises, never a silent fresh start.
+    are); this process's data position comes back in `state.dataset_state`. With no
+    checkpoint in `directory`, logs "No checkpoint found in <dir>" and returns `state`
+    unchanged. A checkpoint whose structure or shapes differ from `state` is a ValueError
+    naming the leaf; an unreadable one raises, never a silent fresh start.
+
+    `transforms` are orbax restore transforms (``PyTreeRestore(transforms=...)``), keyed
+    by '/'-joined paths of the state dict (regular expressions allowed), e.g. to start a
+    new head from the given state while restoring the rest::
+
+        state = checkpoint.restore_state(
+            state, ckpt_dir, transforms={r'params/head/.*': ocp.Transform(use_fallback=True)})
+
+    Keys the transforms do not name are restored from the checkpoint unchanged.
     """
     directory = epath.Path(directory)
-    steps = all_steps(directory)
-    if not steps:
-        log.info("No checkpoint in %s: starting from the given state.", directory)
+    paths = _step_paths(directory)
+    if not paths:
+        log.info("No checkpoint found in %s. Returning the original model state.", directory)
         return state, {}
-    step = max(steps) if step is None else step
-    if step not in steps:
-        raise ValueError(f"No checkpoint for step {step} in {directory}; have {sorted(steps)}")
-    single = (directory / str(step) / ocp.checkpoint_manager.DEFAULT_ITEM_NAME).exists()
-    manager = _reader(directory, single)
+    step = max(paths) if step is None else step
+    if step not in paths:
+        raise ValueError(f"No checkpoint for step {step} in {directory}; have {sorted(paths)}")
+    single = (paths[step] / ocp.checkpoint_manager.DEFAULT_ITEM_NAME).exists()
+    manager = _reader(directory, single, _name_format(paths[step], step))
     try:
         skip = ("opt_state",) if skip_optimizer else ()
         target = _abstract_target(state, partitioner, skip)
         saved = manager.item_metadata(step)
         saved = saved if single else saved[STATE_ITEM]
         saved = {k: v for k, v in getattr(saved, "tree", saved).items() if k not in skip}
-        check_compatible(saved, target, str(directory / str(step)))
-        restore = ocp.args.PyTreeRestore(
-            item=target,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=bool(skip),
-        )
+        if transforms is None:
+            item = _conform(target, saved)
+            check_compatible(saved, item, str(paths[step]))
+            restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+            restore = ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True
+            )
+        else:
+            # Values the transforms take from the given state ("use_fallback") must be
+            # real arrays, not shapes.
+            plain = state.replace(dataset_state=None)
+            item = {k: v for k, v in state_arrays(plain).items() if k not in skip}
+            restore = ocp.args.PyTreeRestore(
+                item=item,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                transforms=transforms,
+            )
         if single:
             arrays, meta = manager.restore(step, args=restore), {}
         else:
@@ -262,10 +458,15 @@ def restore(
             arrays, meta = restored[STATE_ITEM], restored[META_ITEM] or {}
     finally:
         manager.close()
+    arrays = _unconform(arrays, target) if transforms is None else arrays
     plain = state.replace(dataset_state=None)
     kept = {k: v for k, v in state_arrays(plain).items() if k in skip}
     new_state = flax.serialization.from_state_dict(
         plain, {**arrays, **kept, "dataset_state": None}
     )
     log.info("Restored checkpoint step %d from %s.", step, directory)
-    return new_state.replace(dataset_state=meta.get("dataset_state")), meta
+    try:
+        position = dataset_state_for_process(meta)
+    except ValueError:
+        position = None  # only a resume of the data needs it (see OuterLoop)
+    return new_state.replace(dataset_state=position), meta

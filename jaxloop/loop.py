@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -67,6 +68,33 @@ def _sync_token(outputs: Any) -> jax.Array | None:
         if isinstance(leaf, jax.Array):
             return leaf
     return None
+
+
+class _Prefetch:
+    """A device prefetcher over `source`, started on the first batch asked of it."""
+
+    def __init__(self, source: Iterator[Any], size: int):
+        self.source = source
+        self._size = size
+        self._iterator: Any = None
+
+    @property
+    def started(self) -> bool:
+        return self._iterator is not None
+
+    def batches(self, prepare: Any) -> Iterator[Any]:
+        if self._iterator is None:
+            from jaxloop import data  # noqa: PLC0415
+
+            self._iterator = data.prefetch_to_device(self.source, prepare, self._size)
+        return self._iterator
+
+    def position(self) -> Any:
+        return self._iterator.get_state()
+
+    def close(self) -> None:
+        if self._iterator is not None:
+            self._iterator.close()
 
 
 class Loop:
@@ -123,6 +151,7 @@ class Loop:
         self._steps_per_execution = steps_per_execution
         self._unroll = unroll
         self._in_flight: collections.deque = collections.deque()
+        self._prefetch: _Prefetch | None = None
         self.dataset_exhausted = False
         self.preempted = False
         self.num_steps_run = 0
@@ -190,8 +219,52 @@ class Loop:
         return loop_outputs
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
-        """The next batch; raises StopIteration when the dataset is exhausted."""
+        """The next batch; raises StopIteration when the dataset is exhausted.
+
+        Inside `prefetching(dataset)` the batch comes from the background prefetcher (a
+        `step.PreparedBatch`, already on the devices); otherwise from ``next(dataset)``.
+        """
+        prefetch = self._prefetch
+        if prefetch is not None and prefetch.source is dataset:
+            return next(prefetch.batches(self._step.prepare_batch))
         return next(dataset)
+
+    @contextlib.contextmanager
+    def prefetching(self, dataset: Iterator[Any], size: int = 2) -> Iterator[Iterator[Any]]:
+        """Prepares the batches of `dataset` `size` ahead in a background thread, while open.
+
+        The loop still receives `dataset` itself -- ``run``, ``_get_next_batch`` and the
+        actions see the very object the user passed, its attributes and methods -- and
+        the default `_get_next_batch` takes each batch from the prefetcher, which starts
+        on the first such read (a subclass that reads ``next(dataset)`` itself therefore
+        never starts it). `data_position` reports the position after the batches
+        consumed, not after those read ahead.
+
+        Example::
+
+            it = iter(train_batches)
+            with train_loop.prefetching(it, size=2):
+                state, outputs = train_loop(state, it, num_steps=100)
+        """
+        if size <= 0:
+            yield dataset
+            return
+        previous, self._prefetch = self._prefetch, _Prefetch(dataset, size)
+        try:
+            yield dataset
+        finally:
+            current, self._prefetch = self._prefetch, previous
+            current.close()
+
+    def data_position(self, dataset: Any) -> Any:
+        """The checkpointable position of `dataset` after the batches this loop consumed
+        (None when the iterator cannot report one)."""
+        from jaxloop import data  # noqa: PLC0415 (grain loads only when asked)
+
+        prefetch = self._prefetch
+        if prefetch is not None and prefetch.source is dataset and prefetch.started:
+            return prefetch.position()
+        return data.iterator_state(dataset)
 
     def _wait_for_room(self, outputs: Any, state: State) -> None:
         token = _sync_token(outputs)

@@ -4,12 +4,15 @@ Modes:
 - train only: ``outer(state, train_dataset=..., train_total_steps=..., train_loop_steps=...)``
 - train + evals: add ``eval_specs=[EvalSpec(eval_ds), ...]`` with one EvalLoop per spec.
 - eval only: no train loop. With a `CheckpointSpec` it evaluates every new checkpoint in the
-  directory once (continuous eval) until the training job writes the ``STOPPED`` marker or
-  ``iterate_stop_fn`` says stop; without one it evaluates the given state once.
+  directory once, in step order (continuous eval), until the training job writes the
+  ``STOPPED`` marker or ``iterate_stop_fn()`` says stop; without one it evaluates the given
+  state once. It returns the last eval loop's state and outputs.
 
 Training ends at ``train_total_steps``, when the train iterator is exhausted (with a
 warning), when a train or eval loop puts a truthy ``STOP_LOOP`` in its outputs, or when an
-action raises `StopTrainingError` (early stopping).
+action raises `StopTrainingError` (early stopping). It returns the state and the outputs of
+the last train loop that advanced the step, with ``outputs[STOP_LOOP]`` telling whether a
+train or eval loop asked to stop (as google/jaxloop does).
 
 Example::
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -45,6 +49,9 @@ State = types.TrainState
 
 STOP_LOOP = "jaxloop/stop_loop"
 _STOP_FILE_NAME = "STOPPED"
+_EARLY_STOPPING_META = "early_stopping"
+_EVALS_PENDING_META = "evals_pending"
+DEFAULT_ITERATE_INTERVAL_SECS = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -108,15 +115,37 @@ class CheckpointSpec:
 
     Args:
       checkpoint_dir: the orbax checkpoint directory.
-      iterate_interval_secs: continuous eval polls for new checkpoints this often.
-      iterate_stop_fn: ``fn(step) -> bool``; continuous eval stops once it returns True.
-      transforms: optional ``fn(state) -> state`` applied to each restored state.
+      iterate_interval_secs: continuous eval looks for new checkpoints every this many
+        seconds (a pause between listings of a possibly remote directory).
+      iterate_stop_fn: ``fn() -> bool``, asked by continuous eval whenever it has
+        evaluated every checkpoint there is; True ends it. By default it ends when the
+        training job has written its ``STOPPED`` marker. ``lambda: True`` evaluates the
+        checkpoints present once and returns.
+      transforms: orbax restore transforms, passed to `Step.restore_model` (see
+        `checkpoint.restore`), e.g. ``{r'params/head/.*': ocp.Transform(use_fallback=True)}``.
     """
 
     checkpoint_dir: Any
-    iterate_interval_secs: float = 0
-    iterate_stop_fn: Callable[[int], bool] | None = None
-    transforms: Callable[[State], State] | None = None
+    iterate_interval_secs: float = DEFAULT_ITERATE_INTERVAL_SECS
+    iterate_stop_fn: Callable[[], bool] | None = None
+    transforms: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.iterate_interval_secs >= 0:
+            raise ValueError(
+                f"iterate_interval_secs must be >= 0 seconds, got {self.iterate_interval_secs}"
+            )
+
+
+def _marker_step(directory: epath.Path) -> int | None:
+    """The step recorded in the STOPPED marker, -1 for a marker without one, None if none."""
+    marker = directory / _STOP_FILE_NAME
+    try:
+        text = marker.read_text()
+    except FileNotFoundError:
+        return None
+    match = re.search(r"step (\d+)", text)
+    return int(match.group(1)) if match else -1
 
 
 class OuterLoop:
@@ -128,8 +157,9 @@ class OuterLoop:
       checkpoint_spec: restore from / evaluate the checkpoints in this directory.
       progress: show a progress bar (None: only when interactive).
       prefetch: batches to preprocess and put on the devices in the background while the
-        current step runs (0: none). The train iterator is wrapped once for the whole
-        run, so its saved position counts only the batches actually trained on.
+        current step runs (0: none), through `Loop.prefetching`: the loops still receive
+        the very iterator you pass (custom loops may check it, read its attributes, call
+        its methods), and its saved position counts only the batches trained on.
     """
 
     def __init__(
@@ -148,6 +178,7 @@ class OuterLoop:
         self._eval_loops = list(eval_loops or [])
         self._checkpoint_spec = checkpoint_spec
         self._progress = progress
+        self._evals_pending = False
 
     @property
     def train_loop(self) -> train_loop_lib.TrainLoop | None:
@@ -178,7 +209,10 @@ class OuterLoop:
             if not spec.should_eval(context):
                 results.append(None)
                 continue
-            with self._prefetched(spec.iterator(), loop.step) as batches:
+            batches = spec.iterator()
+            # Batches read ahead would be lost to the next evaluation of a shared iterator.
+            ahead = self._prefetch if spec.dataset_iterator is None else 0
+            with loop.prefetching(batches, ahead):
                 _, outputs = loop(state, batches, num_steps=spec.num_steps)
             results.append(outputs)
             stop = stop or bool((outputs or {}).get(STOP_LOOP, False))
@@ -193,11 +227,16 @@ class OuterLoop:
         eval_specs: Sequence[EvalSpec] | None = None,
         log_train_total_steps: bool = True,
     ) -> tuple[State, Output | None]:
-        """Runs training and evaluation; returns the final state and the last train outputs
-        (None when no train loop ran)."""
+        """Runs training and evaluation.
+
+        Returns, as google/jaxloop does: when training, the final state and the outputs of
+        the last train loop that advanced the step, with ``outputs[STOP_LOOP]`` set to
+        whether a train or eval loop asked to stop; when only evaluating, the last eval
+        loop's state and outputs.
+        """
         specs = self._check_eval_specs(eval_specs)
         if self._train_loop is None:
-            return self._evaluate_only(state, specs), None
+            return self._evaluate_only(state, specs)
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
         for name, value in (("train_total_steps", train_total_steps),
@@ -209,33 +248,41 @@ class OuterLoop:
             log_train_total_steps,
         )
 
-    def _prefetched(self, iterator: Iterator[Any], step: Any) -> Any:
-        """The iterator with batches prepared ahead on a background thread (a context
-        manager that stops the thread), or the iterator itself when prefetch is 0."""
-        from jaxloop import data  # noqa: PLC0415
+    def _early_stopping_actions(self) -> list[actions_lib.EarlyStoppingAction]:
+        loops = [self._train_loop, *self._eval_loops]
+        return [
+            a for lp in loops if lp is not None for a in lp.end_actions
+            if isinstance(a, actions_lib.EarlyStoppingAction)
+        ]
 
-        if not self._prefetch:
-            return contextlib.nullcontext(iterator)
-        return data.prefetch_to_device(iterator, step.prepare_batch, self._prefetch)
+    def _early_stopping_meta(self) -> list[dict[str, Any]]:
+        return [a.state_dict() for a in self._early_stopping_actions()]
 
     def _restore(self, state: State, iterator: Iterator[Any]) -> State:
-        if self._checkpoint_spec is None:
+        self._evals_pending = False
+        spec = self._checkpoint_spec
+        if spec is None:
             return state
-        restored, meta = checkpoint.restore(
-            state, self._checkpoint_spec.checkpoint_dir,
-            partitioner=self._train_loop.step.partitioner,
+        restored = self._train_loop.step.restore_model(
+            state, spec.checkpoint_dir, transforms=spec.transforms
         )
         if restored is state:
             return state
-        from jaxloop import data  # noqa: PLC0415
+        meta = checkpoint.read_meta(spec.checkpoint_dir, int(restored.step))
+        # The iterator holds the position; the state carries no host data into jit.
+        restored = restored.replace(dataset_state=None)
+        position = checkpoint.dataset_state_for_process(meta)
+        if position is not None:
+            from jaxloop import data  # noqa: PLC0415
 
-        if restored.dataset_state is not None:
-            data.restore_iterator_state(iterator, restored.dataset_state)
-            # The iterator now holds the position; the state carries no host data into jit.
-            restored = restored.replace(dataset_state=None)
+            data.restore_iterator_state(iterator, position)
         loop_count = meta.get("loop_count")
         if loop_count is not None:
             self._train_loop.loop_count = int(loop_count)
+        saved = meta.get(_EARLY_STOPPING_META) or []
+        for action, progress in zip(self._early_stopping_actions(), saved, strict=False):
+            action.load_state_dict(progress)
+        self._evals_pending = bool(meta.get(_EVALS_PENDING_META))
         return restored
 
     def _train(
@@ -251,47 +298,89 @@ class OuterLoop:
 
         train_loop = self._train_loop
         iterator = data.as_iterator(train_dataset)
+        self._remove_stale_marker()
         state = self._restore(state, iterator)
         step = int(state.step)
         if log_total_steps:
             log.info("Training from step %d to %s.", step, total_steps)
         progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress)
         outputs: Output | None = None
+        stop = False
         self.preempted = False
+        # Early-stopping progress travels in the checkpoints' JSON item.
+        ckpt_actions = [a for a in train_loop.end_actions
+                        if isinstance(a, actions_lib.CheckpointAction)]
+        for action in ckpt_actions:
+            action.add_meta(_EARLY_STOPPING_META, self._early_stopping_meta)
+            # A loop-end checkpoint is written before that loop's evaluations run (a
+            # preemption checkpoint is not at a loop end: no evaluation follows it).
+            action.add_meta(_EVALS_PENDING_META, lambda: not self.preempted)
+        if self._evals_pending and (total_steps is None or step < total_steps):
+            # The evaluations that followed the restored checkpoint in the earlier run are
+            # not in it (early-stopping progress included): run them again first.
+            try:
+                _, stop = self._run_evals(
+                    state, specs, EvalContext(False, step, self._train_loop.loop_count)
+                )
+            except stop_handler.StopTrainingError as e:
+                log.info("Training stopped by an eval action: %s", e)
+                stop = True
         with (
             preemption.handling_preemption(),
-            self._prefetched(iterator, train_loop.step) as batches,
+            train_loop.prefetching(iterator, self._prefetch),
             contextlib.closing(progress),
         ):
-            while total_steps is None or step < total_steps:
+            while not stop and (total_steps is None or step < total_steps):
                 num_steps = loop_steps
                 if total_steps is not None:
                     num_steps = min(loop_steps or total_steps, total_steps - step)
                 try:
-                    state, outputs = train_loop(state, batches, num_steps=num_steps)
+                    state, new_outputs = train_loop(state, iterator, num_steps=num_steps)
                 except stop_handler.StopTrainingError as e:
                     log.info("Training stopped by an action: %s", e)
+                    stop = True
                     break
+                # A loop that ran no step (the data ended at a loop boundary) does not
+                # replace the outputs of the last one that trained.
+                if int(state.step) != step or outputs is None:
+                    outputs = new_outputs
                 step = int(state.step)
-                progress(state, outputs, first_step=train_loop.first_step)
+                progress(state, new_outputs, first_step=train_loop.first_step)
                 if train_loop.preempted or preemption.requested():
-                    self._save_on_preemption(state, outputs)
-                    return state, outputs
+                    self._save_on_preemption(state, new_outputs)
+                    return state, self._with_stop(outputs, stop)
                 if train_loop.dataset_exhausted:
                     log.warning("The train dataset is exhausted at step %d; stopping.", step)
                     break
-                if (outputs or {}).get(STOP_LOOP):
+                if (new_outputs or {}).get(STOP_LOOP):
+                    stop = True
                     break
                 context = EvalContext(False, step, train_loop.loop_count)
                 try:
                     _, stop = self._run_evals(state, specs, context)
                 except stop_handler.StopTrainingError as e:
                     log.info("Training stopped by an eval action: %s", e)
-                    break
-                if stop:
-                    break
-        self._finish()
-        return state, outputs
+                    stop = True
+        self._finish(step)
+        return state, self._with_stop(outputs, stop)
+
+    @staticmethod
+    def _with_stop(outputs: Output | None, stop: bool) -> Output | None:
+        if outputs is None:
+            return None
+        outputs = dict(outputs)
+        outputs[STOP_LOOP] = bool(stop)
+        return outputs
+
+    def _remove_stale_marker(self) -> None:
+        """A STOPPED marker left by an earlier run would end a continuous evaluator of this
+        one, so a starting training run removes it."""
+        if self._checkpoint_spec is None or jax.process_index() != 0:
+            return
+        marker = epath.Path(self._checkpoint_spec.checkpoint_dir) / _STOP_FILE_NAME
+        if marker.exists():
+            log.info("Removing the STOPPED marker of an earlier run: %s", marker)
+            marker.unlink(missing_ok=True)
 
     def _writers_and_managers(self) -> tuple[list[Any], list[Any]]:
         loops = [self._train_loop, *self._eval_loops]
@@ -320,7 +409,7 @@ class OuterLoop:
             writer.flush()
         log.warning("Preempted: stopped at step %d after saving.", step)
 
-    def _finish(self) -> None:
+    def _finish(self, step: int) -> None:
         """Waits for checkpoint writes, flushes writers, marks training as finished."""
         writers, ckpt_actions = self._writers_and_managers()
         for action in ckpt_actions:
@@ -331,36 +420,56 @@ class OuterLoop:
         if self._checkpoint_spec is not None and jax.process_index() == 0:
             marker = epath.Path(self._checkpoint_spec.checkpoint_dir) / _STOP_FILE_NAME
             marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text("training finished\n")
+            # The step lets an evaluator tell this marker from a stale one (a checkpoint
+            # newer than it belongs to a later run).
+            marker.write_text(f"training finished at step {step}\n")
 
-    def _evaluate_only(self, state: State, specs: list[EvalSpec]) -> State:
+    def _evaluate_only(self, state: State, specs: list[EvalSpec]) -> tuple[State, Output | None]:
         if not self._eval_loops:
             raise ValueError("OuterLoop has neither a train loop nor eval loops")
         spec = self._checkpoint_spec
         if spec is None:
-            self._run_evals(state, specs, EvalContext(False, int(state.step), 1))
-            return state
+            results, _ = self._run_evals(state, specs, EvalContext(False, int(state.step), 1))
+            return state, _last(results)
         directory = epath.Path(spec.checkpoint_dir)
-        partitioner = self._eval_loops[0].step.partitioner
         seen: set[int] = set()
         loop_count = 0
+        outputs: Output | None = None
         while True:
             # Read the marker before listing: a checkpoint finished before the marker was
             # written is then always seen by the listing that follows.
-            stopped = (directory / _STOP_FILE_NAME).exists()
+            marker = _marker_step(directory)
             steps = sorted(set(checkpoint.all_steps(directory)) - seen)
             for ckpt_step in steps:
                 seen.add(ckpt_step)
-                restored = checkpoint.restore_state(
-                    state, directory, ckpt_step, partitioner, skip_optimizer=True
-                )
-                if spec.transforms is not None:
-                    restored = spec.transforms(restored)
+                try:
+                    restored = self._eval_loops[0].step.restore_model(
+                        state, directory, step=ckpt_step, transforms=spec.transforms
+                    )
+                except Exception:
+                    if ckpt_step in checkpoint.all_steps(directory):
+                        raise
+                    # The trainer's max_to_keep removed it between the listing and now.
+                    log.warning(
+                        "Checkpoint step %d in %s was deleted before it could be evaluated "
+                        "(max_to_keep?); skipping it.", ckpt_step, directory)
+                    continue
                 loop_count += 1
-                self._run_evals(restored, specs, EvalContext(True, ckpt_step, loop_count))
+                results, _ = self._run_evals(
+                    restored, specs, EvalContext(True, ckpt_step, loop_count)
+                )
+                outputs = _last(results) or outputs
                 state = restored
-                if spec.iterate_stop_fn is not None and spec.iterate_stop_fn(ckpt_step):
-                    return state
-            if stopped:
-                return state
+            if spec.iterate_stop_fn is not None:
+                if spec.iterate_stop_fn():
+                    return state, outputs
+            elif marker is not None and (marker < 0 or marker >= max(seen, default=-1)):
+                # (A marker older than a checkpoint was left by an earlier run.)
+                return state, outputs
             time.sleep(spec.iterate_interval_secs)
+
+
+def _last(results: Sequence[Output | None]) -> Output | None:
+    """The outputs of the last eval loop that ran."""
+    ran = [r for r in results if r is not None]
+    return ran[-1] if ran else None

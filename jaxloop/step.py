@@ -344,13 +344,19 @@ class Step:
         return state
 
     def restore_model(
-        self, state: State, checkpoint_dir: Any, step: int | None = None
+        self,
+        state: State,
+        checkpoint_dir: Any,
+        step: int | None = None,
+        transforms: Any = None,
     ) -> State:
         """Restores `state` from the orbax checkpoints in `checkpoint_dir`.
 
         Restores the latest step unless `step` is given, placing every array as the
         partitioner places the given state. An eval step (``train=False``) restores no
-        optimizer state. With no checkpoint there, logs and returns `state` unchanged.
+        optimizer state. With no checkpoint there, logs "No checkpoint found in <dir>" and
+        returns `state` unchanged. `transforms` are orbax restore transforms, as in the
+        reference (see `checkpoint.restore`).
 
         Example::
 
@@ -359,7 +365,8 @@ class Step:
         from jaxloop import checkpoint  # noqa: PLC0415 (orbax is heavy; import when used)
 
         return checkpoint.restore_state(
-            state, checkpoint_dir, step, self._partitioner, skip_optimizer=not self._train
+            state, checkpoint_dir, step, self._partitioner, skip_optimizer=not self._train,
+            transforms=transforms,
         )
 
     def compute_num_params(self, state: State) -> int:

@@ -1,6 +1,6 @@
 """Early stopping: watch one metric and decide when training has stopped improving.
 
-`MetricMonitoringStopHandler` is pure Python (no jax import), so it can be used in any
+`MetricMonitoringStopHandler` needs only numpy (no jax import), so it can be used in any
 loop, fed with Python floats, numpy scalars or 0-d jax arrays. Its state is a small
 JSON-serialisable dict so it can be saved next to a checkpoint and resumed exactly.
 """
@@ -12,6 +12,8 @@ import operator
 import re
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 __all__ = [
     "MAXIMIZED_METRIC_TOKENS",
@@ -25,6 +27,7 @@ MAXIMIZED_METRIC_TOKENS: frozenset[str] = frozenset(
 )
 """Name tokens that make ``mode='auto'`` maximise a metric (see `infer_mode`)."""
 
+_REFERENCE_MAXIMIZED_SUFFIXES = ("acc", "accuracy", "auc")
 _VALID_MODES = ("min", "max", "auto")
 _TOKEN_SEPARATORS = re.compile(r"[/_.\-]+")
 
@@ -50,9 +53,15 @@ class StopTrainingError(Exception):
         self.best_metric = best_metric
 
     def __str__(self) -> str:
+        # The reference's wording; it formats `best_metric` with :.4f and so raises when
+        # there is none. Here a missing value is simply left out.
         if self.best_step is None and self.best_metric is None:
             return self.message
-        return f"{self.message} (best_metric={self.best_metric}, best_step={self.best_step})"
+        best = "None" if self.best_metric is None else f"{self.best_metric:.4f}"
+        return (
+            f"{self.message} Training stopped early. Best Step: {self.best_step}, "
+            f"Best Metric: {best}"
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Exception's default pickling replays only `self.args`, which would drop the best
@@ -71,10 +80,16 @@ def infer_mode(metric_name: str) -> str:
     Whole tokens are matched, not substrings, so ``'eval/accuracy'``, ``'val_acc'``,
     ``'top-1.acc'`` and ``'mAP'`` are maximised while ``'top_5_error'``, ``'loss'``,
     ``'accumulated_loss'`` and ``'heatmap_loss'`` are minimised. A name with both kinds of
-    token (``'acc_loss'``) is maximised because any maximised token wins.
+    token (``'acc_loss'``) is maximised because any maximised token wins. As in
+    google/jaxloop, a name that ends with ``acc``, ``accuracy`` or ``auc`` (``'top1acc'``)
+    is maximised too.
     """
-    tokens = _TOKEN_SEPARATORS.split(metric_name.lower())
-    return "max" if any(t in MAXIMIZED_METRIC_TOKENS for t in tokens) else "min"
+    name = metric_name.lower()
+    tokens = _TOKEN_SEPARATORS.split(name)
+    if any(t in MAXIMIZED_METRIC_TOKENS for t in tokens):
+        return "max"
+    # The reference's rule, kept so that names it maximises are maximised here too.
+    return "max" if name.endswith(_REFERENCE_MAXIMIZED_SUFFIXES) else "min"
 
 
 def _encode_float(value: float | None) -> float | str | None:
@@ -114,19 +129,28 @@ class MetricMonitoringStopHandler:
     """Tracks one metric and signals when it has stopped improving (early stopping).
 
     Call `update_state` once per evaluation with the current value of the monitored metric,
-    then `should_stop`.
+    then `should_stop`. The public attributes and their meaning are those of
+    google/jaxloop's handler, so code that reads them keeps working:
 
-    Improvement: a value improves on the best so far when it is better by *more than*
-    ``min_delta`` -- ``metric < best - min_delta`` in ``'min'`` mode,
-    ``metric > best + min_delta`` in ``'max'`` mode. Before any value has improved, the
-    reference is ``baseline`` when given (a first value that does not beat the baseline by
-    more than ``min_delta`` is not an improvement); without a baseline the first value
-    always improves. NaN never improves.
+    - ``monitored_metric``, ``min_delta`` (stored as its absolute value), ``patience``,
+      ``baseline``: the configuration.
+    - ``monitored_op``: ``np.less`` (``'min'`` mode) or ``np.greater`` (``'max'``);
+      ``monitored_op(a, b)`` says whether ``a`` is better than ``b``.
+    - ``best``: the best value so far; before any improvement the baseline, or ``+inf``
+      (``'min'``) / ``-inf`` (``'max'``) without one.
+    - ``best_step``: the step of ``best`` (0 before any improvement).
+
+    Improvement: without a baseline the first value always improves (it initialises
+    ``best``). After that -- or from the start, with a baseline -- a value improves when it
+    is better than ``best`` by *more than* ``min_delta``: ``metric < best - min_delta`` in
+    ``'min'`` mode, ``metric > best + min_delta`` in ``'max'`` mode. NaN never improves
+    (the reference would take a first NaN as its best and then never improve again).
 
     Stopping: ``wait`` counts consecutive non-improving updates and resets to 0 on each
-    improvement. `should_stop` is True once ``wait > patience``, i.e. ``patience`` is the
-    number of non-improving updates tolerated: with ``patience=0`` the first non-improving
-    update stops, with ``patience=3`` the fourth consecutive one does.
+    improvement; ``patience - wait`` is the patience left (the reference's countdown).
+    `should_stop` is True once ``wait >= patience``: with ``patience=3`` the third
+    consecutive non-improving update stops. ``patience=0`` stops at the first
+    non-improving update (the reference stops after the first update, improving or not).
 
     Example::
 
@@ -139,26 +163,28 @@ class MetricMonitoringStopHandler:
           best_loss, best_step = handler.get_best_info()
           raise StopTrainingError('eval/loss stopped improving', best_step, best_loss)
 
-    To resume, save `state_dict` with the checkpoint and pass it to `load_state_dict`.
+    To resume, save `state_dict` with the checkpoint and pass it to `load_state_dict`
+    (`OuterLoop` does this for the handlers of its `EarlyStoppingAction`s).
 
     Args:
       monitored_metric: Name of the metric watched (used for ``mode='auto'`` and messages).
-      min_delta: Non-negative margin a value must beat the best by to count as improving.
-      patience: Non-negative number of consecutive non-improving updates tolerated.
+      min_delta: Margin a value must beat the best by to count as improving (its absolute
+        value is used, as in the reference).
+      patience: Non-negative number of consecutive non-improving updates that stop.
       mode: ``'min'``, ``'max'`` or ``'auto'`` (inferred from the name, see `infer_mode`).
       baseline: Optional value the metric must beat before anything counts as improving.
 
     Raises:
-      ValueError: On an unknown ``mode``, a negative or NaN ``min_delta``, a negative
-        ``patience`` or a NaN ``baseline``.
+      ValueError: On an unknown ``mode``, a NaN ``min_delta``, a negative ``patience`` or
+        a NaN ``baseline``.
       TypeError: When ``patience`` is not an integer.
     """
 
     def __init__(
         self,
         monitored_metric: str,
-        min_delta: float = 0.0,
-        patience: int = 0,
+        min_delta: float = 1e-8,
+        patience: int = 10,
         mode: str = "auto",
         baseline: float | None = None,
     ) -> None:
@@ -176,66 +202,57 @@ class MetricMonitoringStopHandler:
         if patience < 0:
             raise ValueError(f"patience must be non-negative, got patience={patience}")
         min_delta = float(min_delta)
-        # `not >=` rather than `<` so NaN, which would silently disable improvement, is caught.
-        if not min_delta >= 0:
-            raise ValueError(f"min_delta must be non-negative, got min_delta={min_delta}")
+        if math.isnan(min_delta):
+            raise ValueError(f"min_delta must be a number, got min_delta={min_delta}")
         if baseline is not None:
             baseline = float(baseline)
             if math.isnan(baseline):
                 raise ValueError("baseline must not be NaN: no value could ever beat it")
 
-        self._monitored_metric = monitored_metric
-        self._min_delta = min_delta
-        self._patience = patience
-        self._mode = infer_mode(monitored_metric) if mode == "auto" else mode
-        self._baseline = baseline
+        self.monitored_metric = monitored_metric
+        self.min_delta = abs(min_delta)
+        self.patience = patience
+        self.baseline = baseline
+        resolved = infer_mode(monitored_metric) if mode == "auto" else mode
+        self.monitored_op = np.less if resolved == "min" else np.greater
         self.reset()
-
-    @property
-    def monitored_metric(self) -> str:
-        """Name of the watched metric."""
-        return self._monitored_metric
-
-    @property
-    def min_delta(self) -> float:
-        """Margin a value must beat the best by to count as an improvement."""
-        return self._min_delta
-
-    @property
-    def patience(self) -> int:
-        """Number of consecutive non-improving updates tolerated before stopping."""
-        return self._patience
 
     @property
     def mode(self) -> str:
         """Resolved direction: ``'min'`` or ``'max'`` (never ``'auto'``)."""
-        return self._mode
-
-    @property
-    def baseline(self) -> float | None:
-        """Value the metric must beat before the first improvement, or None."""
-        return self._baseline
+        return "min" if self.monitored_op is np.less else "max"
 
     @property
     def wait(self) -> int:
         """Number of consecutive non-improving updates since the last improvement."""
         return self._wait
 
+    @property
+    def patience_left(self) -> int:
+        """The reference's countdown: ``patience - wait`` (stops at 0 or below)."""
+        return self.patience - self._wait
+
+    def _initial_best(self) -> float:
+        if self.baseline is not None:
+            return self.baseline
+        return math.inf if self.mode == "min" else -math.inf
+
     def reset(self) -> None:
-        """Forgets every value seen: no best, ``wait`` back to 0. Configuration is kept."""
-        self._best: float | None = None
-        self._best_step: int | None = None
+        """Forgets every value seen: ``best`` back to its initial value, ``wait`` to 0."""
+        self.best: float = self._initial_best()
+        self.best_step: int = 0
         self._wait = 0
+        # Without a baseline the first value initialises `best` whatever it is.
+        self._initialized = self.baseline is not None
 
     def _is_improvement(self, metric: float) -> bool:
         if math.isnan(metric):
             return False
-        reference = self._best if self._best is not None else self._baseline
-        if reference is None:
+        if not self._initialized:
             return True
-        if self._mode == "min":
-            return metric < reference - self._min_delta
-        return metric > reference + self._min_delta
+        if self.mode == "min":
+            return metric < self.best - self.min_delta
+        return metric > self.best + self.min_delta
 
     def update_state(self, metric: float, step: int) -> bool:
         """Records one value of the metric, observed at ``step``.
@@ -250,47 +267,48 @@ class MetricMonitoringStopHandler:
         """
         metric = float(metric)
         if self._is_improvement(metric):
-            self._best = metric
-            self._best_step = int(step)
+            self.best = metric
+            self.best_step = int(step)
             self._wait = 0
+            self._initialized = True
             return True
         self._wait += 1
         return False
 
     def should_stop(self) -> bool:
-        """True once more than ``patience`` consecutive updates failed to improve."""
-        return self._wait > self._patience
+        """True once ``patience`` consecutive updates (at least one) failed to improve."""
+        return self._wait >= max(self.patience, 1)
 
-    def get_best_info(self) -> tuple[float | None, int | None]:
-        """Returns ``(best_metric, best_step)``, or ``(None, None)`` before any improvement.
-
-        A baseline that was never beaten is not reported: it was not observed at any step.
-        """
-        return self._best, self._best_step
+    def get_best_info(self) -> tuple[float, int]:
+        """Returns ``(best, best_step)``: before any improvement the initial ``best``
+        (the baseline, or an infinity) and step 0, as the reference does."""
+        return self.best, self.best_step
 
     def state_dict(self) -> dict[str, Any]:
         """Returns the progress as a JSON-serialisable dict, for checkpointing.
 
-        Keys: ``best`` (float, or None before any improvement), ``best_step`` (int or None),
-        ``wait`` (int), plus ``monitored_metric`` and ``mode`` so that loading into a handler
-        watching something else is caught. Non-finite ``best`` values are stored as the
-        strings ``'inf'``, ``'-inf'`` or ``'nan'`` because JSON has no such numbers;
-        `load_state_dict` reads them back. Configuration (patience, min_delta, baseline) is
-        not included: it comes from the constructor.
+        Keys: ``best`` (float), ``best_step`` (int), ``wait`` (int), ``initialized``
+        (whether a first value was seen or a baseline set), plus ``monitored_metric`` and
+        ``mode`` so that loading into a handler watching something else is caught.
+        Non-finite ``best`` values are stored as the strings ``'inf'``, ``'-inf'`` or
+        ``'nan'`` because JSON has no such numbers; `load_state_dict` reads them back.
+        Configuration (patience, min_delta, baseline) is not included: it comes from the
+        constructor.
         """
         return {
-            "monitored_metric": self._monitored_metric,
-            "mode": self._mode,
-            "best": _encode_float(self._best),
-            "best_step": self._best_step,
+            "monitored_metric": self.monitored_metric,
+            "mode": self.mode,
+            "best": _encode_float(self.best),
+            "best_step": self.best_step,
             "wait": self._wait,
+            "initialized": self._initialized,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores progress saved by `state_dict`.
 
         ``monitored_metric`` and ``mode`` are optional in ``state``; when present they must
-        match this handler.
+        match this handler. A None ``best`` / ``best_step`` means "nothing seen yet".
 
         Raises:
           KeyError: When ``best``, ``best_step`` or ``wait`` is missing.
@@ -300,7 +318,7 @@ class MetricMonitoringStopHandler:
         missing = [k for k in ("best", "best_step", "wait") if k not in state]
         if missing:
             raise KeyError(f"state_dict is missing keys {missing}; got keys {sorted(state)}")
-        for key, own in (("monitored_metric", self._monitored_metric), ("mode", self._mode)):
+        for key, own in (("monitored_metric", self.monitored_metric), ("mode", self.mode)):
             if key in state and state[key] != own:
                 raise ValueError(
                     f"state_dict was saved with {key}={state[key]!r}, but this handler has "
@@ -313,14 +331,18 @@ class MetricMonitoringStopHandler:
         wait = _decode_int(state["wait"], "wait")
         if wait < 0:
             raise ValueError(f"state_dict['wait'] must be non-negative, got {wait!r}")
-        self._best = best
-        self._best_step = best_step
+        initialized = state.get("initialized", best is not None or self.baseline is not None)
+        if not isinstance(initialized, bool):
+            raise ValueError(f"state_dict['initialized'] must be a bool, got {initialized!r}")
+        self.best = self._initial_best() if best is None else best
+        self.best_step = 0 if best_step is None else best_step
         self._wait = wait
+        self._initialized = initialized
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(monitored_metric={self._monitored_metric!r}, "
-            f"mode={self._mode!r}, min_delta={self._min_delta}, patience={self._patience}, "
-            f"baseline={self._baseline}, best={self._best}, best_step={self._best_step}, "
+            f"{type(self).__name__}(monitored_metric={self.monitored_metric!r}, "
+            f"mode={self.mode!r}, min_delta={self.min_delta}, patience={self.patience}, "
+            f"baseline={self.baseline}, best={self.best}, best_step={self.best_step}, "
             f"wait={self._wait})"
         )

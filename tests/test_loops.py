@@ -211,14 +211,17 @@ def test_outer_loop_bad_arguments():
         outer_loop.OuterLoop()(state)
 
 
-def test_single_shot_eval_returns_none_outputs():
+def test_single_shot_eval_returns_the_last_eval_loops_outputs():
     train, evaluate = steps()
     rec = Recorder()
-    outer = outer_loop.OuterLoop(eval_loops=[eval_loop_lib.EvalLoop(evaluate, end_actions=[rec])])
+    outer = outer_loop.OuterLoop(eval_loops=[
+        eval_loop_lib.EvalLoop(evaluate), eval_loop_lib.EvalLoop(evaluate, end_actions=[rec])])
     state = train.initialize_model([1, 16])
-    result, outputs = outer(state, eval_specs=[outer_loop.EvalSpec(BATCHES, num_steps=3)])
-    assert outputs is None and result is state
-    assert len(rec.calls) == 1 and len(rec.calls[0][2]["loss"]) == 3
+    result, outputs = outer(state, eval_specs=[outer_loop.EvalSpec(BATCHES, num_steps=2),
+                                               outer_loop.EvalSpec(BATCHES, num_steps=3)])
+    assert result is state
+    assert len(rec.calls) == 1 and rec.calls[0][2] is outputs  # the last loop's outputs
+    assert len(outputs["loss"]) == 3
 
 
 def test_continuous_eval_over_checkpoints_written_concurrently(tmp_path):
@@ -244,8 +247,8 @@ def test_continuous_eval_over_checkpoints_written_concurrently(tmp_path):
     final, outputs = evaluator(evaluate.initialize_model([1, 16]),
                                eval_specs=[outer_loop.EvalSpec(BATCHES, num_steps=2)])
     thread.join()
-    assert outputs is None
     assert [c[0] for c in rec.calls] == [3, 6, 9, 12]  # each checkpoint exactly once
+    assert outputs is rec.calls[-1][2] and len(outputs["loss"]) == 2
     assert int(final.step) == 12
     assert (ckpt_dir / outer_loop._STOP_FILE_NAME).exists()
 
@@ -258,11 +261,16 @@ def test_continuous_eval_stop_fn(tmp_path):
                                         train_total_steps=8, train_loop_steps=2)
     manager.wait_until_finished()
     rec = Recorder()
+    asked = []
     evaluator = outer_loop.OuterLoop(
         eval_loops=[eval_loop_lib.EvalLoop(evaluate, end_actions=[rec])],
-        checkpoint_spec=outer_loop.CheckpointSpec(tmp_path, iterate_stop_fn=lambda s: s >= 6))
-    evaluator(evaluate.initialize_model([1, 16]), eval_specs=[outer_loop.EvalSpec(BATCHES)])
-    assert [c[0] for c in rec.calls] == [2, 4, 6]
+        # As in the reference: no argument, asked once every checkpoint there is was seen.
+        checkpoint_spec=outer_loop.CheckpointSpec(tmp_path,
+                                                  iterate_stop_fn=lambda: not asked.append(1)))
+    state, outputs = evaluator(evaluate.initialize_model([1, 16]),
+                               eval_specs=[outer_loop.EvalSpec(BATCHES)])
+    assert [c[0] for c in rec.calls] == [2, 4, 6, 8] and len(asked) == 1
+    assert int(state.step) == 8 and outputs is rec.calls[-1][2]
 
 
 def _scalars(logdir):
@@ -332,7 +340,7 @@ def test_checkpoint_action_saves_loop_count_and_metrics(tmp_path):
     ("auto", [0.5, 0.4, 0.45, 0.46], 3),
 ])
 def test_early_stopping_action(mode, values, stop_at):
-    handler = actions.MetricMonitoringStopHandler("loss", patience=1, mode=mode)
+    handler = actions.MetricMonitoringStopHandler("loss", patience=2, mode=mode)
     action = actions.EarlyStoppingAction(handler)
     state = steps()[0].initialize_model([1, 16])
     with pytest.raises(actions.StopTrainingError) as err:
@@ -345,13 +353,13 @@ def test_early_stopping_action(mode, values, stop_at):
 def test_early_stopping_baseline_and_nan():
     state = steps()[0].initialize_model([1, 16])
     action = actions.EarlyStoppingAction(
-        actions.MetricMonitoringStopHandler("loss", patience=1, baseline=0.5))
+        actions.MetricMonitoringStopHandler("loss", patience=2, baseline=0.5))
     action(state, {"loss": [0.6]})
     with pytest.raises(actions.StopTrainingError):
         action(state, {"loss": [0.55]})
     action = actions.EarlyStoppingAction(actions.MetricMonitoringStopHandler("loss", patience=5))
     action(state, {"loss": [1.0]})
-    with pytest.raises(actions.StopTrainingError, match="NaN") as err:
+    with pytest.raises(actions.StopTrainingError, match="Metric 'loss' was NaN") as err:
         action(state, {"loss": [float("nan")]})
     assert err.value.best_metric == 1.0
 
@@ -361,7 +369,7 @@ def test_early_stopping_ends_outer_loop():
         def __call__(self, state, outputs, **kwargs):
             outputs["fake_loss"] = [float(state.step)]  # gets worse every eval
 
-    handler = actions.MetricMonitoringStopHandler("fake_loss", patience=1)
+    handler = actions.MetricMonitoringStopHandler("fake_loss", patience=2)
     train, outer, _ = make_outer(
         1, eval_end_actions=[Worsening(), actions.EarlyStoppingAction(handler)])
     state, _ = outer(train.initialize_model([1, 16]), forever(), train_total_steps=100,

@@ -32,14 +32,17 @@ def first_stop_index(handler, values):
 @pytest.mark.parametrize(
     ("patience", "values", "expected_stop"),
     [
-        # patience=0: the first non-improving update stops.
+        # patience=0 (like 1): the first non-improving update stops.
         (0, [1.0, 0.9, 0.8, 0.85, 0.7], 3),
         (0, [1.0, 1.0], 1),
-        # patience=1: two consecutive non-improving updates.
-        (1, [1.0, 0.9, 0.95, 0.8, 0.85, 0.9, 0.1], 5),
-        (1, [1.0, 1.1, 0.9, 1.2, 0.8], None),
-        # patience=3: four consecutive non-improving updates; an improvement resets the count.
-        (3, [1.0, 2.0, 2.0, 2.0, 0.5, 0.6, 0.7, 0.8, 0.9, 0.1], 8),
+        # patience=1: the first non-improving update stops (the reference's countdown).
+        (1, [1.0, 0.9, 0.95, 0.8, 0.85, 0.9, 0.1], 2),
+        (1, [1.0, 0.9, 0.8, 0.7], None),
+        # patience=2: two consecutive non-improving updates.
+        (2, [1.0, 0.9, 0.95, 0.8, 0.85, 0.9, 0.1], 5),
+        (2, [1.0, 1.1, 0.9, 1.2, 0.8], None),
+        # patience=3: three consecutive non-improving updates; an improvement resets the count.
+        (3, [1.0, 2.0, 2.0, 0.5, 0.6, 0.7, 0.8, 0.9, 0.1], 6),
         (3, [5.0, 4.0, 3.0, 2.0, 1.0], None),
     ],
 )
@@ -148,25 +151,27 @@ def test_min_delta_max_mode():
 def test_min_delta_tiny_improvements_stop():
     handler = MetricMonitoringStopHandler("loss", min_delta=1e-3, patience=2)
     values = [1.0, 0.9999, 0.9998, 0.9997, 0.5]
-    assert first_stop_index(handler, values) == 3
+    assert first_stop_index(handler, values) == 2
 
 
 # --- baseline --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("patience", [0, 1, 3])
-def test_baseline_never_beaten_stops_after_patience_plus_one(patience):
+def test_baseline_never_beaten_stops_after_patience(patience):
     handler = MetricMonitoringStopHandler("loss", patience=patience, baseline=0.5)
     values = [0.9, 0.8, 0.7, 0.6, 0.55, 0.51]
-    assert first_stop_index(handler, values) == patience
-    assert handler.get_best_info() == (None, None)
+    assert first_stop_index(handler, values) == max(patience, 1) - 1
+    # As in the reference: the baseline is the best until beaten, at step 0.
+    assert handler.get_best_info() == (0.5, 0)
+    assert handler.best == 0.5 and handler.best_step == 0
 
 
 def test_baseline_first_value_not_beating_by_min_delta_counts():
     handler = MetricMonitoringStopHandler("acc", min_delta=0.05, patience=1, baseline=0.8)
     assert not handler.update_state(0.82, 0)  # beats baseline, but not by min_delta
-    assert handler.wait == 1
-    assert not handler.should_stop()
+    assert handler.wait == 1 and handler.patience_left == 0
+    assert handler.should_stop()
     assert handler.update_state(0.9, 1)
     assert handler.get_best_info() == (0.9, 1)
     assert handler.wait == 0
@@ -193,9 +198,9 @@ def test_baseline_equal_is_not_improvement():
 
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_nan_never_improves(mode):
-    handler = MetricMonitoringStopHandler("m", mode=mode, patience=1)
+    handler = MetricMonitoringStopHandler("m", mode=mode, patience=2)
     assert not handler.update_state(NAN, 0)  # not even as the first value
-    assert handler.get_best_info() == (None, None)
+    assert handler.get_best_info() == ((INF if mode == "min" else -INF), 0)
     assert handler.update_state(1.0, 1)
     assert not handler.update_state(NAN, 2)
     assert not handler.update_state(NAN, 3)
@@ -225,7 +230,8 @@ def test_accepts_numpy_scalars():
 
 def test_get_best_info():
     handler = MetricMonitoringStopHandler("loss", patience=10)
-    assert handler.get_best_info() == (None, None)
+    assert handler.get_best_info() == (INF, 0)  # the reference's initial values
+    assert MetricMonitoringStopHandler("acc").get_best_info() == (-INF, 0)
     for step, v in [(100, 3.0), (200, 2.0), (300, 2.5), (400, 1.5), (500, 1.6)]:
         handler.update_state(v, step)
     assert handler.get_best_info() == (1.5, 400)
@@ -237,7 +243,7 @@ def test_reset():
     handler.update_state(2.0, 1)
     assert handler.should_stop()
     handler.reset()
-    assert handler.get_best_info() == (None, None)
+    assert handler.get_best_info() == (5.0, 0)
     assert handler.wait == 0
     assert not handler.should_stop()
     # Configuration survives a reset, including the baseline.
@@ -297,11 +303,12 @@ def test_state_dict_round_trip_resumes_exactly():
 def test_state_dict_before_any_update():
     handler = MetricMonitoringStopHandler("acc")
     state = _json_round_trip(handler.state_dict())
-    assert state["best"] is None and state["best_step"] is None and state["wait"] == 0
+    assert state["best"] == "-inf" and state["best_step"] == 0 and state["wait"] == 0
+    assert state["initialized"] is False
     other = MetricMonitoringStopHandler("acc")
     other.update_state(0.5, 0)
     other.load_state_dict(state)
-    assert other.get_best_info() == (None, None)
+    assert other.get_best_info() == (-INF, 0)
     assert other.update_state(0.1, 1)  # first value improves again, as after construction
 
 
@@ -322,7 +329,7 @@ def test_state_dict_only_nan_seen():
     original = MetricMonitoringStopHandler("loss", patience=5)
     original.update_state(NAN, 0)
     state = _json_round_trip(original.state_dict())
-    assert state["best"] is None and state["wait"] == 1
+    assert state["best"] == "inf" and state["wait"] == 1 and not state["initialized"]
     restored = MetricMonitoringStopHandler("loss", patience=5)
     restored.load_state_dict(state)
     _continue_both(original, restored, [NAN, 2.0, 3.0], start_step=1)
@@ -366,7 +373,10 @@ def test_load_state_dict_errors():
     with pytest.raises(ValueError, match=r"state_dict\['best'\] must be a number"):
         handler.load_state_dict({"best": "abc", "best_step": 0, "wait": 0})
     # A failed load leaves the handler untouched.
-    assert handler.get_best_info() == (None, None) and handler.wait == 0
+    assert handler.get_best_info() == (INF, 0) and handler.wait == 0
+    # A state saved before `initialized` existed: None means nothing seen yet.
+    handler.load_state_dict({"best": None, "best_step": None, "wait": 0})
+    assert handler.update_state(7.0, 1)
 
 
 # --- argument validation ---------------------------------------------------------------------
@@ -387,13 +397,12 @@ def test_non_integer_patience():
         MetricMonitoringStopHandler("loss", patience=1.5)
 
 
-def test_negative_min_delta():
-    with pytest.raises(ValueError, match=r"min_delta must be non-negative, got min_delta=-0\.1"):
-        MetricMonitoringStopHandler("loss", min_delta=-0.1)
+def test_negative_min_delta_is_taken_as_its_absolute_value():
+    assert MetricMonitoringStopHandler("loss", min_delta=-0.1).min_delta == 0.1  # reference
 
 
 def test_nan_min_delta():
-    with pytest.raises(ValueError, match="min_delta must be non-negative, got min_delta=nan"):
+    with pytest.raises(ValueError, match="min_delta must be a number, got min_delta=nan"):
         MetricMonitoringStopHandler("loss", min_delta=NAN)
 
 
@@ -421,7 +430,7 @@ def test_stop_training_error_defaults_and_pickle():
     assert err.best_step is None and err.best_metric is None
     clone = pickle.loads(pickle.dumps(StopTrainingError("x", best_step=3, best_metric=0.25)))
     assert (str(clone), clone.best_step, clone.best_metric) == (
-        "x (best_metric=0.25, best_step=3)",
+        "x Training stopped early. Best Step: 3, Best Metric: 0.2500",
         3,
         0.25,
     )
@@ -438,3 +447,31 @@ def test_end_to_end_with_stop_training_error():
                 raise StopTrainingError("accuracy plateaued", best_step, best)
     assert info.value.best_step == 300
     assert info.value.best_metric == 0.65
+
+
+# --- google/jaxloop's public attributes ------------------------------------------------------
+
+
+def test_reference_attributes_and_semantics():
+    loss = MetricMonitoringStopHandler("val_loss", patience=2)
+    assert (loss.monitored_metric, loss.min_delta, loss.patience, loss.baseline) == (
+        "val_loss", 1e-8, 2, None)
+    assert MetricMonitoringStopHandler("x").patience == 10  # the reference's defaults
+    assert loss.monitored_op is np.less and loss.monitored_op(1.0, 2.0)
+    assert loss.best == INF and loss.best_step == 0
+    acc = MetricMonitoringStopHandler("top1acc")  # the reference's suffix rule
+    assert acc.monitored_op is np.greater and acc.best == -INF
+    assert MetricMonitoringStopHandler("x", baseline=0.3, mode="max").best == 0.3
+    # The sequence of the reference's own ActionLoop test: 1.0, 0.5, 0.6, 0.7 stops with
+    # patience 2 at the fourth value, best 0.5 at step 1.
+    for step, value in enumerate([1.0, 0.5, 0.6, 0.7]):
+        loss.update_state(value, step)
+        assert loss.should_stop() == (step == 3)
+    assert (loss.best, loss.best_step, loss.patience_left) == (0.5, 1, 0)
+    assert loss.get_best_info() == (0.5, 1)
+
+
+def test_stop_training_error_without_best_metric_formats():
+    # The reference formats best_metric with :.4f and raises TypeError when it is None.
+    assert str(StopTrainingError("stop", best_step=3)) == (
+        "stop Training stopped early. Best Step: 3, Best Metric: None")
