@@ -28,13 +28,12 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
+from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
 from jaxloop import types
 
@@ -145,17 +144,6 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
     raise ValueError(f"{path} is {spec!r}: {_SPEC_HELP}")
 
 
-def _map_variables(state: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:
-    """Maps each variable of an nnx State to `fn(variable)`, as a nested pure dict."""
-    out: dict = {}
-    for path, var in nnx.to_flat_state(state):
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = fn(var)
-    return out
-
-
 class Step:
     """One batch of training or evaluation. Subclass and override `run`.
 
@@ -167,6 +155,9 @@ class Step:
       optimizer: an optax transformation (identity for eval steps).
       partitioner: where arrays live; single device when None.
       train: whether this is a training step (its state buffers are donated to `run`).
+        nnx models run in train mode in a training step and in eval mode (dropout off,
+        BatchNorm on running averages) otherwise; a linen model takes its mode as a call
+        argument, by the idiom ``deterministic=not train`` (see `jaxloop.model`).
       should_shard_batch: whether `__call__` shards the batch (off when batches arrive
         already on the devices).
       nnx_model_args: positional arguments for an nnx module class.
@@ -178,7 +169,7 @@ class Step:
     def __init__(
         self,
         base_prng: types.PRNGType,
-        model: nn.Module | type[nnx.Module] | nnx.Module,
+        model: model_lib.Model,
         optimizer: optax.GradientTransformation = _IDENTITY,
         partitioner: partition_lib.Partitioner | None = None,
         train: bool = False,
@@ -188,36 +179,15 @@ class Step:
         end_actions: Sequence[Any] | None = None,
         **nnx_model_kwargs: Any,
     ):
-        is_nnx_class = isinstance(model, type) and issubclass(model, nnx.Module)
-        if is_nnx_class:
-            if nnx_model_args is None:
-                raise ValueError(
-                    f"{model.__name__} is an nnx module class: pass its constructor arguments "
-                    "as nnx_model_args=(...) (use () when it takes none besides rngs)"
-                )
-        elif isinstance(model, nn.Module | nnx.Module):
-            if nnx_model_args is not None or nnx_model_kwargs:
-                raise ValueError(
-                    f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are "
-                    f"only for nnx module classes; {type(model).__name__} is an already "
-                    "constructed module"
-                )
-        else:
-            raise TypeError(
-                "model must be a flax linen module instance or an nnx module class, got "
-                f"{model!r}"
-            )
+        self._adapter = model_lib.adapt(model, nnx_model_args, nnx_model_kwargs)
         self._base_prng = base_prng
         self._model = model
         self._optimizer = optimizer
         self._partitioner = partitioner or partition_lib.SingleDevicePartitioner()
         self._train = train
         self._should_shard_batch = should_shard_batch
-        self._nnx_model_args = tuple(nnx_model_args or ())
-        self._nnx_model_kwargs = nnx_model_kwargs
         self._begin_actions = list(begin_actions or [])
         self._end_actions = list(end_actions or [])
-        self._nnx_graphdef: Any = None
         self._compiled: Callable | None = None
         self._runs_host_batches = False
         self._jit_kwargs: dict[str, Any] = {}
@@ -277,52 +247,15 @@ class Step:
             return {k: jax.random.fold_in(v, step) for k, v in self._base_prng.items()}
         return jax.random.fold_in(self._base_prng, step)
 
-    def _init_rngs(self) -> dict[str, jax.Array]:
-        if isinstance(self._base_prng, Mapping):
-            rngs = dict(self._base_prng)
-            rngs.setdefault("params", next(iter(rngs.values())))
-            return rngs
-        params_key, dropout_key = jax.random.split(self._base_prng)
-        return {"params": params_key, "dropout": dropout_key}
-
     # -- model state --------------------------------------------------------------------------
 
-    def _nnx_apply(self, variables: Mapping[str, Any], *args: Any, mutable: Any = False,
-                   **kwargs: Any) -> Any:
-        """A linen-style `apply` for nnx models, so one `run` works for both APIs."""
-        kwargs.pop("rngs", None)  # nnx modules carry their own RNG streams.
-        rest = variables.get("batch_stats") or {}
-        model = nnx.merge(self._nnx_graphdef, variables["params"], rest)
-        out = model(*args, **kwargs)
-        if mutable:
-            _, _, new_rest = nnx.split(model, nnx.Param, ...)
-            return out, {"batch_stats": new_rest.to_pure_dict()}
-        return out
-
     def _create_state(self, batch: Batch) -> State:
-        rngs = self._init_rngs()
-        if isinstance(self._model, nn.Module):
-            variables = self._model.init(rngs, batch)
-            return State.create(
-                apply_fn=self._model.apply,
-                params=variables["params"],
-                tx=self._optimizer,
-                batch_stats=variables.get("batch_stats"),
-            )
-        if isinstance(self._model, nnx.Module):
-            model = nnx.clone(self._model)
-        else:
-            model = self._model(
-                *self._nnx_model_args, rngs=nnx.Rngs(**rngs), **self._nnx_model_kwargs
-            )
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        self._nnx_graphdef = graphdef
-        rest_dict = rest.to_pure_dict()
+        variables = self._adapter.init(self._base_prng, batch)
         return State.create(
-            apply_fn=self._nnx_apply,
-            params=_map_variables(params, _nnx_param_leaf),
+            apply_fn=self._adapter.apply,
+            params=variables["params"],
             tx=self._optimizer,
-            batch_stats=rest_dict or None,
+            batch_stats=variables.get("batch_stats"),
         )
 
     def initialize_model(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
@@ -381,7 +314,7 @@ class Step:
         """
         kwargs = {"donate_argnums": (0,)} if self._train else {}
         kwargs.update(jit_kwargs)
-        self._compiled = self._partitioner.partition(self.run, **kwargs)
+        self._compiled = self._partitioner.partition(self._run_in_mode, **kwargs)
         self._jit_kwargs = kwargs
         self._compiled_steps = {}
         # Whether `__call__` may let the compiled call place host batches: only where
@@ -401,7 +334,7 @@ class Step:
             if self._compiled is None:
                 self.compile()
             program = self._partitioner.partition_steps(
-                self.run, carry_state=carry_state, unroll=unroll, **self._jit_kwargs
+                self._run_in_mode, carry_state=carry_state, unroll=unroll, **self._jit_kwargs
             )
             self._compiled_steps[(carry_state, unroll)] = program
         return program
@@ -478,6 +411,12 @@ class Step:
     def run(self, state: State, batch: Batch) -> tuple[State, Output | None]:
         """The computation for one batch; traced and compiled. Override this."""
         raise NotImplementedError("Subclasses of Step must implement run(state, batch)")
+
+    def _run_in_mode(self, state: State, batch: Batch, *args: Any,
+                     **kwargs: Any) -> tuple[State, Output | None]:
+        # nnx models follow this step's mode while `run` is traced (see model.training_mode).
+        with model_lib.training_mode(self._train):
+            return self.run(state, batch, *args, **kwargs)
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         """Runs after the compiled `run`, outside jit.
@@ -614,13 +553,3 @@ class Step:
                         "separately (loops with steps_per_execution do this)"
                     )
 
-
-def _nnx_param_leaf(var: nnx.Variable) -> Any:
-    """An nnx Param's value, boxed like linen's `nn.Partitioned` when it has a sharding.
-
-    Boxing lets every partitioner read nnx sharding metadata the same way as linen's, and
-    optax then builds optimizer state with the same annotations.
-    """
-    names = var.get_metadata().get("out_sharding")
-    value = var.get_value()
-    return nn.Partitioned(value, names=tuple(names)) if names else value
