@@ -219,14 +219,16 @@ class OuterLoop:
         return data.prefetch_to_device(iterator, step.prepare_batch, self._prefetch)
 
     def _restore(self, state: State, iterator: Iterator[Any]) -> State:
+        # An abstract state (`Step.abstract_state`) is restored straight into place, or
+        # initialised by the step when there is nothing to restore.
         if self._checkpoint_spec is None:
-            return state
+            return self._train_loop.step.materialize(state)
         restored, meta = checkpoint.restore(
             state, self._checkpoint_spec.checkpoint_dir,
             partitioner=self._train_loop.step.partitioner,
         )
         if restored is state:
-            return state
+            return self._train_loop.step.materialize(state)
         from jaxloop import data  # noqa: PLC0415
 
         if restored.dataset_state is not None:

@@ -144,6 +144,13 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
     raise ValueError(f"{path} is {spec!r}: {_SPEC_HELP}")
 
 
+def is_abstract(state: Any) -> bool:
+    """Whether `state` only describes arrays (`jax.ShapeDtypeStruct` leaves, as from
+    `Step.abstract_state`) instead of holding them."""
+    leaves = jax.tree.leaves(state)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
 class Step:
     """One batch of training or evaluation. Subclass and override `run`.
 
@@ -194,6 +201,9 @@ class Step:
         # The multi-step programs of `call_steps`, keyed by (carry_state, unroll).
         self._compiled_steps: dict[tuple[bool, int | bool], Callable] = {}
         self._num_params: int | None = None
+        # The batch spec of the last `abstract_state`, to initialise it when nothing is
+        # restored (host-side configuration, like the model itself).
+        self._abstract_spec: types.BatchSpec | None = None
         self._num_flops: float | None = None
 
     # -- properties -------------------------------------------------------------------------
@@ -276,14 +286,58 @@ class Step:
             log.info("Number of parameters: %d", self._num_params)
         return state
 
+    def abstract_state(self, spec: types.BatchSpec) -> State:
+        """The state `initialize_model` would create, described but not built.
+
+        Every array leaf is a `jax.ShapeDtypeStruct` with the shape, dtype and sharding the
+        partitioner gives it (`jax.eval_shape`: no device memory is used). Pass it where a
+        state is restored (`restore_model`, `OuterLoop`, `checkpoint.restore`) so the
+        checkpoint lands straight in place, without a freshly initialised state alive beside
+        it; where there is no checkpoint yet, those initialise the state from this step
+        (`materialize`).
+
+        Example::
+
+            state = step.restore_model(step.abstract_state([1, 28, 28, 1]), ckpt_dir)
+        """
+        batch = zeros_from_spec(spec)
+        abstract = self._partitioner.abstract_init_fn(self._create_state)(batch)
+        self._abstract_spec = spec
+        return abstract
+
+    def materialize(self, state: State) -> State:
+        """`state` if it holds arrays; for an abstract state (`abstract_state`), the state
+        initialised from the spec it was described with.
+
+        Raises:
+          ValueError: an abstract state this step did not describe.
+        """
+        if not is_abstract(state):
+            return state
+        if self._abstract_spec is None:
+            raise ValueError(
+                "Cannot initialise an abstract state this step did not describe: create it "
+                "with step.abstract_state(spec), or pass step.initialize_model(spec)"
+            )
+        new = self.initialize_model(self._abstract_spec)
+        if jax.tree.structure(new) != jax.tree.structure(state):
+            raise ValueError(
+                "The abstract state does not match the model this step initialises: "
+                f"{jax.tree.structure(state)} vs {jax.tree.structure(new)}"
+            )
+        return new
+
     def restore_model(
         self, state: State, checkpoint_dir: Any, step: int | None = None
     ) -> State:
         """Restores `state` from the orbax checkpoints in `checkpoint_dir`.
 
-        Restores the latest step unless `step` is given, placing every array as the
-        partitioner places the given state. An eval step (``train=False``) restores no
-        optimizer state. With no checkpoint there, logs and returns `state` unchanged.
+        Restores the latest step unless `step` is given, placing every array as the given
+        state's arrays are placed (whichever partitioner instance placed them). `state` may
+        be abstract (`abstract_state`): the checkpoint is then read straight into place, and
+        with no checkpoint the state is initialised (`materialize`). An eval step
+        (``train=False``) restores no optimizer state. With no checkpoint there, logs and
+        returns `state` unchanged.
 
         Example::
 
@@ -291,9 +345,10 @@ class Step:
         """
         from jaxloop import checkpoint  # noqa: PLC0415 (orbax is heavy; import when used)
 
-        return checkpoint.restore_state(
+        restored = checkpoint.restore_state(
             state, checkpoint_dir, step, self._partitioner, skip_optimizer=not self._train
         )
+        return self.materialize(restored)
 
     def compute_num_params(self, state: State) -> int:
         """Counts the parameters of `state` (and remembers it as `num_params`)."""
