@@ -241,7 +241,8 @@ class Step:
 
     @property
     def num_flops(self) -> float | None:
-        """Flops of one compiled `run`, known after a call with `log_num_flops=True`."""
+        """Flops of one whole step (all devices), known after a call with
+        `log_num_flops=True` (see `compute_num_flops`)."""
         return self._num_flops
 
     # -- randomness -------------------------------------------------------------------------
@@ -395,9 +396,14 @@ class Step:
         return program
 
     def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float:
-        """Flops of one compiled `run` on this (sharded) batch, from XLA's cost analysis."""
+        """Flops of one whole `run` on this batch (all devices together), from XLA's cost
+        analysis of the program before it is split across devices.
+
+        Nothing is compiled for it (the step is only lowered), and the figure does not
+        depend on the partitioner: single device, data parallel and SPMD agree.
+        """
         compiled = self._compiled or self.compile()
-        analysis = compiled.lower(state, batch, **kwargs).compile().cost_analysis()
+        analysis = compiled.lower(state, batch, **kwargs).cost_analysis()
         if isinstance(analysis, list | tuple):
             analysis = analysis[0] if analysis else {}
         self._num_flops = float((analysis or {}).get("flops", 0.0))
@@ -493,21 +499,27 @@ class Step:
         """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions.
 
         When nothing looks at the sharded batch before `run` (`prepare_batch` and `begin`
-        not overridden, no begin action firing), the compiled call places the host batch
-        itself, exactly as `Partitioner.shard_batch` would: one dispatch instead of two.
+        not overridden), the compiled call places the host batch itself, exactly as
+        `Partitioner.shard_batch` would: one dispatch instead of two. A begin action firing
+        on this step is given a placed copy, and `log_num_flops` only lowers the step, so
+        every step runs the one compiled program.
         """
         compiled = self._compiled or self.compile()
         if isinstance(batch, PreparedBatch):
             batch = batch.batch
-        elif (
-            self._runs_host_batches
-            and not log_num_flops
-            and not kwargs
-            and not (self._begin_actions and any(
-                action_fires(a, per_loop_step_number, begin=True) for a in self._begin_actions
-            ))
-        ):
-            state, outputs = compiled.call_placing_batch(state, self.preprocess_batch(batch))
+        elif self._runs_host_batches and not kwargs:
+            host = self.preprocess_batch(batch)
+            if log_num_flops:
+                self.compute_num_flops(state, host)
+            if self._begin_actions:
+                for action in self._begin_actions:
+                    if action_fires(action, per_loop_step_number, begin=True):
+                        # Actions see the batch on the devices; the step still gets the host
+                        # batch, so every step runs the one compiled program.
+                        placed = self._partitioner.shard_batch(host)
+                        action(state, None, batch=placed,
+                               per_loop_step_number=per_loop_step_number)
+            state, outputs = compiled.call_placing_batch(state, host)
             return self._end_step(state, outputs, per_loop_step_number)
         else:
             batch = self.prepare_batch(batch).batch
