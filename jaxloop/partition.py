@@ -718,9 +718,6 @@ class SPMDPartitioner(Partitioner):
                             f"{tuple(x.names)} resolves to mesh axis {a!r}, which the mesh "
                             f"{dict(self._mesh.shape)} does not have"
                         )
-            axes = self._fsdp(shape, axes)
-            while axes and axes[-1] is None:
-                axes.pop()
-            return P(*axes)
+            return P(*self._fsdp(shape, axes))
 
         return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=_is_box)

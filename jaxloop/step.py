@@ -287,7 +287,7 @@ class Step:
             log.info("Number of parameters: %d", self._num_params)
         return state
 
-    def abstract_state(self, spec: types.BatchSpec) -> State:
+    def abstract_state(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
         """The state `initialize_model` would create, described but not built.
 
         Every array leaf is a `jax.ShapeDtypeStruct` with the shape, dtype and sharding the
@@ -304,6 +304,9 @@ class Step:
         batch = zeros_from_spec(spec)
         abstract = self._partitioner.abstract_init_fn(self._create_state)(batch)
         self._abstract_spec = spec
+        self.compute_num_params(abstract)
+        if log_num_params:
+            log.info("Number of parameters: %d", self._num_params)
         return abstract
 
     def materialize(self, state: State) -> State:
@@ -353,7 +356,9 @@ class Step:
 
     def compute_num_params(self, state: State) -> int:
         """Counts the parameters of `state` (and remembers it as `num_params`)."""
-        self._num_params = int(sum(np.size(x) for x in jax.tree.leaves(state.params)))
+        self._num_params = int(sum(
+            int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(state.params)
+        ))
         return self._num_params
 
     # -- compilation ----------------------------------------------------------------------------

@@ -217,9 +217,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         eval_loops=[evaluator],
         checkpoint_spec=outer_loop.CheckpointSpec(os.path.join(workdir, "checkpoints")),
     )
-    state = train_step.initialize_model([1, 8, 8, 1], log_num_params=True)
+    # An abstract state (shapes, dtypes, shardings): the outer loop restores the last
+    # checkpoint straight into place, or initialises the state when there is none, so a
+    # resumed job never holds a fresh state beside the restored one.
     state, _ = outer(
-        state,
+        train_step.abstract_state([1, 8, 8, 1], log_num_params=True),
         train_dataset=iter(train_ds),
         train_total_steps=args.train_steps,
         train_loop_steps=args.train_loop_steps,
