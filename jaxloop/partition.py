@@ -424,13 +424,21 @@ class _PartitionedFn:
         self._fn = fn
         self._unroll = unroll
         self._jit_kwargs = jit_kwargs
+        self._traced = {
+            _ONE_STEP: self._one_step, _CARRIED: self._carried, _FIXED: self._fixed
+        }[mode]
+        # One compiled program per placement of the input state, each pinning its output
+        # state to that placement: a memo of a pure function of the arrays' shardings.
+        self._programs: dict[Any, tuple[PyTree, Callable, dict]] = {}
+        self._key: Any = object()
+        # The current program: its pin (read while tracing), the jitted function, and its
+        # variants whose batch argument has pinned shardings, so host batches are placed by
+        # the call itself (keyed by the batch placement).
         self._state_shardings: PyTree = None
-        traced = {_ONE_STEP: self._one_step, _CARRIED: self._carried, _FIXED: self._fixed}
-        self._jitted = jax.jit(traced[mode], **jit_kwargs)
-        # Variants of a one-step function whose batch argument has pinned shardings, so
-        # host batches are placed by the call itself; keyed by the batch placement.
+        self._jitted: Callable = None  # type: ignore[assignment]
         self._placing: dict[tuple, Callable] = {}
         self._can_place = mode == _ONE_STEP and "in_shardings" not in jit_kwargs
+        jax.jit(self._traced, **jit_kwargs)  # an unknown jit flag is a TypeError here
 
     def _pin(self, state: PyTree) -> PyTree:
         # The pinned placement also fixes how XLA partitions the gradient reductions, so a
@@ -476,9 +484,23 @@ class _PartitionedFn:
             return jax.tree.map(lambda x: x.sharding, state)
         return self._partitioner.state_shardings(state)
 
+    def _select(self, state: PyTree) -> None:
+        """Makes the program for this state's placement current (cheap when unchanged)."""
+        key = None if state is None else tuple(
+            getattr(x, "sharding", None) for x in jax.tree.leaves(state)
+        )
+        if key == self._key:
+            return
+        entry = self._programs.get(key)
+        if entry is None:
+            pin = None if state is None else self._input_shardings(state)
+            entry = (pin, jax.jit(self._traced, **self._jit_kwargs), {})
+            self._programs[key] = entry
+        self._key = key
+        self._state_shardings, self._jitted, self._placing = entry
+
     def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, Any]:
-        if self._state_shardings is None and state is not None:
-            self._state_shardings = self._input_shardings(state)
+        self._select(state)
         return self._jitted(state, *args, **kwargs)
 
     def call_placing_batch(self, state: PyTree, batch: PyTree) -> tuple[PyTree, Any]:
@@ -488,6 +510,7 @@ class _PartitionedFn:
         placement = self._partitioner._host_batch_placement(batch) if self._can_place else None
         if placement is None:
             return self(state, self._partitioner.shard_batch(batch))
+        self._select(state)
         jitted = self._placing.get(placement.key)
         if jitted is None:
             # None leaves the state's placement to its arguments, as in the plain variant.
@@ -495,14 +518,11 @@ class _PartitionedFn:
                 self._one_step, in_shardings=(None, placement.tree), **self._jit_kwargs
             )
             self._placing[placement.key] = jitted
-        if self._state_shardings is None and state is not None:
-            self._state_shardings = self._input_shardings(state)
         return jitted(state, batch)
 
     def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
         """Lowers the jitted function for these arguments (for cost analysis)."""
-        if self._state_shardings is None and state is not None:
-            self._state_shardings = self._input_shardings(state)
+        self._select(state)
         return self._jitted.lower(state, *args, **kwargs)
 
 

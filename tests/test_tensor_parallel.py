@@ -191,3 +191,20 @@ def test_partitioner_sharding_is_the_states_and_partition_returns_any_pytree():
 
     out = part.partition(metrics)(state, part.shard_batch(toy_data(32)))
     assert set(out) == {"mean", "max"} and np.isfinite(float(out["mean"]))
+
+
+def test_a_compiled_step_keeps_each_input_states_placement():
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    part = partition.FSDPPartitioner(mesh, "data", min_weight_size=64)
+    step = ClassifierStep(jax.random.key(0), LogicalMLP(), optimizer=optax.adam(1e-2),
+                          partitioner=part, train=True)
+    split = step.initialize_model([1, 16])
+    # A copy (the training step donates its input state's buffers).
+    replicated = jax.tree.map(
+        lambda x: jax.device_put(np.asarray(x), NamedSharding(mesh, P())), split)
+    # The first state seen does not decide where later ones go: no memo changes a result.
+    out_split, loss_split = step(split, toy_data(32))
+    out_repl, loss_repl = step(replicated, toy_data(32))
+    assert out_split.params["up"]["kernel"].sharding.spec == P(None, "data")
+    assert out_repl.params["up"]["kernel"].sharding.spec == P()
+    np.testing.assert_allclose(float(loss_repl["loss"]), float(loss_split["loss"]), rtol=1e-6)
