@@ -7,7 +7,12 @@ Four strategies share one interface:
 - `FSDPPartitioner`: like data parallel, but every large parameter and optimizer-state leaf is
   split along the data axis too, so each device holds about 1/N of the state.
 - `SPMDPartitioner`: honours flax partitioning annotations (`nn.with_partitioning`, nnx
-  sharding metadata) for tensor/model parallelism on a multi-axis mesh.
+  sharding metadata, and logical names through `logical_axis_rules`) for tensor/model
+  parallelism on a multi-axis mesh, optionally with FSDP on top (`fsdp_min_weight_size`).
+
+A partitioner is a pure policy: where a new state goes follows from its shapes and
+annotations, and an existing state stays where its arrays are (`state_shardings`), so a
+restore through another partitioner instance lands where the target state's arrays are.
 
 Example::
 
