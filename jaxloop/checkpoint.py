@@ -252,7 +252,9 @@ def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> A
         shardings = {k: v for k, v in shardings.items() if k not in skip}
     else:
         default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        shardings = jax.tree.map(lambda x: getattr(x, "sharding", default), arrays)
+        shardings = jax.tree.map(lambda x: getattr(x, "sharding", None) or default, arrays)
+    # The target may itself be abstract (`Step.abstract_state`): only shapes, dtypes and
+    # shardings are read, so the restore needs no initialised state.
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype), sharding=s),
         arrays,

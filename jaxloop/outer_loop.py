@@ -261,13 +261,15 @@ class OuterLoop:
     def _restore(self, state: State, iterator: Iterator[Any]) -> State:
         self._evals_pending = False
         spec = self._checkpoint_spec
+        step = self._train_loop.step
+        # An abstract state (`Step.abstract_state`) is restored straight into place, or
+        # initialised by the step when there is nothing to restore.
         if spec is None:
-            return state
-        restored = self._train_loop.step.restore_model(
-            state, spec.checkpoint_dir, transforms=spec.transforms
-        )
-        if restored is state:
-            return state
+            return step.materialize(state)
+        had_checkpoint = bool(checkpoint.all_steps(spec.checkpoint_dir))
+        restored = step.restore_model(state, spec.checkpoint_dir, transforms=spec.transforms)
+        if not had_checkpoint:
+            return restored
         meta = checkpoint.read_meta(spec.checkpoint_dir, int(restored.step))
         # The iterator holds the position; the state carries no host data into jit.
         restored = restored.replace(dataset_state=None)

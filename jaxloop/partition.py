@@ -7,7 +7,12 @@ Four strategies share one interface:
 - `FSDPPartitioner`: like data parallel, but every large parameter and optimizer-state leaf is
   split along the data axis too, so each device holds about 1/N of the state.
 - `SPMDPartitioner`: honours flax partitioning annotations (`nn.with_partitioning`, nnx
-  sharding metadata) for tensor/model parallelism on a multi-axis mesh.
+  sharding metadata, and logical names through `logical_axis_rules`) for tensor/model
+  parallelism on a multi-axis mesh, optionally with FSDP on top (`fsdp_min_weight_size`).
+
+A partitioner is a pure policy: where a new state goes follows from its shapes and
+annotations, and an existing state stays where its arrays are (`state_shardings`), so a
+restore through another partitioner instance lands where the target state's arrays are.
 
 Example::
 
@@ -29,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
+from flax.core import spmd as core_spmd
+from flax.linen import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -101,9 +108,10 @@ class Partitioner(abc.ABC):
         self._replicated = NamedSharding(mesh, P())
         self._stacked_sharding = NamedSharding(mesh, P(None, data_axis))
         self._local_data_shards = self._count_local_data_shards()
-        # Shardings chosen for states this partitioner created, so a jitted step can pin its
-        # output state to exactly the placement of its input state (keeps donation aliasing).
-        self._known_state_shardings: dict[Any, PyTree] = {}
+        # The shardings of the last state `shard_init_fn` created: only reported by
+        # `sharding`, never read to place anything (placement is a pure function of the
+        # state's arrays and the model's annotations).
+        self._last_state_shardings: PyTree = None
         # Batch layouts already validated, keyed by (stacked, treedef, leaf shapes): a
         # training run sees one or two layouts, so the per-leaf checks run once per layout.
         self._placements: dict[tuple, _Placement] = {}
@@ -131,9 +139,22 @@ class Partitioner(abc.ABC):
         return self._data_axis
 
     @property
-    def sharding(self) -> NamedSharding:
+    def batch_sharding(self) -> NamedSharding:
         """The sharding of batch leaves: leading dimension split along the data axis."""
         return self._batch_sharding
+
+    @property
+    def sharding(self) -> PyTree:
+        """The state's sharding, as in the Jaxloop reference.
+
+        Data parallel (and single device): the replicated ``NamedSharding(mesh, P())``
+        every state leaf has. FSDP and SPMD place each leaf by its shape and annotations,
+        so there it is the tree of shardings of the state last created through
+        `shard_init_fn` (`Step.initialize_model` / `Step.abstract_state`), None before.
+        It is a report only: placement never reads it. For the batch's sharding see
+        `batch_sharding`.
+        """
+        return self._last_state_shardings
 
     @abc.abstractmethod
     def state_specs(self, abstract_state: PyTree) -> PyTree:
@@ -147,18 +168,55 @@ class Partitioner(abc.ABC):
     def state_shardings(self, state: PyTree) -> PyTree:
         """The `NamedSharding` of each state leaf under this partitioner's rule.
 
-        Works on concrete or abstract states (anything with `.shape`); used to place a state
+        Leaves that already carry a sharding (placed arrays, `jax.ShapeDtypeStruct`s with
+        one) keep it; otherwise the rule decides (`state_specs`). Used to place a state
         restored from a checkpoint exactly where training expects it.
         """
-        known = self._known_state_shardings.get(jax.tree.structure(_unboxed(state)))
-        if known is not None:
-            return known
+        leaves = jax.tree.leaves(state, is_leaf=_is_box)
+        placed = [getattr(x, "sharding", None) for x in leaves]
+        if leaves and all(isinstance(p, jax.sharding.Sharding) for p in placed):
+            # Placement is a property of the arrays: keep it (a restore lands where the
+            # target state's arrays are, whichever partitioner instance asks).
+            return jax.tree.map(lambda x: x.sharding, state)
         specs = self.state_specs(state)
         return jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
 
     def _mesh_context(self) -> contextlib.AbstractContextManager:
         """The context state creation runs in; SPMD needs its mesh there (see there)."""
         return contextlib.nullcontext()
+
+    def trace_context(self) -> contextlib.AbstractContextManager:
+        """The context a partitioned function is traced in: this partitioner's mesh (as an
+        abstract mesh), so ``jax.lax.with_sharding_constraint(x, P('data'))`` works in a
+        step's `run`."""
+        return jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh)
+
+    def abstract_init_fn(self, init_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
+        """Like `shard_init_fn`, but the state is only described, never built: its leaves
+        are `jax.ShapeDtypeStruct`s with the shapes, dtypes and shardings `shard_init_fn`
+        would give them (`jax.eval_shape`; no device memory is used).
+
+        Example::
+
+            abstract = partitioner.abstract_init_fn(create_state)(example_batch)
+        """
+
+        def abstract_init(*args: Any, **kwargs: Any) -> PyTree:
+            with self._mesh_context():
+                abstract = jax.eval_shape(init_fn, *args, **kwargs)
+                shardings = self._shardings_of_new(abstract)
+            return jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                _unboxed(abstract), shardings,
+            )
+
+        return abstract_init
+
+    def _shardings_of_new(self, abstract: PyTree) -> PyTree:
+        specs = self.state_specs(abstract)
+        shardings = jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
+        self._last_state_shardings = shardings
+        return shardings
 
     def shard_init_fn(self, init_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
         """Wraps a state-creating function so its result is born in place on the mesh.
@@ -176,9 +234,7 @@ class Partitioner(abc.ABC):
         def sharded_init(*args: Any, **kwargs: Any) -> PyTree:
             with self._mesh_context():
                 abstract = jax.eval_shape(init_fn, *args, **kwargs)
-                specs = self.state_specs(abstract)
-                shardings = jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
-                self._known_state_shardings[jax.tree.structure(shardings)] = shardings
+                shardings = self._shardings_of_new(abstract)
                 fn = jax.jit(lambda *a, **k: _unboxed(init_fn(*a, **k)), out_shardings=shardings)
                 return fn(*args, **kwargs)
 
@@ -299,11 +355,13 @@ class Partitioner(abc.ABC):
             )
         return stack(list(batches))
 
-    def partition(self, fn: Callable[..., tuple[PyTree, Any]], **jit_kwargs: Any) -> Callable:
-        """Jits `fn(state, batch, ...) -> (state, outputs)` for this placement.
+    def partition(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable:
+        """Jits `fn(state, batch, ...)` for this placement, whatever pytree it returns.
 
-        The output state is pinned to the input state's shardings (so donated buffers are
-        reused in place and FSDP state stays split); outputs follow XLA's propagation, which
+        `fn` is traced under this partitioner's mesh (`trace_context`). When it returns
+        ``(state, outputs)``, the output state is pinned to the input state's shardings (so
+        donated buffers are reused in place and FSDP state stays split); outputs follow
+        XLA's propagation, which
         keeps per-example outputs split like the batch. `jit_kwargs` go to `jax.jit`; an
         unknown one raises TypeError here, not at the first call.
 
@@ -371,13 +429,21 @@ class _PartitionedFn:
         self._fn = fn
         self._unroll = unroll
         self._jit_kwargs = jit_kwargs
+        self._traced = {
+            _ONE_STEP: self._one_step, _CARRIED: self._carried, _FIXED: self._fixed
+        }[mode]
+        # One compiled program per placement of the input state, each pinning its output
+        # state to that placement: a memo of a pure function of the arrays' shardings.
+        self._programs: dict[Any, tuple[PyTree, Callable, dict]] = {}
+        self._key: Any = object()
+        # The current program: its pin (read while tracing), the jitted function, and its
+        # variants whose batch argument has pinned shardings, so host batches are placed by
+        # the call itself (keyed by the batch placement).
         self._state_shardings: PyTree = None
-        traced = {_ONE_STEP: self._one_step, _CARRIED: self._carried, _FIXED: self._fixed}
-        self._jitted = jax.jit(traced[mode], **jit_kwargs)
-        # Variants of a one-step function whose batch argument has pinned shardings, so
-        # host batches are placed by the call itself; keyed by the batch placement.
+        self._jitted: Callable = None  # type: ignore[assignment]
         self._placing: dict[tuple, Callable] = {}
         self._can_place = mode == _ONE_STEP and "in_shardings" not in jit_kwargs
+        jax.jit(self._traced, **jit_kwargs)  # an unknown jit flag is a TypeError here
 
     def _pin(self, state: PyTree) -> PyTree:
         # The pinned placement also fixes how XLA partitions the gradient reductions, so a
@@ -389,8 +455,11 @@ class _PartitionedFn:
         return state
 
     def _one_step(self, state: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, Any]:
-        new_state, outputs = self._fn(state, *args, **kwargs)
-        return self._pin(new_state), outputs
+        with self._partitioner.trace_context():
+            result = self._fn(state, *args, **kwargs)
+        if isinstance(result, tuple) and len(result) == 2:
+            return self._pin(result[0]), result[1]
+        return result  # any other pytree (a dict of metrics, ...) as the function made it
 
     def _carried(self, state: PyTree, batches: PyTree, *args: Any,
                  **kwargs: Any) -> tuple[PyTree, Any]:
@@ -420,9 +489,23 @@ class _PartitionedFn:
             return jax.tree.map(lambda x: x.sharding, state)
         return self._partitioner.state_shardings(state)
 
+    def _select(self, state: PyTree) -> None:
+        """Makes the program for this state's placement current (cheap when unchanged)."""
+        key = None if state is None else tuple(
+            getattr(x, "sharding", None) for x in jax.tree.leaves(state)
+        )
+        if key == self._key:
+            return
+        entry = self._programs.get(key)
+        if entry is None:
+            pin = None if state is None else self._input_shardings(state)
+            entry = (pin, jax.jit(self._traced, **self._jit_kwargs), {})
+            self._programs[key] = entry
+        self._key = key
+        self._state_shardings, self._jitted, self._placing = entry
+
     def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, Any]:
-        if self._state_shardings is None and state is not None:
-            self._state_shardings = self._input_shardings(state)
+        self._select(state)
         return self._jitted(state, *args, **kwargs)
 
     def call_placing_batch(self, state: PyTree, batch: PyTree) -> tuple[PyTree, Any]:
@@ -432,6 +515,7 @@ class _PartitionedFn:
         placement = self._partitioner._host_batch_placement(batch) if self._can_place else None
         if placement is None:
             return self(state, self._partitioner.shard_batch(batch))
+        self._select(state)
         jitted = self._placing.get(placement.key)
         if jitted is None:
             # None leaves the state's placement to its arguments, as in the plain variant.
@@ -439,14 +523,11 @@ class _PartitionedFn:
                 self._one_step, in_shardings=(None, placement.tree), **self._jit_kwargs
             )
             self._placing[placement.key] = jitted
-        if self._state_shardings is None and state is not None:
-            self._state_shardings = self._input_shardings(state)
         return jitted(state, batch)
 
     def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
         """Lowers the jitted function for these arguments (for cost analysis)."""
-        if self._state_shardings is None and state is not None:
-            self._state_shardings = self._input_shardings(state)
+        self._select(state)
         return self._jitted.lower(state, *args, **kwargs)
 
 
@@ -461,6 +542,11 @@ class DataParallelPartitioner(Partitioner):
 
     def __init__(self, mesh: Mesh, data_axis: str = "data"):
         super().__init__(mesh, data_axis)
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """The state's sharding: replicated, ``NamedSharding(mesh, P())``."""
+        return self._replicated
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         return jax.tree.map(lambda _: P(), _unboxed(abstract_state))
@@ -516,36 +602,147 @@ class FSDPPartitioner(Partitioner):
 class SPMDPartitioner(Partitioner):
     """Places each state leaf as its flax partitioning annotation says.
 
-    Parameters created with `nn.with_partitioning(init, ('data', 'model'))` (linen) or nnx
-    variables with sharding metadata are split along those mesh axes; optimizer-state leaves
-    built from them inherit the annotation (optax maps over the boxed parameters); leaves
-    without an annotation are replicated. The batch is split along `data_axis`.
+    Annotations come in two forms, both honoured:
+
+    - mesh axis names: `nn.with_partitioning(init, (None, 'model'))` (linen) or
+      `nnx.with_partitioning` / nnx ``out_sharding`` metadata naming mesh axes;
+    - logical names, resolved through `logical_axis_rules` exactly as flax's
+      `nn.logical_to_mesh_sharding` does (rules in order of precedence, a mesh axis used once
+      per array): `nn.with_logical_partitioning(init, ('embed', 'mlp'))`,
+      `nn.LogicallyPartitioned` boxes, and nnx metadata holding logical names. A logical name
+      without a rule is a ValueError that lists it and the rules.
+
+    Optimizer-state leaves built from annotated parameters inherit the annotation (optax maps
+    over the boxed parameters); those not shaped like their parameter (optax.adafactor's
+    factored ``v_row``/``v_col``) are replicated, and scalars (counts) always are. Leaves
+    without an annotation are replicated.
+
+    With `fsdp_min_weight_size`, FSDP runs on top of the annotations: every leaf with at least
+    that many elements whose annotation does not use the data axis also has its largest
+    remaining (unannotated) dimension divisible by the data-axis size split along
+    `data_axis`, so on a ``('data', 'model')`` mesh each device holds about
+    1/(data x model) of every big leaf.
+
+    `run` is traced under the mesh and the rules, so `jax.lax.with_sharding_constraint` with a
+    `PartitionSpec` and `nn.with_logical_constraint` work inside it.
 
     Example::
 
         mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'model'))
-        partitioner = SPMDPartitioner(mesh=mesh, data_axis='data')
-        # in the model: nn.Dense(1024, kernel_init=nn.with_partitioning(init, (None, 'model')))
+        partitioner = SPMDPartitioner(
+            mesh, data_axis='data',
+            logical_axis_rules=[('batch', 'data'), ('embed', None), ('mlp', 'model')],
+            fsdp_min_weight_size=2**12)
+        # in the model: nn.Dense(1024, kernel_init=nn.with_logical_partitioning(
+        #     init, ('embed', 'mlp')))
     """
 
-    def __init__(self, mesh: Mesh, data_axis: str = "data"):
+    def __init__(
+        self,
+        mesh: Mesh,
+        data_axis: str = "data",
+        logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
+        fsdp_min_weight_size: int | None = None,
+    ):
         super().__init__(mesh, data_axis)
+        rules = tuple((str(k), v) for k, v in (logical_axis_rules or ()))
+        for name, axes in rules:
+            targets = axes if isinstance(axes, tuple | list) else (axes,)
+            unknown = [a for a in targets if a is not None and a not in mesh.axis_names]
+            if unknown:
+                raise ValueError(
+                    f"logical_axis_rules map {name!r} to {unknown}, which the mesh "
+                    f"{dict(mesh.shape)} does not have"
+                )
+        if fsdp_min_weight_size is not None and fsdp_min_weight_size < 0:
+            raise ValueError(f"fsdp_min_weight_size must be >= 0, got {fsdp_min_weight_size}")
+        self._rules = rules
+        self._fsdp_min_weight_size = fsdp_min_weight_size
+
+    @property
+    def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
+        return self._rules
 
     def _mesh_context(self) -> contextlib.AbstractContextManager:
-        # nnx builds annotated variables eagerly and needs the mesh in context.
-        return jax.set_mesh(self._mesh)
+        # nnx builds annotated variables eagerly and needs the mesh (and the rules for
+        # logical names) in context; linen applies logical constraints through the rules.
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self._mesh))
+        if self._rules:  # else keep any rules the user set with nn.logical_axis_rules
+            stack.enter_context(core_spmd.logical_axis_rules(self._rules))
+        return stack
+
+    def trace_context(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().trace_context())
+        if self._rules:
+            stack.enter_context(core_spmd.logical_axis_rules(self._rules))
+        return stack
+
+    def _resolve(self, box: Any, path: tuple) -> tuple:
+        """Mesh axes for each dimension named by an annotation box."""
+        names = tuple(box.names)
+        logical = isinstance(box, flax_spmd.LogicallyPartitioned)
+        rules = self._rules or tuple(getattr(box, "rules", None) or ()) or tuple(
+            core_spmd.get_logical_axis_rules() or ())
+        rule_names = {k for k, _ in rules}
+        strs = [n for n in names if isinstance(n, str)]
+        if logical:
+            unknown = [n for n in strs if n not in rule_names]
+        else:
+            unknown = [n for n in strs if n not in rule_names and n not in self._mesh.axis_names]
+        if unknown:
+            raise ValueError(
+                f"State leaf {_path_str(path)}: partitioning annotation {names} names "
+                f"{unknown}, which "
+                f"{'have no logical axis rule' if logical else 'are neither mesh axes nor rules'}. "
+                f"Mesh axes: {list(self._mesh.axis_names)}; logical_axis_rules: {list(rules)}"
+            )
+        if not any(n in rule_names for n in strs):
+            return names
+        # flax's resolution: rules by precedence, each mesh axis used at most once. Names
+        # that are mesh axes without a rule are kept as they are.
+        keep = {i: n for i, n in enumerate(names) if isinstance(n, str) and n not in rule_names}
+        resolved = list(flax_spmd.logical_to_mesh_axes(
+            [None if i in keep else n for i, n in enumerate(names)], rules))
+        for i, n in keep.items():
+            resolved[i] = n
+        return tuple(resolved)
+
+    def _fsdp(self, shape: tuple[int, ...], axes: list) -> list:
+        if self._fsdp_min_weight_size is None or self._data_axis is None:
+            return axes
+        n = self._mesh.shape[self._data_axis]
+        used = {a for ax in axes for a in (ax if isinstance(ax, tuple) else (ax,))}
+        size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if n == 1 or self._data_axis in used or size < self._fsdp_min_weight_size:
+            return axes
+        free = [d for d, dim in enumerate(shape) if axes[d] is None and dim % n == 0]
+        if free:
+            dim = max(free, key=lambda d: (shape[d], -d))
+            axes = list(axes)
+            axes[dim] = self._data_axis
+        return axes
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
-        def spec(x: Any) -> P:
+        def spec(path: tuple, x: Any) -> P:
+            value = x.value if _is_box(x) else x
+            shape = tuple(np.shape(value))
+            axes: list = [None] * len(shape)
             if isinstance(x, meta.Partitioned):
-                names = tuple(x.names)
-                unknown = [n for n in names if n is not None and n not in self._mesh.axis_names]
-                if unknown:
-                    raise ValueError(
-                        f"Partitioning annotation {names} names axes {unknown} that the mesh "
-                        f"{dict(self._mesh.shape)} does not have"
-                    )
-                return P(*names)
-            return P()
+                resolved = self._resolve(x, path)
+                if len(resolved) == len(shape):
+                    axes = list(resolved)
+                # else: a leaf not shaped like its parameter (factored optimizer moments):
+                # the annotation does not describe it; it stays replicated (or FSDP-split).
+                for a in (a for ax in axes if ax is not None
+                          for a in (ax if isinstance(ax, tuple) else (ax,))):
+                    if a not in self._mesh.axis_names:
+                        raise ValueError(
+                            f"State leaf {_path_str(path)}: partitioning annotation "
+                            f"{tuple(x.names)} resolves to mesh axis {a!r}, which the mesh "
+                            f"{dict(self._mesh.shape)} does not have"
+                        )
+            return P(*self._fsdp(shape, axes))
 
-        return jax.tree.map(spec, abstract_state, is_leaf=_is_box)
+        return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=_is_box)

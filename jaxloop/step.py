@@ -28,13 +28,12 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
+from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
 from jaxloop import types
 
@@ -145,15 +144,11 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
     raise ValueError(f"{path} is {spec!r}: {_SPEC_HELP}")
 
 
-def _map_variables(state: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:
-    """Maps each variable of an nnx State to `fn(variable)`, as a nested pure dict."""
-    out: dict = {}
-    for path, var in nnx.to_flat_state(state):
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = fn(var)
-    return out
+def is_abstract(state: Any) -> bool:
+    """Whether `state` only describes arrays (`jax.ShapeDtypeStruct` leaves, as from
+    `Step.abstract_state`) instead of holding them."""
+    leaves = jax.tree.leaves(state)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
 class Step:
@@ -167,6 +162,9 @@ class Step:
       optimizer: an optax transformation (identity for eval steps).
       partitioner: where arrays live; single device when None.
       train: whether this is a training step (its state buffers are donated to `run`).
+        nnx models run in train mode in a training step and in eval mode (dropout off,
+        BatchNorm on running averages) otherwise; a linen model takes its mode as a call
+        argument, by the idiom ``deterministic=not train`` (see `jaxloop.model`).
       should_shard_batch: whether `__call__` shards the batch (off when batches arrive
         already on the devices).
       nnx_model_args: positional arguments for an nnx module class.
@@ -178,7 +176,7 @@ class Step:
     def __init__(
         self,
         base_prng: types.PRNGType,
-        model: nn.Module | type[nnx.Module] | nnx.Module,
+        model: model_lib.Model,
         optimizer: optax.GradientTransformation = _IDENTITY,
         partitioner: partition_lib.Partitioner | None = None,
         train: bool = False,
@@ -188,42 +186,24 @@ class Step:
         end_actions: Sequence[Any] | None = None,
         **nnx_model_kwargs: Any,
     ):
-        is_nnx_class = isinstance(model, type) and issubclass(model, nnx.Module)
-        if is_nnx_class:
-            if nnx_model_args is None:
-                raise ValueError(
-                    f"{model.__name__} is an nnx module class: pass its constructor arguments "
-                    "as nnx_model_args=(...) (use () when it takes none besides rngs)"
-                )
-        elif isinstance(model, nn.Module | nnx.Module):
-            if nnx_model_args is not None or nnx_model_kwargs:
-                raise ValueError(
-                    f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are "
-                    f"only for nnx module classes; {type(model).__name__} is an already "
-                    "constructed module"
-                )
-        else:
-            raise TypeError(
-                "model must be a flax linen module instance or an nnx module class, got "
-                f"{model!r}"
-            )
+        self._adapter = model_lib.adapt(model, nnx_model_args, nnx_model_kwargs)
         self._base_prng = base_prng
         self._model = model
         self._optimizer = optimizer
         self._partitioner = partitioner or partition_lib.SingleDevicePartitioner()
         self._train = train
         self._should_shard_batch = should_shard_batch
-        self._nnx_model_args = tuple(nnx_model_args or ())
-        self._nnx_model_kwargs = nnx_model_kwargs
         self._begin_actions = list(begin_actions or [])
         self._end_actions = list(end_actions or [])
-        self._nnx_graphdef: Any = None
         self._compiled: Callable | None = None
         self._runs_host_batches = False
         self._jit_kwargs: dict[str, Any] = {}
         # The multi-step programs of `call_steps`, keyed by (carry_state, unroll).
         self._compiled_steps: dict[tuple[bool, int | bool], Callable] = {}
         self._num_params: int | None = None
+        # The batch spec of the last `abstract_state`, to initialise it when nothing is
+        # restored (host-side configuration, like the model itself).
+        self._abstract_spec: types.BatchSpec | None = None
         self._num_flops: float | None = None
 
     # -- properties -------------------------------------------------------------------------
@@ -261,7 +241,8 @@ class Step:
 
     @property
     def num_flops(self) -> float | None:
-        """Flops of one compiled `run`, known after a call with `log_num_flops=True`."""
+        """Flops of one whole step (all devices), known after a call with
+        `log_num_flops=True` (see `compute_num_flops`)."""
         return self._num_flops
 
     # -- randomness -------------------------------------------------------------------------
@@ -277,52 +258,15 @@ class Step:
             return {k: jax.random.fold_in(v, step) for k, v in self._base_prng.items()}
         return jax.random.fold_in(self._base_prng, step)
 
-    def _init_rngs(self) -> dict[str, jax.Array]:
-        if isinstance(self._base_prng, Mapping):
-            rngs = dict(self._base_prng)
-            rngs.setdefault("params", next(iter(rngs.values())))
-            return rngs
-        params_key, dropout_key = jax.random.split(self._base_prng)
-        return {"params": params_key, "dropout": dropout_key}
-
     # -- model state --------------------------------------------------------------------------
 
-    def _nnx_apply(self, variables: Mapping[str, Any], *args: Any, mutable: Any = False,
-                   **kwargs: Any) -> Any:
-        """A linen-style `apply` for nnx models, so one `run` works for both APIs."""
-        kwargs.pop("rngs", None)  # nnx modules carry their own RNG streams.
-        rest = variables.get("batch_stats") or {}
-        model = nnx.merge(self._nnx_graphdef, variables["params"], rest)
-        out = model(*args, **kwargs)
-        if mutable:
-            _, _, new_rest = nnx.split(model, nnx.Param, ...)
-            return out, {"batch_stats": new_rest.to_pure_dict()}
-        return out
-
     def _create_state(self, batch: Batch) -> State:
-        rngs = self._init_rngs()
-        if isinstance(self._model, nn.Module):
-            variables = self._model.init(rngs, batch)
-            return State.create(
-                apply_fn=self._model.apply,
-                params=variables["params"],
-                tx=self._optimizer,
-                batch_stats=variables.get("batch_stats"),
-            )
-        if isinstance(self._model, nnx.Module):
-            model = nnx.clone(self._model)
-        else:
-            model = self._model(
-                *self._nnx_model_args, rngs=nnx.Rngs(**rngs), **self._nnx_model_kwargs
-            )
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        self._nnx_graphdef = graphdef
-        rest_dict = rest.to_pure_dict()
+        variables = self._adapter.init(self._base_prng, batch)
         return State.create(
-            apply_fn=self._nnx_apply,
-            params=_map_variables(params, _nnx_param_leaf),
+            apply_fn=self._adapter.apply,
+            params=variables["params"],
             tx=self._optimizer,
-            batch_stats=rest_dict or None,
+            batch_stats=variables.get("batch_stats"),
         )
 
     def initialize_model(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
@@ -343,6 +287,50 @@ class Step:
             log.info("Number of parameters: %d", self._num_params)
         return state
 
+    def abstract_state(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
+        """The state `initialize_model` would create, described but not built.
+
+        Every array leaf is a `jax.ShapeDtypeStruct` with the shape, dtype and sharding the
+        partitioner gives it (`jax.eval_shape`: no device memory is used). Pass it where a
+        state is restored (`restore_model`, `OuterLoop`, `checkpoint.restore`) so the
+        checkpoint lands straight in place, without a freshly initialised state alive beside
+        it; where there is no checkpoint yet, those initialise the state from this step
+        (`materialize`).
+
+        Example::
+
+            state = step.restore_model(step.abstract_state([1, 28, 28, 1]), ckpt_dir)
+        """
+        batch = zeros_from_spec(spec)
+        abstract = self._partitioner.abstract_init_fn(self._create_state)(batch)
+        self._abstract_spec = spec
+        self.compute_num_params(abstract)
+        if log_num_params:
+            log.info("Number of parameters: %d", self._num_params)
+        return abstract
+
+    def materialize(self, state: State) -> State:
+        """`state` if it holds arrays; for an abstract state (`abstract_state`), the state
+        initialised from the spec it was described with.
+
+        Raises:
+          ValueError: an abstract state this step did not describe.
+        """
+        if not is_abstract(state):
+            return state
+        if self._abstract_spec is None:
+            raise ValueError(
+                "Cannot initialise an abstract state this step did not describe: create it "
+                "with step.abstract_state(spec), or pass step.initialize_model(spec)"
+            )
+        new = self.initialize_model(self._abstract_spec)
+        if jax.tree.structure(new) != jax.tree.structure(state):
+            raise ValueError(
+                "The abstract state does not match the model this step initialises: "
+                f"{jax.tree.structure(state)} vs {jax.tree.structure(new)}"
+            )
+        return new
+
     def restore_model(
         self,
         state: State,
@@ -352,11 +340,14 @@ class Step:
     ) -> State:
         """Restores `state` from the orbax checkpoints in `checkpoint_dir`.
 
-        Restores the latest step unless `step` is given, placing every array as the
-        partitioner places the given state. An eval step (``train=False``) restores no
-        optimizer state. With no checkpoint there, logs "No checkpoint found in <dir>" and
-        returns `state` unchanged. `transforms` are orbax restore transforms, as in the
-        reference (see `checkpoint.restore`).
+        Restores the latest step unless `step` is given, placing every array as the given
+        state's arrays are placed (whichever partitioner instance placed them). `state` may
+        be abstract (`abstract_state`): the checkpoint is then read straight into place, and
+        with no checkpoint the state is initialised (`materialize`). An eval step
+        (``train=False``) restores no optimizer state. With no checkpoint there, logs "No
+        checkpoint found in <dir>" and returns `state` unchanged (initialised if abstract).
+        `transforms` are orbax restore transforms, as in the reference (see
+        `checkpoint.restore`).
 
         Example::
 
@@ -364,14 +355,17 @@ class Step:
         """
         from jaxloop import checkpoint  # noqa: PLC0415 (orbax is heavy; import when used)
 
-        return checkpoint.restore_state(
+        restored = checkpoint.restore_state(
             state, checkpoint_dir, step, self._partitioner, skip_optimizer=not self._train,
             transforms=transforms,
         )
+        return self.materialize(restored)
 
     def compute_num_params(self, state: State) -> int:
         """Counts the parameters of `state` (and remembers it as `num_params`)."""
-        self._num_params = int(sum(np.size(x) for x in jax.tree.leaves(state.params)))
+        self._num_params = int(sum(
+            int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(state.params)
+        ))
         return self._num_params
 
     # -- compilation ----------------------------------------------------------------------------
@@ -388,7 +382,7 @@ class Step:
         """
         kwargs = {"donate_argnums": (0,)} if self._train else {}
         kwargs.update(jit_kwargs)
-        self._compiled = self._partitioner.partition(self.run, **kwargs)
+        self._compiled = self._partitioner.partition(self._run_in_mode, **kwargs)
         self._jit_kwargs = kwargs
         self._compiled_steps = {}
         # Whether `__call__` may let the compiled call place host batches: only where
@@ -408,15 +402,20 @@ class Step:
             if self._compiled is None:
                 self.compile()
             program = self._partitioner.partition_steps(
-                self.run, carry_state=carry_state, unroll=unroll, **self._jit_kwargs
+                self._run_in_mode, carry_state=carry_state, unroll=unroll, **self._jit_kwargs
             )
             self._compiled_steps[(carry_state, unroll)] = program
         return program
 
     def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float:
-        """Flops of one compiled `run` on this (sharded) batch, from XLA's cost analysis."""
+        """Flops of one whole `run` on this batch (all devices together), from XLA's cost
+        analysis of the program before it is split across devices.
+
+        Nothing is compiled for it (the step is only lowered), and the figure does not
+        depend on the partitioner: single device, data parallel and SPMD agree.
+        """
         compiled = self._compiled or self.compile()
-        analysis = compiled.lower(state, batch, **kwargs).compile().cost_analysis()
+        analysis = compiled.lower(state, batch, **kwargs).cost_analysis()
         if isinstance(analysis, list | tuple):
             analysis = analysis[0] if analysis else {}
         self._num_flops = float((analysis or {}).get("flops", 0.0))
@@ -486,6 +485,12 @@ class Step:
         """The computation for one batch; traced and compiled. Override this."""
         raise NotImplementedError("Subclasses of Step must implement run(state, batch)")
 
+    def _run_in_mode(self, state: State, batch: Batch, *args: Any,
+                     **kwargs: Any) -> tuple[State, Output | None]:
+        # nnx models follow this step's mode while `run` is traced (see model.training_mode).
+        with model_lib.training_mode(self._train):
+            return self.run(state, batch, *args, **kwargs)
+
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         """Runs after the compiled `run`, outside jit.
 
@@ -506,21 +511,27 @@ class Step:
         """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions.
 
         When nothing looks at the sharded batch before `run` (`prepare_batch` and `begin`
-        not overridden, no begin action firing), the compiled call places the host batch
-        itself, exactly as `Partitioner.shard_batch` would: one dispatch instead of two.
+        not overridden), the compiled call places the host batch itself, exactly as
+        `Partitioner.shard_batch` would: one dispatch instead of two. A begin action firing
+        on this step is given a placed copy, and `log_num_flops` only lowers the step, so
+        every step runs the one compiled program.
         """
         compiled = self._compiled or self.compile()
         if isinstance(batch, PreparedBatch):
             batch = batch.batch
-        elif (
-            self._runs_host_batches
-            and not log_num_flops
-            and not kwargs
-            and not (self._begin_actions and any(
-                action_fires(a, per_loop_step_number, begin=True) for a in self._begin_actions
-            ))
-        ):
-            state, outputs = compiled.call_placing_batch(state, self.preprocess_batch(batch))
+        elif self._runs_host_batches and not kwargs:
+            host = self.preprocess_batch(batch)
+            if log_num_flops:
+                self.compute_num_flops(state, host)
+            if self._begin_actions:
+                for action in self._begin_actions:
+                    if action_fires(action, per_loop_step_number, begin=True):
+                        # Actions see the batch on the devices; the step still gets the host
+                        # batch, so every step runs the one compiled program.
+                        placed = self._partitioner.shard_batch(host)
+                        action(state, None, batch=placed,
+                               per_loop_step_number=per_loop_step_number)
+            state, outputs = compiled.call_placing_batch(state, host)
             return self._end_step(state, outputs, per_loop_step_number)
         else:
             batch = self.prepare_batch(batch).batch
@@ -621,13 +632,3 @@ class Step:
                         "separately (loops with steps_per_execution do this)"
                     )
 
-
-def _nnx_param_leaf(var: nnx.Variable) -> Any:
-    """An nnx Param's value, boxed like linen's `nn.Partitioned` when it has a sharding.
-
-    Boxing lets every partitioner read nnx sharding metadata the same way as linen's, and
-    optax then builds optimizer state with the same annotations.
-    """
-    names = var.get_metadata().get("out_sharding")
-    value = var.get_value()
-    return nn.Partitioned(value, names=tuple(names)) if names else value

@@ -237,3 +237,75 @@ def test_restore_model_round_trip_and_shape_mismatch(tmp_path):
     mismatch = r"dense1/\S+ has shape \((16, )?32,?\), but the state expects \((16, )?48,?\)"
     with pytest.raises(ValueError, match=mismatch):
         wider.restore_model(wider.initialize_model([1, 16]), tmp_path / "ckpt")
+
+
+class _CompileCounter:
+    """Counts XLA compilations (jax.monitoring's backend-compile events) while active."""
+
+    active: "_CompileCounter | None" = None
+    registered = False
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        if not _CompileCounter.registered:
+            jax.monitoring.register_event_duration_secs_listener(_CompileCounter._listen)
+            _CompileCounter.registered = True
+        _CompileCounter.active = self
+        return self
+
+    def __exit__(self, *exc):
+        _CompileCounter.active = None
+
+    @staticmethod
+    def _listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and _CompileCounter.active:
+            _CompileCounter.active.count += 1
+
+
+def test_begin_actions_and_flops_compile_one_program():
+    seen = []
+
+    class EveryOther:
+        interval = 2
+
+        def __call__(self, state, outputs, batch=None, **kwargs):
+            seen.append(type(batch["x"]).__name__)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
+                          partitioner=partition.DataParallelPartitioner(mesh, "data"),
+                          train=True, begin_actions=[EveryOther()])
+    state = step.initialize_model([1, 16])
+    data = toy_data(16)
+    with _CompileCounter() as compiles:
+        for n in range(1, 5):
+            state, out = step(state, data, n, log_num_flops=n == 1)
+        jax.block_until_ready(out)
+    assert compiles.count == 1
+    assert seen == ["ArrayImpl", "ArrayImpl"]  # actions got the batch on the devices
+    assert step.num_flops > 0
+
+
+def _flops(partitioner):
+    step = ClassifierStep(jax.random.key(0), LinenMLP(hidden=64), optimizer=optax.sgd(0.1),
+                          partitioner=partitioner, train=True)
+    state = step.initialize_model([1, 16])
+    step(state, toy_data(32), log_num_flops=True)
+    return step.num_flops
+
+
+def test_num_flops_describe_the_whole_global_step():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    single = _flops(partition.SingleDevicePartitioner())
+    dp = _flops(partition.DataParallelPartitioner(mesh, "data"))
+    spmd = _flops(partition.SPMDPartitioner(
+        jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model")), "data"))
+    # Forward and backward of a 16-64-10 MLP on 32 examples: 4 to 6 flops per weight per
+    # example (2 forward, 2 for weight gradients, 2 for the hidden layer's input gradient)
+    # for the whole batch, whatever the device count.
+    weights = 16 * 64 + 64 * 10
+    assert 4 * weights * 32 <= single < 2 * 6 * weights * 32
+    np.testing.assert_allclose(dp, single, rtol=0.02)
+    np.testing.assert_allclose(spmd, single, rtol=0.02)

@@ -271,9 +271,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         eval_loops=[evaluator],
         checkpoint_spec=outer_loop.CheckpointSpec(os.path.join(workdir, "checkpoints")),
     )
-    state = train_step.initialize_model([1, 8, 8, 1], log_num_params=True)
     if args.ema_decay is not None:
-        state = ema.init(state)
+        # The EMA copy is made from real parameters, so this run builds its state first.
+        state = ema.init(train_step.initialize_model([1, 8, 8, 1], log_num_params=True))
+    else:
+        # An abstract state (shapes, dtypes, shardings): the outer loop restores the last
+        # checkpoint straight into place, or initialises the state when there is none, so a
+        # resumed job never holds a fresh state beside the restored one.
+        state = train_step.abstract_state([1, 8, 8, 1], log_num_params=True)
     state, _ = outer(
         state,
         train_dataset=iter(train_ds),

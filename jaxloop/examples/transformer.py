@@ -505,12 +505,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         progress=False,
     )
 
+    initial: dict[str, float] = {}
+
+    class _InitialEval(actions.Action):
+        """Evaluates the state the first train loop starts from (initialised or resumed)."""
+
+        def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
+            if not initial:
+                initial.update(actions.scalar_metrics(evaluator(state, eval_ds)[1]))
+
+    trainer.begin_actions.append(_InitialEval(interval=1))
     # The spec is the model's input (the tokens it reads), not the batch with its targets.
-    state = train_step.initialize_model(([1, args.seq_len], "int32"))
-    _, outputs = evaluator(state, eval_ds)
-    initial_eval_loss = actions.scalar_metrics(outputs)["loss"]
+    # An abstract state: the outer loop restores a checkpoint straight into place (or
+    # initialises the state), so a resumed job never holds two states.
     state, _ = outer(
-        state,
+        train_step.abstract_state(([1, args.seq_len], "int32")),
         train_dataset=iter(train_ds),
         train_total_steps=args.train_steps,
         train_loop_steps=args.train_loop_steps,
@@ -525,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 action.summary_writer.close()
     results = {
         "step": int(state.step),
-        "initial_eval_loss": initial_eval_loss,
+        "initial_eval_loss": initial.get("loss", float("nan")),
         "train_loss": train_metrics.latest.get("loss", float("nan")),
         "eval_loss": eval_metrics.latest["loss"],
         "num_params": train_step.num_params,
