@@ -35,6 +35,7 @@ import optax
 
 from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
+from jaxloop import precision as precision_lib
 from jaxloop import types
 
 Batch = types.Batch
@@ -170,6 +171,11 @@ class Step:
       nnx_model_args: positional arguments for an nnx module class.
       begin_actions / end_actions: actions run before / after each step whose number
         (`per_loop_step_number`) is a multiple of their interval (see `action_fires`).
+      dtype_policy: mixed precision, a `jaxloop.precision.Policy` or a string such as
+        ``'bfloat16'`` (params and outputs float32, computation bfloat16; see
+        `precision.get_policy`). The model's ``apply_fn`` casts parameters and floating
+        inputs to the compute dtype and outputs to the output dtype; new parameters are
+        stored in the param dtype. None (the default) leaves the model untouched.
       **nnx_model_kwargs: keyword arguments for an nnx module class.
     """
 
@@ -184,9 +190,17 @@ class Step:
         nnx_model_args: Sequence[Any] | None = None,
         begin_actions: Sequence[Any] | None = None,
         end_actions: Sequence[Any] | None = None,
+        dtype_policy: precision_lib.Policy | str | None = None,
         **nnx_model_kwargs: Any,
     ):
         self._adapter = model_lib.adapt(model, nnx_model_args, nnx_model_kwargs)
+        self._dtype_policy = precision_lib.get_policy(dtype_policy)
+        # Wrapped once: the state keeps apply_fn in its tree structure.
+        self._apply_fn = (
+            self._adapter.apply
+            if self._dtype_policy is None
+            else self._dtype_policy.wrap_apply(self._adapter.apply)
+        )
         self._base_prng = base_prng
         self._model = model
         self._optimizer = optimizer
@@ -223,6 +237,11 @@ class Step:
     @property
     def optimizer(self) -> optax.GradientTransformation:
         return self._optimizer
+
+    @property
+    def dtype_policy(self) -> precision_lib.Policy | None:
+        """The mixed-precision policy of the model's ``apply_fn`` (None: as the model is)."""
+        return self._dtype_policy
 
     @property
     def begin_actions(self) -> list[Any]:
@@ -262,9 +281,12 @@ class Step:
 
     def _create_state(self, batch: Batch) -> State:
         variables = self._adapter.init(self._base_prng, batch)
+        params = variables["params"]
+        if self._dtype_policy is not None:
+            params = self._dtype_policy.cast_to_param(params)
         return State.create(
-            apply_fn=self._adapter.apply,
-            params=variables["params"],
+            apply_fn=self._apply_fn,
+            params=params,
             tx=self._optimizer,
             batch_stats=variables.get("batch_stats"),
         )
