@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxloop import memory as memory_lib
 from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
 from jaxloop import precision as precision_lib
@@ -435,6 +436,73 @@ class Step:
             analysis = analysis[0] if analysis else {}
         self._num_flops = float((analysis or {}).get("flops", 0.0))
         return self._num_flops
+
+    def abstract_batch(self, spec: types.BatchSpec) -> Batch:
+        """The global batch of `spec` as `run` receives it, described but not built: each
+        leaf a `jax.ShapeDtypeStruct` placed as `Partitioner.shard_batch` places batches
+        (leading dimension split along the data axis, 0-d leaves replicated).
+
+        Raises:
+          ValueError: a leaf's leading dimension does not divide by the devices along the
+            data axis (the message names the leaf), or a malformed spec.
+        """
+        partitioner = self._partitioner
+        mesh = partitioner.mesh
+        axis = partitioner.data_axis
+        shards = mesh.shape[axis] if axis is not None else 1
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+        def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
+            if getattr(x, "sharding", None) is not None:
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if x.ndim and x.shape[0] % shards:
+                raise ValueError(
+                    f"Batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                    f"{tuple(x.shape)}: its leading dimension {x.shape[0]} (the global "
+                    f"batch) does not divide by the {shards} devices along mesh axis "
+                    f"{axis!r}"
+                )
+            sharding = partitioner.batch_sharding if x.ndim else replicated
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        # np.zeros reserves pages lazily: describing a large batch this way costs no memory.
+        return jax.tree_util.tree_map_with_path(describe, zeros_from_spec(spec))
+
+    def memory_estimate(
+        self, spec: types.BatchSpec, state: State | None = None, **kwargs: Any
+    ) -> memory_lib.MemoryEstimate:
+        """What one device needs to run this step on a global batch of `spec`, from XLA's
+        memory analysis of the compiled step: arguments, outputs, temporaries and total.
+
+        The step is compiled for an abstract state and batch (`abstract_state`,
+        `abstract_batch`) and never run: no state is created and no device memory is
+        used beyond the compilation itself, so an out-of-memory is found before a job is
+        scheduled.
+
+        Args:
+          spec: the global batch `run` receives (after `preprocess_batch`), e.g.
+            ``{'image': [256, 28, 28, 1], 'label': ([256], 'int32')}``.
+          state: the state to run on, abstract or concrete. By default the state described
+            by the last `abstract_state` call's spec, or when there was none, the state
+            initialised from `spec` itself.
+          **kwargs: passed to `run`, as in `__call__`.
+
+        Example::
+
+            state = step.abstract_state([1, 28, 28, 1])
+            print(step.memory_estimate({'image': [256, 28, 28, 1],
+                                        'label': ([256], 'int32')}, state))
+        """
+        if state is None:
+            init_spec = self._abstract_spec if self._abstract_spec is not None else spec
+            # Not `abstract_state`: an estimate leaves the step's bookkeeping as it was.
+            state = self._partitioner.abstract_init_fn(self._create_state)(
+                zeros_from_spec(init_spec)
+            )
+        batch = self.abstract_batch(spec)
+        compiled = self._compiled or self.compile()
+        program = compiled.lower(state, batch, **kwargs).compile()
+        return memory_lib.MemoryEstimate.from_compiled(program, self._partitioner.mesh.devices)
 
     # -- the parts users override ---------------------------------------------------------------
 
