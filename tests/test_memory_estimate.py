@@ -1,6 +1,8 @@
 """Step.memory_estimate: per-device bytes from XLA's memory analysis, before anything runs."""
 
 import re
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -10,6 +12,7 @@ import pytest
 from models import ClassifierStep, NnxMLP
 
 from jaxloop import memory, partition
+from jaxloop.examples import transformer
 
 SPEC = {"x": [64, 1024], "y": ([64], "int32")}
 
@@ -94,3 +97,40 @@ def test_a_batch_that_does_not_split_is_a_clear_error():
                                          r"leading dimension 12 .* does not divide by the 8"):
         step.memory_estimate({"x": [12, 1024], "y": ([12], "int32")},
                              step.abstract_state([1, 1024]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_digits_dry_run_prints_the_estimate_and_trains_nothing(tmp_path):
+    workdir = tmp_path / "digits"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(workdir),
+         "--dry-run", "--partitioner", "fsdp"],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    match = re.fullmatch(r"dry-run train_total_bytes=(\d+) eval_total_bytes=(\d+)", lines[-1])
+    assert match, lines[-1]
+    assert int(match.group(1)) > int(match.group(2)) > 0  # training also holds gradients
+    assert "train step, global batch 64: Memory per device (8 cpu devices" in proc.stdout
+    assert proc.stdout.count("  temporaries") == 2
+    assert not workdir.exists()  # no checkpoint, no event file: nothing ran
+
+
+@pytest.mark.slow
+def test_transformer_dry_run_under_dp_and_fsdp(tmp_path, capsys):
+    results = {}
+    for kind in ("dp", "fsdp"):
+        results[kind] = transformer.main(
+            ["--dry-run", "--partitioner", kind, "--num-layers", "1",
+             "--workdir", str(tmp_path / kind)])
+        assert results[kind]["dry_run"] and not (tmp_path / kind).exists()
+    dp, fsdp = results["dp"]["train"], results["fsdp"]["train"]
+    # Every kernel and embedding is split 8 ways under FSDP; norms and biases are not.
+    assert fsdp.argument_bytes < dp.argument_bytes / 4
+    params = results["dp"]["num_params"]
+    assert dp.argument_bytes > 3 * 4 * params  # params + two Adam moments, float32
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith("dry-run train_total_bytes=")
+    assert "final step" not in out

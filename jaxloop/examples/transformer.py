@@ -358,6 +358,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--workdir", default=None,
         help="write TensorBoard summaries and checkpoints here (and resume from them)",
     )
+    # Mixed precision and the memory estimate (jaxloop.precision, Step.memory_estimate).
+    parser.add_argument(
+        "--precision", default="float32", choices=["float32", "bfloat16"],
+        help="compute dtype (bfloat16: params, optimizer and loss stay float32)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="compile the train and eval steps, print their per-device memory, train nothing",
+    )
     args = parser.parse_args(argv)
     for name in ("train_steps", "train_loop_steps", "batch_size", "seq_len", "d_model",
                  "num_heads", "num_layers"):
@@ -378,6 +387,32 @@ def make_optimizer(learning_rate: float, total_steps: int) -> optax.GradientTran
         end_value=learning_rate / 10,
     )
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+
+
+def dry_run(
+    train_step: step_lib.Step, eval_step: step_lib.Step, batch_size: int, seq_len: int
+) -> dict[str, Any]:
+    """Compiles both steps for a global batch of windows (from abstract states: nothing is
+    allocated, trained or written) and prints each one's per-device memory estimate.
+
+    The last line printed is ``dry-run train_total_bytes=<int> eval_total_bytes=<int>``.
+
+    Example::
+
+        python -m jaxloop.examples.transformer --partitioner fsdp --d-model 1024 --dry-run
+    """
+    train_spec = {"tokens": ([batch_size, seq_len + 1], "int32")}
+    eval_spec = {**train_spec, "mask": ([batch_size], "bool")}
+    state = train_step.abstract_state(([1, seq_len], "int32"), log_num_params=True)
+    estimates = {
+        "train": train_step.memory_estimate(train_spec, state),
+        "eval": eval_step.memory_estimate(eval_spec, state),
+    }
+    for name, estimate in estimates.items():
+        print(f"{name} step, global batch {batch_size}: {estimate}", flush=True)
+    print(f"dry-run train_total_bytes={estimates['train'].total_bytes} "
+          f"eval_total_bytes={estimates['eval'].total_bytes}", flush=True)
+    return {"dry_run": True, "num_params": train_step.num_params, **estimates}
 
 
 class _KeepMetrics(actions.Action):
@@ -410,12 +445,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = TransformerLM(config, model_axis=model_axis)
     train_ds, eval_ds = make_datasets(load_corpus(), args.seq_len, args.batch_size, args.seed)
 
+    # float32 leaves the model untouched (no policy): the default run is unchanged.
+    policy = None if args.precision == "float32" else args.precision
     train_step = LMStep(
         jax.random.key(args.seed), model,
         optimizer=make_optimizer(args.learning_rate, args.train_steps),
-        partitioner=partitioner, train=True,
+        partitioner=partitioner, train=True, dtype_policy=policy,
     )
-    eval_step = LMStep(jax.random.key(args.seed), model, partitioner=partitioner)
+    eval_step = LMStep(jax.random.key(args.seed), model, partitioner=partitioner,
+                       dtype_policy=policy)
+    if args.dry_run:
+        return dry_run(train_step, eval_step, args.batch_size, args.seq_len)
     train_metrics, eval_metrics = _KeepMetrics(), _KeepMetrics()
     train_actions: list[actions.Action] = [train_metrics]
     eval_actions: list[actions.Action] = [eval_metrics]
