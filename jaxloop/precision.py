@@ -14,6 +14,10 @@ model itself is not edited. Gradients reach the float32 parameters through the c
     state = step.initialize_model([1, 28, 28, 1])  # params float32
     # in run: state.apply_fn({'params': params}, images) computes in bfloat16, returns float32
 
+The policy travels with the state, in its ``apply_fn``: an eval loop given the training
+state computes as the training step does. Give eval steps the same policy, so states they
+create or restore themselves compute alike. Checkpoints hold the float32 parameters only.
+
 What stays as it is: integer and boolean inputs (labels, token ids, masks), PRNG keys,
 non-floating keyword arguments (``train=True``), and non-parameter collections such as
 ``batch_stats`` (normalisation statistics stay in their stored dtype; the mutated
