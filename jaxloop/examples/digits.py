@@ -164,13 +164,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=1, help="in train loops")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
-    parser.add_argument("--num-processes", type=int, default=None)
-    parser.add_argument("--process-id", type=int, default=None)
-    parser.add_argument(
-        "--distributed", action="store_true",
-        help="join a multi-process job (flags, JAXLOOP_* environment, or cluster auto-detection)",
-    )
     # Mixed precision and the memory estimate (jaxloop.precision, Step.memory_estimate).
     parser.add_argument(
         "--precision", default="float32", choices=["float32", "bfloat16"],
@@ -179,6 +172,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--dry-run", action="store_true",
         help="compile the train and eval steps, print their per-device memory, train nothing",
+    )
+    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
+    parser.add_argument("--num-processes", type=int, default=None)
+    parser.add_argument("--process-id", type=int, default=None)
+    parser.add_argument(
+        "--distributed", action="store_true",
+        help="join a multi-process job (flags, JAXLOOP_* environment, or cluster auto-detection)",
     )
     args = parser.parse_args(argv)
     for name in ("train_steps", "train_loop_steps", "batch_size", "checkpoint_every"):

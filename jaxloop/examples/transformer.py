@@ -354,10 +354,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--learning-rate", type=float, default=1e-2, help="peak")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--workdir", default=None,
-        help="write TensorBoard summaries and checkpoints here (and resume from them)",
-    )
     # Mixed precision and the memory estimate (jaxloop.precision, Step.memory_estimate).
     parser.add_argument(
         "--precision", default="float32", choices=["float32", "bfloat16"],
@@ -366,6 +362,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--dry-run", action="store_true",
         help="compile the train and eval steps, print their per-device memory, train nothing",
+    )
+    parser.add_argument(
+        "--workdir", default=None,
+        help="write TensorBoard summaries and checkpoints here (and resume from them)",
     )
     args = parser.parse_args(argv)
     for name in ("train_steps", "train_loop_steps", "batch_size", "seq_len", "d_model",
