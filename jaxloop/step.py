@@ -33,8 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxloop import memory as memory_lib
 from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
+from jaxloop import precision as precision_lib
 from jaxloop import types
 
 Batch = types.Batch
@@ -170,6 +172,11 @@ class Step:
       nnx_model_args: positional arguments for an nnx module class.
       begin_actions / end_actions: actions run before / after each step whose number
         (`per_loop_step_number`) is a multiple of their interval (see `action_fires`).
+      dtype_policy: mixed precision, a `jaxloop.precision.Policy` or a string such as
+        ``'bfloat16'`` (params and outputs float32, computation bfloat16; see
+        `precision.get_policy`). The model's ``apply_fn`` casts parameters and floating
+        inputs to the compute dtype and outputs to the output dtype; new parameters are
+        stored in the param dtype. None (the default) leaves the model untouched.
       **nnx_model_kwargs: keyword arguments for an nnx module class.
     """
 
@@ -184,9 +191,17 @@ class Step:
         nnx_model_args: Sequence[Any] | None = None,
         begin_actions: Sequence[Any] | None = None,
         end_actions: Sequence[Any] | None = None,
+        dtype_policy: precision_lib.Policy | str | None = None,
         **nnx_model_kwargs: Any,
     ):
         self._adapter = model_lib.adapt(model, nnx_model_args, nnx_model_kwargs)
+        self._dtype_policy = precision_lib.get_policy(dtype_policy)
+        # Wrapped once: the state keeps apply_fn in its tree structure.
+        self._apply_fn = (
+            self._adapter.apply
+            if self._dtype_policy is None
+            else self._dtype_policy.wrap_apply(self._adapter.apply)
+        )
         self._base_prng = base_prng
         self._model = model
         self._optimizer = optimizer
@@ -223,6 +238,11 @@ class Step:
     @property
     def optimizer(self) -> optax.GradientTransformation:
         return self._optimizer
+
+    @property
+    def dtype_policy(self) -> precision_lib.Policy | None:
+        """The mixed-precision policy of the model's ``apply_fn`` (None: as the model is)."""
+        return self._dtype_policy
 
     @property
     def begin_actions(self) -> list[Any]:
@@ -262,9 +282,12 @@ class Step:
 
     def _create_state(self, batch: Batch) -> State:
         variables = self._adapter.init(self._base_prng, batch)
+        params = variables["params"]
+        if self._dtype_policy is not None:
+            params = self._dtype_policy.cast_to_param(params)
         return State.create(
-            apply_fn=self._adapter.apply,
-            params=variables["params"],
+            apply_fn=self._apply_fn,
+            params=params,
             tx=self._optimizer,
             batch_stats=variables.get("batch_stats"),
         )
@@ -420,6 +443,73 @@ class Step:
             analysis = analysis[0] if analysis else {}
         self._num_flops = float((analysis or {}).get("flops", 0.0))
         return self._num_flops
+
+    def abstract_batch(self, spec: types.BatchSpec) -> Batch:
+        """The global batch of `spec` as `run` receives it, described but not built: each
+        leaf a `jax.ShapeDtypeStruct` placed as `Partitioner.shard_batch` places batches
+        (leading dimension split along the data axis, 0-d leaves replicated).
+
+        Raises:
+          ValueError: a leaf's leading dimension does not divide by the devices along the
+            data axis (the message names the leaf), or a malformed spec.
+        """
+        partitioner = self._partitioner
+        mesh = partitioner.mesh
+        axis = partitioner.data_axis
+        shards = mesh.shape[axis] if axis is not None else 1
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+        def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
+            if getattr(x, "sharding", None) is not None:
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if x.ndim and x.shape[0] % shards:
+                raise ValueError(
+                    f"Batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                    f"{tuple(x.shape)}: its leading dimension {x.shape[0]} (the global "
+                    f"batch) does not divide by the {shards} devices along mesh axis "
+                    f"{axis!r}"
+                )
+            sharding = partitioner.batch_sharding if x.ndim else replicated
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        # np.zeros reserves pages lazily: describing a large batch this way costs no memory.
+        return jax.tree_util.tree_map_with_path(describe, zeros_from_spec(spec))
+
+    def memory_estimate(
+        self, spec: types.BatchSpec, state: State | None = None, **kwargs: Any
+    ) -> memory_lib.MemoryEstimate:
+        """What one device needs to run this step on a global batch of `spec`, from XLA's
+        memory analysis of the compiled step: arguments, outputs, temporaries and total.
+
+        The step is compiled for an abstract state and batch (`abstract_state`,
+        `abstract_batch`) and never run: no state is created and no device memory is
+        used beyond the compilation itself, so an out-of-memory is found before a job is
+        scheduled.
+
+        Args:
+          spec: the global batch `run` receives (after `preprocess_batch`), e.g.
+            ``{'image': [256, 28, 28, 1], 'label': ([256], 'int32')}``.
+          state: the state to run on, abstract or concrete. By default the state described
+            by the last `abstract_state` call's spec, or when there was none, the state
+            initialised from `spec` itself.
+          **kwargs: passed to `run`, as in `__call__`.
+
+        Example::
+
+            state = step.abstract_state([1, 28, 28, 1])
+            print(step.memory_estimate({'image': [256, 28, 28, 1],
+                                        'label': ([256], 'int32')}, state))
+        """
+        if state is None:
+            init_spec = self._abstract_spec if self._abstract_spec is not None else spec
+            # Not `abstract_state`: an estimate leaves the step's bookkeeping as it was.
+            state = self._partitioner.abstract_init_fn(self._create_state)(
+                zeros_from_spec(init_spec)
+            )
+        batch = self.abstract_batch(spec)
+        compiled = self._compiled or self.compile()
+        program = compiled.lower(state, batch, **kwargs).compile()
+        return memory_lib.MemoryEstimate.from_compiled(program, self._partitioner.mesh.devices)
 
     # -- the parts users override ---------------------------------------------------------------
 

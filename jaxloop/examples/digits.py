@@ -161,6 +161,31 @@ def fingerprint(params: Any) -> str:
     return digest.hexdigest()
 
 
+def dry_run(
+    train_step: step_lib.Step, eval_step: step_lib.Step, train_data: dict[str, np.ndarray],
+    batch_size: int, is_main: bool = True,
+) -> dict[str, Any]:
+    """Compiles both steps for a global batch (from abstract states: nothing is allocated,
+    trained or written) and prints each one's per-device memory estimate.
+
+    The last line printed is ``dry-run train_total_bytes=<int> eval_total_bytes=<int>``.
+    """
+    image = (train_data["image"].shape[1:], train_data["image"].dtype)
+    train_spec = {"image": ([batch_size, *image[0]], image[1]), "label": ([batch_size], "int32")}
+    eval_spec = {**train_spec, "mask": ([batch_size], "bool")}
+    state = train_step.abstract_state([1, *image[0]])
+    estimates = {
+        "train": train_step.memory_estimate(train_spec, state),
+        "eval": eval_step.memory_estimate(eval_spec, state),
+    }
+    if is_main:
+        for name, estimate in estimates.items():
+            print(f"{name} step, global batch {batch_size}: {estimate}", flush=True)
+        print(f"dry-run train_total_bytes={estimates['train'].total_bytes} "
+              f"eval_total_bytes={estimates['eval'].total_bytes}", flush=True)
+    return {"dry_run": True, **estimates}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="workdir/digits")
@@ -171,6 +196,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=1, help="in train loops")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
+    # Mixed precision and the memory estimate (jaxloop.precision, Step.memory_estimate).
+    parser.add_argument(
+        "--precision", default="float32", choices=["float32", "bfloat16"],
+        help="compute dtype (bfloat16: params, optimizer and loss stay float32)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="compile the train and eval steps, print their per-device memory, train nothing",
+    )
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
@@ -231,12 +265,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     eval_ds = data.pad_to_global_batches(data.ArraySource(test_data), args.batch_size)
 
     nonfinite = None if args.nonfinite == "off" else guard.NonFiniteGuard(args.nonfinite)
+    # float32 leaves the model untouched (no policy): the default run is unchanged.
+    policy = None if args.precision == "float32" else args.precision
     train_step = DigitsStep(
         jax.random.key(args.seed), CNN(), optimizer=optax.adam(args.learning_rate),
         partitioner=partitioner, train=True, microbatches=args.microbatches,
         ema_decay=args.ema_decay, nonfinite_guard=nonfinite, telemetry=args.telemetry,
+        dtype_policy=policy,
     )
-    eval_step = DigitsStep(jax.random.key(args.seed), CNN(), partitioner=partitioner)
+    eval_step = DigitsStep(
+        jax.random.key(args.seed), CNN(), partitioner=partitioner, dtype_policy=policy
+    )
+    if args.dry_run:
+        return dry_run(train_step, eval_step, train_data, args.batch_size, is_main)
     manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"), max_to_keep=3)
     # Per-step train scalars go to TensorBoard only (logging each step would flood stderr);
     # eval results are also logged, one line per loop. Only process 0 writes event files.

@@ -1,0 +1,148 @@
+"""Memory estimates before launch: what a compiled step needs on each device.
+
+`Step.memory_estimate(spec)` compiles a step for an abstract state and batch (nothing is
+allocated or run) and returns a `MemoryEstimate` built here from XLA's memory analysis of the
+compiled program, so a job that would run out of device memory is found before it is
+scheduled::
+
+    estimate = train_step.memory_estimate({'image': [256, 28, 28, 1],
+                                           'label': ([256], 'int32')})
+    print(estimate)           # per-device arguments, outputs, temporaries, total
+    if estimate.fits is False:
+        raise SystemExit('does not fit')
+
+The figures are XLA's for the program one device runs (an SPMD program is partitioned
+before it is analysed): under FSDP the arguments shrink with the number of devices, under
+data parallelism they do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def format_bytes(num: int | float) -> str:
+    """Bytes in binary units.
+
+    Example::
+
+        format_bytes(3 * 2**20)  # '3.00 MiB'
+    """
+    value = float(num)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes of a compiled step, from XLA's memory analysis.
+
+    Attributes:
+      argument_bytes: the inputs one device holds (its shards of the state and the batch).
+      output_bytes: the outputs one device holds (new state, step outputs).
+      alias_bytes: the part of the outputs written into donated argument buffers (a
+        training step donates its state), counted once in `total_bytes`.
+      temp_bytes: temporaries XLA allocates while the step runs (activations, gradients,
+        collectives' buffers).
+      generated_code_bytes: the compiled program itself.
+      peak_bytes: XLA's own peak figure as the backend reports it, else None (not shown
+        by `str`: on CPU it leaves out the temporaries).
+      num_devices: the devices the step runs on.
+      device_kind: their kind (``jax.Device.device_kind``).
+      bytes_limit: memory of one device where the backend reports it (GPU, TPU), else None.
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int = 0
+    peak_bytes: int | None = None
+    num_devices: int = 1
+    device_kind: str = ""
+    bytes_limit: int | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """Arguments + outputs - aliased outputs + temporaries: what one device holds at
+        most while the step runs (the upper bound XLA's figures give)."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether `total_bytes` fits in one device's memory; None where it is unknown."""
+        return None if self.bytes_limit is None else self.total_bytes <= self.bytes_limit
+
+    @classmethod
+    def from_compiled(cls, compiled: Any, devices: Any = None) -> MemoryEstimate:
+        """The estimate of a compiled program (``jax.jit(f).lower(...).compile()``).
+
+        Args:
+          compiled: a `jax.stages.Compiled`.
+          devices: the devices it runs on (a mesh's devices); their number and kind are
+            reported, and the memory limit of one of this process's devices.
+
+        Raises:
+          RuntimeError: the backend gives no memory analysis.
+
+        Example::
+
+            compiled = jax.jit(f).lower(x).compile()
+            MemoryEstimate.from_compiled(compiled, jax.devices())
+        """
+        stats = compiled.memory_analysis()
+        if isinstance(stats, list | tuple):
+            stats = stats[0] if stats else None
+        if stats is None:
+            raise RuntimeError(
+                f"XLA gives no memory analysis on this backend ({jax.default_backend()}); "
+                "estimate on a machine of the target kind"
+            )
+        devices = jax.devices() if devices is None else list(np.ravel(devices))
+        local = [d for d in devices if d.process_index == jax.process_index()] or devices
+        limit = None
+        try:
+            memory = local[0].memory_stats()
+        except Exception:  # noqa: BLE001 (backends without memory stats raise)
+            memory = None
+        if memory:
+            limit = memory.get("bytes_limit")
+        peak = getattr(stats, "peak_memory_in_bytes", 0)
+        return cls(
+            argument_bytes=int(stats.argument_size_in_bytes),
+            output_bytes=int(stats.output_size_in_bytes),
+            alias_bytes=int(stats.alias_size_in_bytes),
+            temp_bytes=int(stats.temp_size_in_bytes),
+            generated_code_bytes=int(stats.generated_code_size_in_bytes),
+            peak_bytes=int(peak) if peak else None,
+            num_devices=len(devices),
+            device_kind=local[0].device_kind,
+            bytes_limit=int(limit) if limit else None,
+        )
+
+    def __str__(self) -> str:
+        rows = [
+            ("arguments", self.argument_bytes, ""),
+            ("outputs", self.output_bytes,
+             f" ({format_bytes(self.alias_bytes)} reuse donated arguments)"
+             if self.alias_bytes else ""),
+            ("temporaries", self.temp_bytes, ""),
+            ("total", self.total_bytes, ""),
+        ]
+        if self.bytes_limit:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            rows.append(("device memory", self.bytes_limit, f" ({verdict})"))
+        kind = f" {self.device_kind}" if self.device_kind else ""
+        plural = "" if self.num_devices == 1 else "s"
+        lines = [f"Memory per device ({self.num_devices}{kind} device{plural}, XLA estimate):"]
+        lines += [f"  {name:<13} {format_bytes(value):>12}{note}" for name, value, note in rows]
+        return "\n".join(lines)
