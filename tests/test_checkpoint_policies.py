@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
 import jax
+import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, data, train_loop
+from jaxloop import actions, checkpoint, data, partition, train_loop
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,3 +140,138 @@ def test_two_processes_follow_process_zeros_clock(tmp_path):
         assert r["saved"] == [False, False, True, False, False, True], r
         assert r["checkpoints"] == [6, 12], r
         assert r["step"] == 12
+
+
+# Warm start
+# ----------------------------------------------------------------------------------------
+
+
+class Classifier(nn.Module):
+    """A Dense backbone and a head; `backbone_name` renames the backbone's parameters."""
+
+    classes: int = 10
+    backbone_name: str = "backbone"
+    extra: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(32, name=self.backbone_name)(x.reshape((x.shape[0], -1))))
+        if self.extra:
+            x = nn.Dense(32, name="adapter")(x)
+        return nn.Dense(self.classes, name="head")(x)
+
+
+def _step(model, partitioner=None, seed=0):
+    return ClassifierStep(jax.random.key(seed), model, optimizer=optax.adam(1e-2),
+                          partitioner=partitioner, train=True)
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory):
+    """Model A (backbone + 10-class head) trained 6 steps, checkpointed the jaxloop way."""
+    workdir = tmp_path_factory.mktemp("run_a")
+    step = _step(Classifier(classes=10))
+    manager = checkpoint.make_manager(workdir / "ckpt", async_save=False)
+    loop = train_loop.TrainLoop(step, end_actions=[actions.CheckpointAction(manager)])
+    state, _ = loop(step.initialize_model([1, 16]),
+                    iter(data.GlobalBatchDataset(toy_data(128), 16, seed=1)), num_steps=6)
+    manager.close()
+    return workdir / "ckpt", jax.device_get(state.params)
+
+
+def _fresh_b(**kwargs):
+    step = _step(Classifier(classes=3, **kwargs), seed=7)
+    return step, step.initialize_model([1, 16])
+
+
+def _equal(a, b):
+    return all(jax.tree.leaves(jax.tree.map(
+        lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))), a, b)))
+
+
+def test_warm_start_new_head_loads_backbone_keeps_head_and_optimizer_fresh(run_a, caplog):
+    ckpt, params_a = run_a
+    step_b, fresh = _fresh_b()
+    with caplog.at_level("WARNING", logger="jaxloop.checkpoint"):
+        warm = checkpoint.warm_start(fresh, ckpt, rename={"head/": None}, strict=False)
+    assert _equal(warm.params["backbone"], params_a["backbone"])
+    assert not _equal(fresh.params["backbone"], params_a["backbone"])
+    assert _equal(warm.params["head"], fresh.params["head"])  # the 3-class head stays fresh
+    assert warm.params["head"]["kernel"].shape == (32, 3)
+    assert int(warm.step) == 0
+    assert _equal(warm.opt_state, fresh.opt_state)
+    assert "head/bias" in caplog.text and "head/kernel" in caplog.text  # listed as missing
+    # The warm-started state trains.
+    loop = train_loop.TrainLoop(step_b)
+    trained, _ = loop(warm, iter([{"x": np.ones((4, 16), np.float32),
+                                   "y": np.array([0, 1, 2, 0], np.int32)}]), num_steps=1)
+    assert int(trained.step) == 1
+
+
+def test_warm_start_strict_errors_name_keys_and_shapes(run_a):
+    ckpt, _ = run_a
+    _, fresh = _fresh_b()
+    with pytest.raises(ValueError, match=r"head/kernel \(32, 10\) -> head/kernel \(32, 3\)"):
+        checkpoint.warm_start(fresh, ckpt)
+    with pytest.raises(ValueError, match=r"missing .*\['head/bias', 'head/kernel'\]"):
+        checkpoint.warm_start(fresh, ckpt, rename={"head/": None})
+    _, with_adapter = _fresh_b(extra=True)
+    with pytest.raises(ValueError, match=r"\['adapter/bias', 'adapter/kernel', 'head/bias'"):
+        checkpoint.warm_start(with_adapter, ckpt, rename={"head/": None})
+    _, renamed = _fresh_b(backbone_name="encoder")
+    with pytest.raises(ValueError, match=r"unexpected .*backbone/bias.*backbone/kernel"):
+        checkpoint.warm_start(renamed, ckpt, rename={"head/": None})
+    with pytest.raises(ValueError, match="no checkpoint for step 5"):
+        checkpoint.warm_start(fresh, ckpt, step=5)
+    with pytest.raises(TypeError, match="rename"):
+        checkpoint.warm_start(fresh, ckpt, rename=["head/"])
+
+
+def test_warm_start_renames_prefixes_and_by_callable(run_a):
+    ckpt, params_a = run_a
+    _, fresh = _fresh_b(backbone_name="encoder")
+    warm = checkpoint.warm_start(fresh, ckpt, rename={"backbone/": "encoder/", "head/": None},
+                                 strict=False)
+    assert _equal(warm.params["encoder"], params_a["backbone"])
+
+    def keep_backbone(name):
+        return name.replace("backbone/", "encoder/") if name.startswith("backbone/") else None
+
+    warm = checkpoint.warm_start(fresh, ckpt, rename=keep_backbone, strict=False)
+    assert _equal(warm.params["encoder"], params_a["backbone"])
+    assert _equal(warm.params["head"], fresh.params["head"])
+
+
+def test_warm_start_from_a_guide_way_single_item_checkpoint(tmp_path):
+    step = _step(Classifier(classes=10), seed=3)
+    state = step.initialize_model([1, 16])
+    # The Jaxloop guide's way: one unnamed item holding a whole state.
+    manager = ocp.CheckpointManager(tmp_path / "guide", options=ocp.CheckpointManagerOptions(
+        create=True, enable_async_checkpointing=False))
+    manager.save(4, args=ocp.args.PyTreeSave(state))
+    manager.close()
+    _, fresh = _fresh_b()
+    warm = checkpoint.warm_start(fresh, tmp_path / "guide", rename={"head/": None},
+                                 strict=False)
+    assert _equal(warm.params["backbone"], jax.device_get(state.params["backbone"]))
+    same = checkpoint.warm_start(_step(Classifier(classes=10))
+                                 .initialize_model([1, 16]), tmp_path / "guide")
+    assert _equal(same.params, jax.device_get(state.params))
+    assert int(same.step) == 0
+
+
+def test_warm_start_places_params_like_the_target_state(run_a):
+    ckpt, params_a = run_a
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    part = partition.FSDPPartitioner(mesh, "data", min_weight_size=64)
+    step = _step(Classifier(classes=3), partitioner=part, seed=7)
+    fresh = step.initialize_model([1, 16])
+    warm = checkpoint.warm_start(fresh, ckpt, rename={"head/": None}, strict=False,
+                                 partitioner=part)
+    for new, old in zip(jax.tree.leaves(warm.params), jax.tree.leaves(fresh.params),
+                        strict=True):
+        assert new.sharding.is_equivalent_to(old.sharding, new.ndim), (new.sharding,
+                                                                         old.sharding)
+    kernel = warm.params["backbone"]["kernel"]
+    assert not kernel.sharding.is_fully_replicated  # (16, 32) split over 8 devices
+    assert _equal(warm.params["backbone"], params_a["backbone"])
