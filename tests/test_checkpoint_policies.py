@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -275,3 +276,41 @@ def test_warm_start_places_params_like_the_target_state(run_a):
     kernel = warm.params["backbone"]["kernel"]
     assert not kernel.sharding.is_fully_replicated  # (16, 32) split over 8 devices
     assert _equal(warm.params["backbone"], params_a["backbone"])
+
+
+def test_digits_checks_the_checkpoint_policy_flags(capsys):
+    from jaxloop.examples import digits  # noqa: PLC0415
+
+    with pytest.raises(SystemExit):
+        digits.parse_args(["--checkpoint-every-secs", "0"])
+    assert "--checkpoint-every-secs must be positive" in capsys.readouterr().err
+    args = digits.parse_args(["--checkpoint-every-secs", "600", "--warm-start", "/runs/a"])
+    assert args.checkpoint_every_secs == 600 and args.warm_start == "/runs/a"
+    assert digits.parse_args([]).checkpoint_every_secs is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_digits_warm_start_and_time_based_flags(tmp_path):
+    eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from test_digits import run_digits  # noqa: PLC0415
+
+    short = ("--train-steps", "100", "--train-loop-steps", "100")
+    run_digits(tmp_path / "a", *short)
+    # A new run from run a's parameters, two loops; no save falls due by its clock (the
+    # run is bounded far below an hour), so only the final state is saved, at the end.
+    step, _, _, _ = run_digits(tmp_path / "b", "--train-steps", "100", "--train-loop-steps",
+                               "50", "--warm-start", str(tmp_path / "a" / "checkpoints"),
+                               "--checkpoint-every-secs", "3600")
+    assert step == 100
+    assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["100", "STOPPED"]
+    assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["100", "STOPPED"]
+
+    def first_loss(run):
+        acc = eam.EventAccumulator(str(tmp_path / run / "train"),
+                                   size_guidance={eam.SCALARS: 0})
+        acc.Reload()
+        return acc.Scalars("loss")[0].value
+
+    # Run b starts where run a ended (trained), far below a's untrained first loss.
+    assert first_loss("b") < 0.5 * first_loss("a"), (first_loss("a"), first_loss("b"))
