@@ -322,12 +322,12 @@ class CheckpointAction(Action):
             )
         if not callable(clock):
             raise TypeError(f"`clock` must be a callable returning seconds, got {clock!r}")
-        self._ckpt_manager = ckpt_manager
-        self._warned_no_position = False
-        self._extra_meta = meta
         self._every_secs = every_secs
         self._clock = clock
         self._last_save_time = clock()
+        self._ckpt_manager = ckpt_manager
+        self._warned_no_position = False
+        self._extra_meta = meta
 
     @property
     def every_secs(self) -> float | None:
