@@ -339,6 +339,31 @@ def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[Any, Any]:
     return out
 
 
+def _warm_start_item(directory: epath.Path, step: int | None) -> epath.Path:
+    """The directory of the state item (jaxloop's ``state`` or the guide's single item) of
+    the checkpoint at `step` (latest if None), whatever the manager's step naming."""
+    paths = {}
+    if directory.exists():
+        paths = {
+            ocp.path.step.step_from_checkpoint_name(path.name): path
+            for path in ocp.path.step.checkpoint_steps_paths(directory)
+        }
+    if not paths:
+        raise ValueError(f"Warm start: no checkpoint in {directory}")
+    step = max(paths) if step is None else step
+    if step not in paths:
+        raise ValueError(
+            f"Warm start: no checkpoint for step {step} in {directory}; have {sorted(paths)}"
+        )
+    for name in (STATE_ITEM, ocp.checkpoint_manager.DEFAULT_ITEM_NAME):
+        if (paths[step] / name).exists():
+            return paths[step] / name
+    raise ValueError(
+        f"Warm start: {paths[step]} holds neither a {STATE_ITEM!r} item (jaxloop) nor a "
+        f"single unnamed item (the Jaxloop guide's way)"
+    )
+
+
 def warm_start(
     state: State,
     directory: Any,
@@ -372,14 +397,8 @@ def warm_start(
         state = checkpoint.warm_start(state, 'runs/a/checkpoints', rename={'head/': None},
                                       strict=False, partitioner=partitioner)
     """
-    directory = epath.Path(directory)
-    steps = all_steps(directory)
-    if not steps:
-        raise ValueError(f"Warm start: no checkpoint in {directory}")
-    step = max(steps) if step is None else step
-    if step not in steps:
-        raise ValueError(f"Warm start: no checkpoint for step {step} in {directory}; have {steps}")
-    where = str(directory / str(step))
+    item_dir = _warm_start_item(epath.Path(directory), step)
+    where = str(item_dir.parent)
     rename_fn = _renamer(rename)
 
     # The state's parameters as saved (the same names the checkpoint uses) and as targets:
@@ -391,11 +410,11 @@ def warm_start(
     others = tuple(k for k in arrays if k != PARAMS_KEY)
     targets = _named_leaves(_abstract_target(state, partitioner, others)[PARAMS_KEY])
 
-    single = (directory / str(step) / ocp.checkpoint_manager.DEFAULT_ITEM_NAME).exists()
-    manager = _reader(directory, single)
+    # orbax's PyTree checkpointer reads the one item directly, whatever the step naming.
+    reader = ocp.PyTreeCheckpointer()
     try:
-        saved = manager.item_metadata(step)
-        saved = saved if single else saved[STATE_ITEM]
+        saved = reader.metadata(item_dir)
+        saved = getattr(saved, "item_metadata", saved)
         saved = getattr(saved, "tree", saved)
         if PARAMS_KEY not in saved:
             raise ValueError(
@@ -454,12 +473,9 @@ def warm_start(
                 restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                 partial_restore=True,
             )
-            if not single:
-                args = ocp.args.Composite(**{STATE_ITEM: args})
-            restored = manager.restore(step, args=args)
-            restored = restored if single else restored[STATE_ITEM]
+            restored = reader.restore(item_dir, args=args)
     finally:
-        manager.close()
+        reader.close()
 
     loaded = {name: leaf for name, (_, leaf) in _named_leaves(restored).items()}
     current = _named_leaves(arrays[PARAMS_KEY])

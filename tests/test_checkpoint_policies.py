@@ -246,9 +246,9 @@ def test_warm_start_renames_prefixes_and_by_callable(run_a):
 def test_warm_start_from_a_guide_way_single_item_checkpoint(tmp_path):
     step = _step(Classifier(classes=10), seed=3)
     state = step.initialize_model([1, 16])
-    # The Jaxloop guide's way: one unnamed item holding a whole state.
+    # The Jaxloop guide's way: one unnamed item holding a whole state (step dirs ckpt_4).
     manager = ocp.CheckpointManager(tmp_path / "guide", options=ocp.CheckpointManagerOptions(
-        create=True, enable_async_checkpointing=False))
+        create=True, enable_async_checkpointing=False, step_prefix="ckpt"))
     manager.save(4, args=ocp.args.PyTreeSave(state))
     manager.close()
     _, fresh = _fresh_b()
