@@ -14,7 +14,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from models import ClassifierStep, LinenMLP, toy_data
+from flax import nnx
+from models import ClassifierStep, LinenMLP, NnxMLP, toy_data
 
 from jaxloop import actions, checkpoint, data, partition, train_loop
 
@@ -259,6 +260,22 @@ def test_warm_start_from_a_guide_way_single_item_checkpoint(tmp_path):
                                  .initialize_model([1, 16]), tmp_path / "guide")
     assert _equal(same.params, jax.device_get(state.params))
     assert int(same.step) == 0
+
+
+def test_warm_start_nnx_model_with_a_new_head(tmp_path):
+    def nnx_state(classes, seed):
+        model = NnxMLP(16, 32, classes, rngs=nnx.Rngs(seed))
+        return _step(model, seed=seed).initialize_model([1, 16])
+
+    source = nnx_state(10, 0)
+    manager = checkpoint.make_manager(tmp_path / "ckpt", async_save=False)
+    checkpoint.save(manager, 5, source)
+    manager.close()
+    fresh = nnx_state(3, 1)
+    warm = checkpoint.warm_start(fresh, tmp_path / "ckpt", rename={"dense2/": None},
+                                 strict=False)
+    assert _equal(warm.params["dense1"], jax.device_get(source.params["dense1"]))
+    assert _equal(warm.params["dense2"], jax.device_get(fresh.params["dense2"]))
 
 
 def test_warm_start_places_params_like_the_target_state(run_a):
