@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -291,6 +292,15 @@ class CheckpointAction(Action):
 
     `meta` adds JSON values to every checkpoint's metadata (a mapping, or a function
     returning one), e.g. a tracker's run id: ``meta={'tracker_run_id': writer.run_id}``.
+
+    Time-based saves: with `every_secs`, the action still looks every `interval` loops, but
+    saves there only when `every_secs` seconds have passed since its last save (or since it
+    was made), whatever the manager's step policy says. Process 0's `clock` decides and every
+    process follows it (one broadcast per call in a multi-process job), so all processes save
+    the same steps. A forced save (preemption) always saves and restarts the time. Example,
+    look every loop, save at most every ten minutes::
+
+        CheckpointAction(manager, interval=1, every_secs=600)
     """
 
     def __init__(
@@ -298,12 +308,40 @@ class CheckpointAction(Action):
         ckpt_manager: ocp.CheckpointManager,
         interval: int = 1,
         meta: Mapping[str, Any] | Any = None,
+        every_secs: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         super().__init__(interval)
+        if every_secs is not None and (
+            isinstance(every_secs, bool)
+            or not isinstance(every_secs, (int, float))
+            or not every_secs > 0
+        ):
+            raise ValueError(
+                f"`every_secs` must be a positive number of seconds, got {every_secs!r}"
+            )
+        if not callable(clock):
+            raise TypeError(f"`clock` must be a callable returning seconds, got {clock!r}")
+        self._every_secs = every_secs
+        self._clock = clock
+        self._last_save_time = clock()
         self._ckpt_manager = ckpt_manager
         self._warned_no_position = False
         self._extra_meta = meta
         self._meta: dict[str, Any] = {}
+
+    @property
+    def every_secs(self) -> float | None:
+        return self._every_secs
+
+    def _time_due(self) -> bool:
+        """Whether a time-based save is due: process 0 decides, every process agrees."""
+        due = self._clock() - self._last_save_time >= self._every_secs
+        if jax.process_count() > 1:
+            # Every process calls the action at the same loop boundaries, so each reaches
+            # this collective; process 1's clock may differ, process 0's answer wins.
+            due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+        return due
 
     @property
     def ckpt_manager(self) -> ocp.CheckpointManager:
@@ -325,6 +363,12 @@ class CheckpointAction(Action):
         """Saves `state` at its step; `force` saves even where the manager's policy would
         skip this step (preemption)."""
         step = int(state.step)
+        if self._every_secs is not None and not force:
+            if not self._time_due() or step in self._ckpt_manager.all_steps():
+                return False
+            force = True  # the time policy decides, not the manager's step policy
+        if self._every_secs is not None:
+            self._last_save_time = self._clock()
         from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
 
         iterator = getattr(loop, "dataset", None)

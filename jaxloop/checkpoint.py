@@ -472,3 +472,219 @@ def restore(
     except ValueError:
         position = None  # only a resume of the data needs it (see OuterLoop)
     return new_state.replace(dataset_state=position), meta
+
+
+# Warm start: parameters only, from another run's checkpoint.
+# ----------------------------------------------------------------------------------------
+
+PARAMS_KEY = "params"
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    """'backbone/kernel' for a pytree key path (dict keys, attributes, sequence indices)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _named_leaves(tree: Any) -> dict[str, tuple[tuple[Any, ...], Any]]:
+    """name -> (key path, leaf) for every leaf of `tree`."""
+    return {
+        _path_name(path): (path, leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _renamer(rename: Any) -> Any:
+    """A function checkpoint name -> target name (None: not loaded) from `rename`."""
+    if rename is None:
+        return lambda name: name
+    if callable(rename):
+        return rename
+    if not isinstance(rename, dict):
+        raise TypeError(
+            f"`rename` must be a dict of name prefixes or a callable, got {type(rename).__name__}"
+        )
+    for old, new in rename.items():
+        if not isinstance(old, str) or not (new is None or isinstance(new, str)):
+            raise TypeError(
+                f"`rename` maps checkpoint name prefixes (str) to target prefixes (str, or None "
+                f"to skip them); got {old!r}: {new!r}"
+            )
+    # The longest matching prefix wins, so {'a/': 'x/', 'a/b/': None} drops a/b/ only.
+    prefixes = sorted(rename, key=len, reverse=True)
+
+    def apply(name: str) -> str | None:
+        for old in prefixes:
+            if name.startswith(old):
+                new = rename[old]
+                return None if new is None else new + name[len(old):]
+        return name
+
+    return apply
+
+
+def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[Any, Any]:
+    """A nested dict from {key path: leaf} (dict keys as the checkpoint spells them)."""
+    out: dict[Any, Any] = {}
+    for path, leaf in flat.items():
+        node = out
+        keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = leaf
+    return out
+
+
+def _warm_start_item(directory: epath.Path, step: int | None) -> epath.Path:
+    """The directory of the state item (jaxloop's ``state`` or the guide's single item) of
+    the checkpoint at `step` (latest if None), whatever the manager's step naming."""
+    paths = _step_paths(directory)
+    if not paths:
+        raise ValueError(f"Warm start: no checkpoint in {directory}")
+    step = max(paths) if step is None else step
+    if step not in paths:
+        raise ValueError(
+            f"Warm start: no checkpoint for step {step} in {directory}; have {sorted(paths)}"
+        )
+    for name in (STATE_ITEM, ocp.checkpoint_manager.DEFAULT_ITEM_NAME):
+        if (paths[step] / name).exists():
+            return paths[step] / name
+    raise ValueError(
+        f"Warm start: {paths[step]} holds neither a {STATE_ITEM!r} item (jaxloop) nor a "
+        f"single unnamed item (the Jaxloop guide's way)"
+    )
+
+
+def warm_start(
+    state: State,
+    directory: Any,
+    step: int | None = None,
+    *,
+    rename: dict[str, str | None] | Any = None,
+    strict: bool = True,
+    partitioner: Any = None,
+) -> State:
+    """Loads only the parameters of another run's checkpoint into a fresh `state`.
+
+    The optimizer state, the step and everything else in `state` stay as given. `directory`
+    holds checkpoints written by jaxloop (`CheckpointAction`, `save`) or the Jaxloop guide's
+    way (a single-item manager saving a whole state); `step` picks one (latest if None).
+
+    Names are the parameters' paths joined by '/', e.g. ``'backbone/Dense_0/kernel'``.
+    `rename` maps checkpoint names to the state's names: a dict of prefixes
+    (``{'backbone/': 'encoder/'}``; a prefix mapped to None is not loaded, e.g. an old head:
+    ``{'head/': None}``) or a callable ``name -> new name or None``.
+
+    Parameters of `state` the checkpoint lacks are "missing" (they keep their fresh values);
+    checkpoint parameters `state` lacks are "unexpected". With `strict` either is a
+    ValueError listing them; otherwise they are logged. A parameter whose shape differs is
+    always a ValueError naming it and both shapes (drop it with `rename` to keep it fresh).
+    Each loaded parameter is cast to the dtype of, and placed like, the state's parameter
+    (by `partitioner` where given, else where the given array lives).
+
+    Example, fine-tune with a new 3-class head from a 10-class run::
+
+        state = step.initialize_model(spec)
+        state = checkpoint.warm_start(state, 'runs/a/checkpoints', rename={'head/': None},
+                                      strict=False, partitioner=partitioner)
+    """
+    item_dir = _warm_start_item(epath.Path(directory), step)
+    where = str(item_dir.parent)
+    rename_fn = _renamer(rename)
+
+    # The state's parameters as saved (the same names the checkpoint uses) and as targets:
+    # shape, dtype and placement of each.
+    plain = state.replace(dataset_state=None)
+    arrays = state_arrays(plain)
+    if PARAMS_KEY not in arrays:
+        raise ValueError(f"Warm start: the state has no {PARAMS_KEY!r}; it has {sorted(arrays)}")
+    others = tuple(k for k in arrays if k != PARAMS_KEY)
+    targets = _named_leaves(_abstract_target(state, partitioner, others)[PARAMS_KEY])
+
+    # orbax's PyTree checkpointer reads the one item directly, whatever the step naming.
+    reader = ocp.PyTreeCheckpointer()
+    try:
+        saved = reader.metadata(item_dir)
+        saved = getattr(saved, "item_metadata", saved)
+        saved = getattr(saved, "tree", saved)
+        if PARAMS_KEY not in saved:
+            raise ValueError(
+                f"Warm start: checkpoint {where} holds no {PARAMS_KEY!r}; it has {sorted(saved)}"
+            )
+        sources = _named_leaves({PARAMS_KEY: saved[PARAMS_KEY]})
+
+        loads: dict[str, str] = {}  # target name -> checkpoint name
+        unexpected, mismatched = [], []
+        for full_name, (_, meta) in sources.items():
+            name = full_name[len(PARAMS_KEY) + 1:]
+            new = rename_fn(name)
+            if new is None:
+                continue
+            if new not in targets:
+                unexpected.append(name if new == name else f"{name} (as {new})")
+                continue
+            if new in loads:
+                raise ValueError(
+                    f"Warm start: checkpoint parameters {loads[new]} and {name} both map to {new}"
+                )
+            target_shape = tuple(targets[new][1].shape)
+            saved_shape = tuple(getattr(meta, "shape", ()) or ())
+            if saved_shape != target_shape:
+                mismatched.append(f"{name} {saved_shape} -> {new} {target_shape}")
+                continue
+            loads[new] = name
+        missing = sorted(set(targets) - set(loads))
+        if mismatched:
+            raise ValueError(
+                f"Warm start from {where}: parameter shapes differ (checkpoint -> state): "
+                f"{mismatched}. Skip them with `rename` (a prefix mapped to None)."
+            )
+        if (missing or unexpected) and strict:
+            raise ValueError(
+                f"Warm start from {where}: missing from the checkpoint (kept fresh if "
+                f"strict=False): {missing}; unexpected in the checkpoint (not in the state): "
+                f"{sorted(unexpected)}. Use `rename` to map names or strict=False."
+            )
+        if missing:
+            log.warning("Warm start from %s: parameters missing from the checkpoint, kept "
+                        "fresh: %s", where, missing)
+        if unexpected:
+            log.warning("Warm start from %s: checkpoint parameters not in the state, not "
+                        "loaded: %s", where, sorted(unexpected))
+
+        # A partial restore of just the chosen leaves, each shaped, typed and placed as its
+        # target; the rest of the checkpoint (optimizer state, step) is never read.
+        item = _nest({
+            sources[f"{PARAMS_KEY}/{name}"][0]: targets[new][1] for new, name in loads.items()
+        })
+        restored = {}
+        if loads:
+            args = ocp.args.PyTreeRestore(
+                item=item,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                partial_restore=True,
+            )
+            restored = reader.restore(item_dir, args=args)
+    finally:
+        reader.close()
+
+    loaded = {name: leaf for name, (_, leaf) in _named_leaves(restored).items()}
+    current = _named_leaves(arrays[PARAMS_KEY])
+    leaves = [
+        loaded[f"{PARAMS_KEY}/{loads[name]}"] if name in loads else leaf
+        for name, (_, leaf) in current.items()
+    ]
+    treedef = jax.tree_util.tree_structure(arrays[PARAMS_KEY])
+    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    new_state = flax.serialization.from_state_dict(
+        plain, {**arrays, PARAMS_KEY: params, "dataset_state": None}
+    )
+    log.info("Warm start: loaded %d of %d parameters from %s.", len(loads), len(targets), where)
+    return new_state.replace(dataset_state=state.dataset_state)

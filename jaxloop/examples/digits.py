@@ -194,6 +194,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--partitioner", default="dp", choices=["single", "dp", "fsdp"])
     parser.add_argument("--checkpoint-every", type=int, default=1, help="in train loops")
+    parser.add_argument("--checkpoint-every-secs", type=float, default=None,
+                        help="save only when this many seconds passed since the last save")
+    parser.add_argument("--warm-start", metavar="DIR", default=None,
+                        help="start a new run from the parameters of another run's checkpoints")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     # Mixed precision and the memory estimate (jaxloop.precision, Step.memory_estimate).
@@ -229,6 +233,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                  "microbatches"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.checkpoint_every_secs is not None and not args.checkpoint_every_secs > 0:
+        parser.error("--checkpoint-every-secs must be positive")
     return args
 
 
@@ -294,12 +300,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
             final.update(actions.scalar_metrics(outputs))
 
+    save = actions.CheckpointAction(manager, interval=args.checkpoint_every,
+                                    every_secs=args.checkpoint_every_secs)
     trainer = train_loop.TrainLoop(
         train_step,
         end_actions=[
             *([nonfinite.action()] if nonfinite is not None else []),
             actions.SummaryAction(train_writer),
-            actions.CheckpointAction(manager, interval=args.checkpoint_every),
+            save,
         ],
         global_batch_size=args.batch_size,
     )
@@ -312,9 +320,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         eval_loops=[evaluator],
         checkpoint_spec=outer_loop.CheckpointSpec(os.path.join(workdir, "checkpoints")),
     )
-    if args.ema_decay is not None:
-        # The EMA copy is made from real parameters, so this run builds its state first.
-        state = ema.init(train_step.initialize_model([1, 8, 8, 1], log_num_params=True))
+    warm = args.warm_start and not checkpoint.all_steps(os.path.join(workdir, "checkpoints"))
+    if warm or args.ema_decay is not None:
+        # A warm start and the EMA copy need real parameters, so such a run builds its
+        # state first.
+        state = train_step.initialize_model([1, 8, 8, 1], log_num_params=True)
+        if warm:
+            # A new run only: a resumed one restores its own checkpoint instead.
+            state = checkpoint.warm_start(state, args.warm_start, partitioner=partitioner)
+        if args.ema_decay is not None:
+            state = ema.init(state)
     else:
         # An abstract state (shapes, dtypes, shardings): the outer loop restores the last
         # checkpoint straight into place, or initialises the state when there is none, so a
@@ -333,6 +348,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         eval_writer.close()
         log.warning("Preempted at step %d; run the same command to resume.", int(state.step))
         sys.exit(PREEMPTED_EXIT_CODE)
+    if args.checkpoint_every_secs and int(state.step) not in manager.all_steps():
+        # A time-based policy need not fall on the last step: keep the final state too.
+        save(state, None, loop=trainer, force=True)
     if "accuracy" not in final:  # resumed at the end: nothing trained, evaluate once
         _, outputs = evaluator(state, iter(eval_ds))
         final.update(actions.scalar_metrics(outputs))
