@@ -17,10 +17,10 @@ batch 256 on 8 (forced CPU) devices with DataParallel and with FSDP. Each device
 runs in its own subprocess, since the device count is fixed when jax starts.
 
 On 8 CPU devices the hand-written loop waits for the step before the one it just
-dispatched (the policy of jaxloop's default ``max_steps_in_flight=2``): dispatching
+dispatched (the policy of jaxloop's default there, ``max_steps_in_flight=2``): dispatching
 hundreds of sharded steps without ever waiting crashes XLA's CPU collectives ("Expected 8
 threads to join the rendezvous"; see DESIGN.md, reproduced here). On one device it never
-waits.
+waits (jaxloop lets 8 steps run ahead there).
 
     python benchmarks/overhead.py                      # everything, about 6 minutes
     python benchmarks/overhead.py --only mlp --repeats 9
@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxloop import outer_loop, partition, step, train_loop  # noqa: E402
 
 FUSED_STEPS = 16
-IN_FLIGHT = 2  # jaxloop's default max_steps_in_flight
+IN_FLIGHT = 2  # jaxloop's default max_steps_in_flight on several CPU devices
 
 
 class MLP(nn.Module):

@@ -63,7 +63,7 @@ class StatLoop(loop_lib.Loop):
         step: Any,
         stat_names: Sequence[str] | None = None,
         global_batch_size: int | None = None,
-        max_steps_in_flight: int = loop_lib.DEFAULT_MAX_STEPS_IN_FLIGHT,
+        max_steps_in_flight: int | None = None,
         steps_per_execution: int = 1,
         unroll: int | bool = 1,
     ):

@@ -66,6 +66,10 @@ class PreparedBatch:
     num_steps: int | None = None
 
 
+class BatchLayoutError(ValueError):
+    """Batches meant for one execution differ in tree structure or leaf shapes."""
+
+
 def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
     """Whether a step-level action runs at this step (before it when `begin`, else after).
 
@@ -435,8 +439,11 @@ class Step:
         Each batch is preprocessed; host (numpy) batches are then stacked with `np.stack`
         on a new leading axis and placed in one transfer with
         `Partitioner.shard_stacked_batch`. Batches already on the devices (prefetched
-        `PreparedBatch`es, jax arrays) are stacked on the devices instead. All batches
-        must have the same layout (`batch_layout`).
+        `PreparedBatch`es, jax arrays) are stacked on the devices instead.
+
+        Raises:
+          BatchLayoutError: the batches differ in layout (`batch_layout`); raised before
+            any batch is preprocessed.
 
         Example::
 
@@ -447,7 +454,7 @@ class Step:
             raise ValueError("prepare_batches needs at least one batch")
         layouts = {batch_layout(b) for b in batches}
         if len(layouts) > 1:
-            raise ValueError(
+            raise BatchLayoutError(
                 f"Batches run in one execution must share one layout (tree structure and "
                 f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}"
             )

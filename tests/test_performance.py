@@ -114,13 +114,25 @@ def test_unrolled_conv_steps_are_bit_identical():
     assert_same_outputs(results[1][1], results[4][1])
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_fused_steps_without_batch_sharding(on_device):
+    batches = [jax.device_put(b) if on_device else b for b in BATCHES[:8]]
+    params = []
+    for spe in (1, 4):
+        step = make_step(should_shard_batch=False)
+        state, _ = train_loop_lib.TrainLoop(step, steps_per_execution=spe)(
+            step.initialize_model([1, 16]), batches)
+        params.append(host(state.params))
+    jax.tree.map(np.testing.assert_array_equal, *params)
+
+
 def test_fused_steps_with_ragged_last_batch():
     step = make_step()
     state = step.initialize_model([1, 16])
     batches = BATCHES[:5] + [{k: v[:8] for k, v in BATCHES[5].items()}]
     state, outputs = train_loop_lib.TrainLoop(step, steps_per_execution=3)(state, batches)
     assert int(state.step) == 6 and outputs["logits"][-1].shape == (8, 10)
-    with pytest.raises(ValueError, match="share one layout"):
+    with pytest.raises(step_lib.BatchLayoutError, match="share one layout"):
         step.prepare_batches(batches[4:])
 
 
@@ -202,6 +214,13 @@ def test_preemption_stops_at_the_end_of_an_execution():
         assert lp.preempted and lp.num_steps_run == expected
 
 
+def test_default_steps_in_flight_come_from_the_partitioner():
+    # Several CPU devices: 2 (deeper queues of collectives deadlocked XLA:CPU); else 8.
+    assert loop.Loop(make_step("dp")).max_steps_in_flight == 2
+    assert train_loop_lib.TrainLoop(make_step()).max_steps_in_flight == 8
+    assert loop.Loop(make_step(), max_steps_in_flight=3).max_steps_in_flight == 3
+
+
 def test_steps_per_execution_must_be_positive():
     with pytest.raises(ValueError, match="steps_per_execution"):
         train_loop_lib.TrainLoop(make_step(), steps_per_execution=0)
@@ -226,6 +245,26 @@ def test_batch_layout_is_validated_once(monkeypatch):
     for _ in range(2):  # a bad layout is never remembered
         with pytest.raises(ValueError, match=r"\['x'\] has shape \(12, 16\).*8 local devices"):
             part.shard_batch(toy_data(12))
+
+
+@pytest.mark.parametrize("kind", ["single", "fsdp"])
+def test_call_placing_batch_equals_placing_first(kind):
+    results = []
+    for placing in (False, True):
+        step = make_step(kind)
+        state = step.initialize_model([1, 16])
+        fn = step.compile()
+        for batch in BATCHES[:3]:
+            if placing:
+                state, out = fn.call_placing_batch(state, batch)
+            else:
+                state, out = fn(state, step.partitioner.shard_batch(batch))
+        results.append((host(state.params), out["logits"]))
+    jax.tree.map(np.testing.assert_array_equal, results[0][0], results[1][0])
+    assert results[1][1].sharding.is_equivalent_to(results[0][1].sharding, 2)
+    if kind == "fsdp":
+        with pytest.raises(ValueError, match=r"\['x'\] has shape \(12, 16\)"):
+            fn.call_placing_batch(state, toy_data(12))
 
 
 def test_stacked_batches_are_placed_like_their_steps():
