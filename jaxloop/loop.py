@@ -120,11 +120,13 @@ class Loop:
     execution, with its last step). Executions are cut so that everything the host sees
     stays exact:
 
-    - a loop of n steps runs ``n // k`` executions of k and one smaller execution for the
-      rest (compiled once per distinct size; one step runs as a plain step);
+    - only two programs ever run: the k-step one and the single step. A loop of n steps
+      runs ``n // k`` executions of k and its last ``n % k`` steps one by one, so no loop
+      length compiles anything after the first loop;
     - a step-level action of the Step (see `step.action_fires`) fires exactly on its steps:
-      an execution starts at each step a begin action fires on and ends at each step an end
-      action fires on, so intervals that are multiples of k cost nothing;
+      an execution never spans a step a begin action fires on (except as its first step)
+      or an end action fires on (except as its last); the steps up to such a step run one
+      by one, so intervals that are multiples of k cost nothing;
     - the Step's `begin` and `end` run once per execution, on the stacked batch (leading
       axis k) and the stacked outputs;
     - when the dataset ends inside an execution, the batches read run as single steps;
@@ -347,6 +349,10 @@ class Loop:
             if fused:
                 remaining = None if num_steps is None else num_steps - per_loop_step_number
                 size = self._execution_size(per_loop_step_number + 1, remaining)
+                if size < self._steps_per_execution:
+                    # Fewer steps (a loop's remainder, the steps up to an action) run one
+                    # by one: a program of another size would compile anew.
+                    size = 1
             try:
                 if size == 1:
                     state, loop_outputs = self._run_one_step(

@@ -170,6 +170,46 @@ def test_step_actions_fire_exactly_with_fused_steps():
         step.call_steps(state, BATCHES[:4], per_loop_step_number=1)
 
 
+@contextlib.contextmanager
+def counting_compiles():
+    """Counts XLA compilations (jax's backend-compile events) inside the block."""
+    names = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_no_compiles_after_the_first_loop_for_any_loop_length():
+    # 200 = 12 x 16 + 8: the last 8 steps of each loop run with the single-step program.
+    results = {}
+    for spe in (1, 16):
+        step = make_step()
+        state = step.initialize_model([1, 16])
+        tl = train_loop_lib.TrainLoop(step, steps_per_execution=spe)
+        data = forever()
+        with counting_compiles() as first:
+            state, _ = tl(state, data, num_steps=200)
+        losses = []
+        with counting_compiles() as later:
+            for num_steps in (200, 200, 37, 5, 16, 1):
+                state, outputs = tl(state, data, num_steps=num_steps)
+                losses += outputs["loss"]
+        assert first and later == [], (spe, later)
+        results[spe] = (host(state), np.stack(host(losses)))
+    assert int(results[16][0].step) == 659
+    jax.tree.map(np.testing.assert_array_equal, results[1][0].params, results[16][0].params)
+    jax.tree.map(np.testing.assert_array_equal, results[1][0].opt_state,
+                 results[16][0].opt_state)
+    np.testing.assert_array_equal(results[1][1], results[16][1])
+
+
 def test_fused_clu_metrics_are_merged():
     class MetricStep(ClassifierStep):
         def run(self, state, batch):
@@ -412,6 +452,7 @@ def test_profile_action_cuts_fused_executions_at_its_range(tmp_path):
     lp._execution_size = lambda first, remaining, size=lp._execution_size: (
         sizes.append(size(first, remaining)) or sizes[-1])
     lp(step.initialize_model([1, 16]), forever(), num_steps=12)
-    assert sizes == [2, 4, 2, 4]  # 1-2, traced 3-6 and 7-8, then 9-12
+    # Executions cut at the traced range 3-8: 1-2 and 7-8 run one by one (size 1 each).
+    assert sizes == [2, 1, 4, 2, 1, 4]
     with pytest.raises(ValueError, match="start_step"):
         profiling.ProfileAction(tmp_path, start_step=0)
