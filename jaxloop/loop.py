@@ -1,7 +1,7 @@
 """Loop: runs a Step over many batches and collects its outputs.
 
 The host never waits for a step's result inside the loop. It only bounds how far ahead it
-runs: before dispatching a step it waits for the step `max_steps_in_flight` back. That keeps
+runs: once `max_steps_in_flight` steps are unfinished it waits until half of them are. That keeps
 the device busy while capping queued work (unbounded dispatch of sharded steps crashed XLA's
 CPU collectives on small machines, and would hold every batch in memory). The default bound
 depends on the step's mesh (`default_max_steps_in_flight`).
@@ -21,13 +21,14 @@ Example::
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
 from clu import metrics as clu_metrics
 
-from jaxloop import preemption, types
+from jaxloop import execution_size, preemption, types
 from jaxloop import step as step_lib
 
 Output = types.Output
@@ -107,7 +108,12 @@ class Loop:
       max_steps_in_flight: how many dispatched executions (steps, when
         `steps_per_execution` is 1) may be unfinished at once (>= 1); None: the step's
         `default_max_steps_in_flight(step)` (2 on several CPU devices, else 8).
-      steps_per_execution: how many steps run in one compiled call (>= 1).
+      steps_per_execution: how many steps run in one compiled call (>= 1), or ``'auto'``:
+        the loop times its first executions with 1, 2, 4, ... steps and keeps the size
+        at which the host's dispatch is under 5% of an execution's time, never more than
+        the loop's length or the smallest interval of the step's actions, preferring a
+        size that divides them (see `execution_size`). The choice holds for the loop's
+        later runs; `steps_per_execution` reports it (1 until it is made).
       unroll: with ``steps_per_execution > 1``, how many steps the compiled loop body
         holds (`jax.lax.scan`'s `unroll`; True: all of them). 1 compiles fastest and suits
         dense models; XLA:CPU runs convolutions inside a loop body on a slower kernel that
@@ -142,16 +148,24 @@ class Loop:
         self,
         step: Step,
         max_steps_in_flight: int | None = None,
-        steps_per_execution: int = 1,
+        steps_per_execution: int | str = 1,
         unroll: int | bool = 1,
     ):
         if max_steps_in_flight is None:
             max_steps_in_flight = default_max_steps_in_flight(step)
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}")
-        if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
+        self._tuner: execution_size.ExecutionSizeTuner | None = None
+        self._auto_chosen = False
+        if steps_per_execution == "auto":
+            self._tuner = execution_size.ExecutionSizeTuner(
+                max_size=self._smallest_action_interval(step)
+            )
+            steps_per_execution = 1
+        elif not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise ValueError(
-                f"steps_per_execution must be a positive integer, got {steps_per_execution!r}"
+                "steps_per_execution must be a positive integer or 'auto', got "
+                f"{steps_per_execution!r}"
             )
         self._step = step
         self._max_steps_in_flight = max_steps_in_flight
@@ -172,7 +186,25 @@ class Loop:
 
     @property
     def steps_per_execution(self) -> int:
+        """Steps per compiled call; with 'auto', the size chosen (1 while measuring)."""
         return self._steps_per_execution
+
+    @property
+    def execution_size_tuner(self) -> execution_size.ExecutionSizeTuner | None:
+        """With ``steps_per_execution='auto'``: the measurements (per-step seconds by
+        size in ``per_step_secs``) and whether the choice is made (``done``)."""
+        return self._tuner
+
+    @staticmethod
+    def _smallest_action_interval(step: Step) -> int:
+        actions = [*getattr(step, "begin_actions", ()), *getattr(step, "end_actions", ())]
+        intervals = [
+            a.interval
+            for a in actions
+            if getattr(a, "fires_at", None) is None
+            and isinstance(getattr(a, "interval", None), int)
+        ]
+        return min([execution_size.DEFAULT_MAX_SIZE, *intervals])
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         """Called before the first step of each loop; returns the state and iterator."""
@@ -214,9 +246,15 @@ class Loop:
             # next (donating) step would delete it, so wait now.
             jax.block_until_ready(state)
             return
-        self._in_flight.append(token)
-        while len(self._in_flight) >= self._max_steps_in_flight:
-            self._in_flight.popleft().block_until_ready()
+        in_flight = self._in_flight
+        in_flight.append(token)
+        if len(in_flight) >= self._max_steps_in_flight:
+            # Wait until half the bound remains in flight, not just one fewer: one wait
+            # (a thread sleep and wake-up) per max/2 steps instead of one per step. Steps
+            # finish in order, so the newest of those waited for is the only one to block on.
+            for _ in range(len(in_flight) - self._max_steps_in_flight // 2 - 1):
+                in_flight.popleft()
+            in_flight.popleft().block_until_ready()
 
     def _run_one_step(
         self,
@@ -296,7 +334,10 @@ class Loop:
 
     def _execution_size(self, first: int, remaining: int | None) -> int:
         """How many steps the execution starting at step `first` runs (see `Loop`)."""
-        size = self._steps_per_execution
+        return self._cut(first, remaining, self._steps_per_execution)
+
+    def _cut(self, first: int, remaining: int | None, size: int) -> int:
+        """`_execution_size` for executions of at most `size` steps."""
         if remaining is not None:
             size = min(size, remaining)
         begin_actions = self._step.begin_actions
@@ -342,10 +383,25 @@ class Loop:
         # once here (a loop boundary) so the per-step check never waits for the device.
         check_preemption = preemption.active() and return_state_from_step
         host_step = int(state.step) if check_preemption else 0
-        fused = self._steps_per_execution > 1
+        tuner = None if self._auto_chosen else self._tuner
+        if tuner is not None and num_steps is not None:
+            tuner.limit(num_steps)
+        fused = self._steps_per_execution > 1 or tuner is not None
+        segment_start = None  # (clock, step number) where the timed segment began
         per_loop_step_number = 0
         while num_steps is None or per_loop_step_number < num_steps:
             size = 1
+            if tuner is not None:
+                if tuner.done:
+                    self._choose_steps_per_execution(tuner, num_steps)
+                    tuner = None
+                    fused = self._steps_per_execution > 1
+                else:
+                    self._steps_per_execution = tuner.candidate
+                    if segment_start is None:
+                        # Timed from an idle device, so no earlier work is counted.
+                        self._block_on_last(state)
+                        segment_start = (time.perf_counter(), per_loop_step_number)
             if fused:
                 remaining = None if num_steps is None else num_steps - per_loop_step_number
                 size = self._execution_size(per_loop_step_number + 1, remaining)
@@ -379,14 +435,55 @@ class Loop:
                 self.dataset_exhausted = True
                 break
             per_loop_step_number += size
+            if tuner is not None:
+                steps = per_loop_step_number - segment_start[1]
+                if steps >= tuner.segment_steps:
+                    self._block_on_last(state)
+                    tuner.record(
+                        self._steps_per_execution, steps, time.perf_counter() - segment_start[0]
+                    )
+                    segment_start = None
             if check_preemption and self._reached_sync_point(host_step, per_loop_step_number, size):
                 self.preempted = True
                 break
             if self.dataset_exhausted:
                 break
         self._in_flight.clear()
+        if tuner is not None:
+            if tuner.done:
+                self._choose_steps_per_execution(tuner, num_steps)
+            else:
+                # Still measuring (a segment cut by the loop's end does not count): the
+                # next loop goes on from the same segment.
+                self._steps_per_execution = 1
         self.num_steps_run = per_loop_step_number
         return state, dict(loop_outputs)
+
+    def _choose_steps_per_execution(
+        self, tuner: execution_size.ExecutionSizeTuner, num_steps: int | None
+    ) -> None:
+        plan = None if num_steps is None else (lambda k: self._plan(k, num_steps))
+        self._steps_per_execution = tuner.choose(plan)
+        self._auto_chosen = True
+
+    def _block_on_last(self, state: State) -> None:
+        if self._in_flight:
+            self._in_flight[-1].block_until_ready()
+        else:
+            jax.block_until_ready(state)
+
+    def _plan(self, size: int, num_steps: int) -> tuple[int, int]:
+        """(executions of `size` steps, single steps) of a loop of `num_steps` steps."""
+        executions = singles = 0
+        done = 0
+        while done < num_steps:
+            if self._cut(done + 1, num_steps - done, size) < size:
+                singles += 1
+                done += 1
+            else:
+                executions += 1
+                done += size
+        return executions, singles
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         """Called after the last step of each loop."""

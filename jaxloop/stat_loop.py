@@ -64,7 +64,7 @@ class StatLoop(loop_lib.Loop):
         stat_names: Sequence[str] | None = None,
         global_batch_size: int | None = None,
         max_steps_in_flight: int | None = None,
-        steps_per_execution: int = 1,
+        steps_per_execution: int | str = 1,
         unroll: int | bool = 1,
     ):
         super().__init__(

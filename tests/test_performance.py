@@ -210,6 +210,58 @@ def test_no_compiles_after_the_first_loop_for_any_loop_length():
     np.testing.assert_array_equal(results[1][1], results[16][1])
 
 
+def test_auto_steps_per_execution_is_bit_identical_and_settles():
+    runs = {}
+    for spe in (1, "auto"):
+        end = Record(10)
+        step = make_step(end_actions=[end])
+        state = step.initialize_model([1, 16])
+        tl = train_loop_lib.TrainLoop(step, steps_per_execution=spe)
+        data = forever()
+        losses = []
+        for _ in range(9):  # measuring takes about 7 loops of 100 steps here
+            state, outputs = tl(state, data, num_steps=100)
+            losses += outputs["loss"]
+        with counting_compiles() as later:
+            state, outputs = tl(state, data, num_steps=100)
+        losses += outputs["loss"]
+        assert later == []
+        runs[spe] = (host(state), np.stack(host(losses)), end, tl)
+    state, losses, end, tl = runs["auto"]
+    tuner = tl.execution_size_tuner
+    assert tuner.done and tl.steps_per_execution in tuner.per_step_secs
+    # Capped by the action's interval; the end action fired on exactly its steps.
+    assert set(tuner.per_step_secs) == {1, 2, 4, 8}
+    assert [c[:2] for c in end.calls] == [c[:2] for c in runs[1][2].calls]
+    assert int(state.step) == 1000
+    jax.tree.map(np.testing.assert_array_equal, runs[1][0].params, state.params)
+    np.testing.assert_array_equal(runs[1][1], losses)
+
+
+def test_execution_size_tuner_prefers_sizes_that_fit_the_loop():
+    from jaxloop import execution_size
+
+    tuner = execution_size.ExecutionSizeTuner(max_size=8, rounds=1)
+    assert tuner.sizes == [1, 2, 4, 8]
+    fake_per_step = {1: 1.0, 2: 0.6, 4: 0.5, 8: 0.49}
+    while not tuner.done:
+        k, steps = tuner.candidate, tuner.segment_steps
+        tuner.record(k, steps, steps * fake_per_step[k])
+    assert tuner.per_step_secs == fake_per_step
+    # The best per step is 8; 4 is within 2.5% of it, and the smallest such size wins.
+    assert tuner.choose() == 4
+    # A 12-step loop: 8 + 4 single steps is slower than 4 + 4 + 4.
+    assert tuner.choose(lambda k: (12 // k, 12 % k)) == 4
+    fake_per_step[4] = 0.6
+    tuner.per_step_secs.update(fake_per_step)
+    assert tuner.choose() == 8 and tuner.choose(lambda k: (12 // k, 12 % k)) == 2
+    short = execution_size.ExecutionSizeTuner(max_size=32)
+    short.limit(40)  # a segment of 16-step executions (64 steps) does not fit
+    assert short.sizes == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match="steps_per_execution"):
+        train_loop_lib.TrainLoop(make_step(), steps_per_execution="fast")
+
+
 def test_fused_clu_metrics_are_merged():
     class MetricStep(ClassifierStep):
         def run(self, state, batch):
