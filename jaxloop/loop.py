@@ -450,6 +450,9 @@ class Loop:
                 break
         self._in_flight.clear()
         if tuner is not None:
+            if self.dataset_exhausted and num_steps is None:
+                # Now the loop's length is known (an eval loop over its whole dataset).
+                tuner.limit(per_loop_step_number)
             if tuner.done:
                 self._choose_steps_per_execution(tuner, num_steps)
             else:

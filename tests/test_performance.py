@@ -238,6 +238,15 @@ def test_auto_steps_per_execution_is_bit_identical_and_settles():
     np.testing.assert_array_equal(runs[1][1], losses)
 
 
+def test_auto_eval_loop_settles_on_a_short_dataset():
+    state = make_step().initialize_model([1, 16])
+    el = eval_loop_lib.EvalLoop(make_step(train=False), steps_per_execution="auto")
+    _, plain = eval_loop_lib.EvalLoop(make_step(train=False))(state, BATCHES)
+    _, outputs = el(state, BATCHES)  # 16 batches: too few to time any segment
+    assert el.execution_size_tuner.done and el.steps_per_execution == 1
+    assert_same_outputs(plain, outputs)
+
+
 def test_execution_size_tuner_prefers_sizes_that_fit_the_loop():
     from jaxloop import execution_size
 
