@@ -219,22 +219,26 @@ def host_overhead_us(repeats, steps=2000):
 
 
 def cases_for(devices, steps, loop_steps):
+    """(name, a function that builds the Case) for each case on this many devices."""
     if devices == 1:
         single = partition.SingleDevicePartitioner()
         return [
-            Case("MLP 784-256-10, batch 32", MLP(), (784,), 32, single, steps, loop_steps,
-                 fused=(4, 16, 32), auto=True, aligned=True),
-            # XLA:CPU runs convolutions inside a rolled loop on a slow kernel: unroll. The
-            # CNN is compute-bound, so fusing only shows that it costs nothing.
-            Case("guide CNN, batch 32", GuideCNN(), (28, 28, 1), 32, single, steps // 5,
-                 loop_steps // 5, fused=(4,), unroll=True, auto=True),
+            ("MLP 784-256-10, batch 32", lambda name: Case(
+                name, MLP(), (784,), 32, single, steps, loop_steps,
+                fused=(4, 8, 16, 32), auto=True, aligned=True)),
+            # XLA:CPU runs convolutions inside a rolled loop on a slow kernel: unroll.
+            ("guide CNN, batch 32", lambda name: Case(
+                name, GuideCNN(), (28, 28, 1), 32, single, steps // 5, loop_steps // 5,
+                fused=(2, 4, 8), unroll=True, auto=True)),
         ]
     mesh = Mesh(np.array(jax.devices()), ("data",))
     return [
-        Case("MLP batch 256, DataParallel x8", MLP(), (784,), 256,
-             partition.DataParallelPartitioner(mesh, "data"), steps // 2, loop_steps),
-        Case("MLP batch 256, FSDP x8", MLP(), (784,), 256,
-             partition.FSDPPartitioner(mesh, "data"), steps // 2, loop_steps),
+        ("MLP batch 256, DataParallel x8", lambda name: Case(
+            name, MLP(), (784,), 256, partition.DataParallelPartitioner(mesh, "data"),
+            steps // 2, loop_steps)),
+        ("MLP batch 256, FSDP x8", lambda name: Case(
+            name, MLP(), (784,), 256, partition.FSDPPartitioner(mesh, "data"), steps // 2,
+            loop_steps)),
     ]
 
 
@@ -243,9 +247,10 @@ def run_group(devices, steps, loop_steps, repeats, only):
     print(f"-- {devices} device(s), {jax.devices()[0].platform}, median of {repeats} "
           f"alternating runs; steps/s (ratio to hand-written); load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    for case in cases_for(devices, steps, loop_steps):
-        if only and only.lower() not in case.name.lower():
+    for name, build in cases_for(devices, steps, loop_steps):
+        if only and only.lower() not in name.lower():
             continue
+        case = build(name)
         rates, _ = case.measure(repeats)
         hand = rates["hand-written"]
         print(f"{case.name} [{case.steps} steps, loops of {case.loop_steps}]")
