@@ -1,29 +1,35 @@
 """jaxloop's loops against a hand-written `jax.jit` loop: same model, optimizer and data.
 
-Measures, side by side in one run (best of --repeats, alternating A/B so that load on the
-machine hits both alike), steps/s of
-  hand-written   ``state, out = train_fn(state, batch)`` over in-memory numpy batches:
-                 `jax.jit` with the state donated, no per-step sync, losses kept in a list
-  jaxloop p=0    ``OuterLoop(train_loop=TrainLoop(step), prefetch=0)``: one train loop
-  jaxloop p=2    the same with ``prefetch=2`` (a background thread places batches ahead)
-  jaxloop k=16   ``TrainLoop(step, steps_per_execution=16)``, prefetch 0 and 2: 16 steps per
-                 compiled call (the CNN: k=4 with ``unroll=True``)
-and prints the ratios jaxloop / hand-written. Goals: >= 0.97 for the per-step loops, and
->= 1.3 for k=16 on the small MLP. It also prints jaxloop's host overhead per step, measured
-on a tiny step (16-8-10 MLP, batch 8) whose device time is negligible.
+Measures, side by side in one run (the median of --repeats runs, the variants taking turns
+so that load on the machine hits them alike), steps/s of
+  hand-written    ``state, out = train_fn(state, batch)`` over in-memory numpy batches:
+                  `jax.jit` with the state donated, no per-step sync, losses kept in a list
+  p=0 / p=2       ``OuterLoop(train_loop=TrainLoop(step), prefetch=0 or 2)``, train loops
+                  of --loop-steps steps (default 200)
+  k=K             ``TrainLoop(step, steps_per_execution=K)``, prefetch 2: K steps per
+                  compiled call (the CNN: with ``unroll=True``)
+  k=16 L=192      k=16 on loops of 192 steps (a multiple of 16); the default 200-step loops
+                  run their last 8 steps one by one, compiling nothing new
+  auto            ``steps_per_execution='auto'`` (its choice in brackets); measured once
+                  the choice is made, as the fixed sizes are once compiled
+and prints the ratios to the hand-written loop. Goals: >= 0.97 for p=2; auto within 5%
+of the best fixed k. It also prints jaxloop's host time per step on a tiny step (16-8-10
+MLP, batch 8) whose device time is negligible, as wall time and as the process's CPU
+time (which other processes' load on a shared machine changes far less).
 
 Cases: MLP 784-256-10 and the guide's CNN at batch 32 on one device; MLP 784-256-10 at
 batch 256 on 8 (forced CPU) devices with DataParallel and with FSDP. Each device count
 runs in its own subprocess, since the device count is fixed when jax starts.
 
 On 8 CPU devices the hand-written loop waits for the step before the one it just
-dispatched (the policy of jaxloop's default ``max_steps_in_flight=2``): dispatching
+dispatched (the policy of jaxloop's default there, ``max_steps_in_flight=2``): dispatching
 hundreds of sharded steps without ever waiting crashes XLA's CPU collectives ("Expected 8
 threads to join the rendezvous"; see DESIGN.md, reproduced here). On one device it never
-waits.
+waits (jaxloop lets 8 steps run ahead there).
 
-    python benchmarks/overhead.py                      # everything, about 6 minutes
-    python benchmarks/overhead.py --only mlp --repeats 9
+    python benchmarks/overhead.py                       # everything
+    python benchmarks/overhead.py --only mlp --steps 600 --repeats 3
+    python benchmarks/overhead.py --only tiny           # host time per step
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -46,8 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxloop import outer_loop, partition, step, train_loop  # noqa: E402
 
-FUSED_STEPS = 16
-IN_FLIGHT = 2  # jaxloop's default max_steps_in_flight
+IN_FLIGHT = 2  # jaxloop's default max_steps_in_flight on several CPU devices
 
 
 class MLP(nn.Module):
@@ -103,10 +109,15 @@ def cycle(batches, n):
 
 
 class Case:
-    """One model on one partitioner, with a hand-written loop and jaxloop loops."""
+    """One model on one partitioner, with a hand-written loop and jaxloop loops.
 
-    def __init__(self, name, model, shape, batch_size, partitioner, steps, fused=None):
-        self.name, self.steps, self.shape = name, steps, shape
+    `fused` lists the fixed steps_per_execution sizes to run (with `unroll`); `auto` adds
+    ``steps_per_execution='auto'``; `aligned` adds k=16 on loops of 192 steps.
+    """
+
+    def __init__(self, name, model, shape, batch_size, partitioner, steps, loop_steps=200,
+                 fused=(), unroll=1, auto=False, aligned=False, per_step=(0, 2)):
+        self.name, self.steps, self.shape, self.loop_steps = name, steps, shape, loop_steps
         self.batches = make_batches(shape, batch_size)
         self.step = TrainStep(jax.random.key(0), model, optimizer=optax.sgd(0.005, 0.9),
                               partitioner=partitioner, train=True)
@@ -123,16 +134,17 @@ class Case:
                                    in_shardings=(state_shardings, batch_shardings),
                                    out_shardings=(state_shardings, None))
             self.bound = IN_FLIGHT
+        self.loops = {}
         self.variants = {"hand-written": self.hand_written}
-        for prefetch in (0, 2):
-            self.variants[f"jaxloop p={prefetch}"] = self.jaxloop(1, prefetch)
-        self.fused_steps = 1
-        if fused is not None:  # (steps_per_execution, unroll)
-            self.fused_steps, unroll = fused
-            unrolled = " unrolled" if unroll is True else ""
-            for prefetch in (0, 2):
-                self.variants[f"jaxloop k={self.fused_steps}{unrolled} p={prefetch}"] = (
-                    self.jaxloop(self.fused_steps, prefetch, unroll))
+        for prefetch in per_step:
+            self.variants[f"p={prefetch}"] = self.jaxloop(f"p={prefetch}", 1, prefetch)
+        for k in fused:
+            self.variants[f"k={k}"] = self.jaxloop(f"k={k}", k, 2, unroll)
+        if aligned:
+            self.variants["k=16 L=192"] = self.jaxloop("k=16 L=192", 16, 2, unroll,
+                                                       loop_steps=192)
+        if auto:
+            self.variants["auto"] = self.jaxloop("auto", "auto", 2, unroll)
 
     def fresh_state(self):
         return jax.block_until_ready(self.step.initialize_model([1, *self.shape]))
@@ -149,97 +161,131 @@ class Case:
                     in_flight.popleft().block_until_ready()
         return state
 
-    def jaxloop(self, steps_per_execution, prefetch, unroll=1):
+    def jaxloop(self, name, steps_per_execution, prefetch, unroll=1, loop_steps=None):
         loop = train_loop.TrainLoop(self.step, steps_per_execution=steps_per_execution,
                                     unroll=unroll)
+        self.loops[name] = loop
         outer = outer_loop.OuterLoop(train_loop=loop, prefetch=prefetch, progress=False)
+        loop_steps = loop_steps or self.loop_steps
 
         def run(state, n):
             state, _ = outer(state, cycle(self.batches, n), train_total_steps=n,
-                             train_loop_steps=n, log_train_total_steps=False)
+                             train_loop_steps=min(n, loop_steps), log_train_total_steps=False)
             return state
 
         return run
 
+    def label(self, name):
+        loop = self.loops.get(name)
+        if name == "auto" and loop is not None:
+            return f"auto [k={loop.steps_per_execution}]"
+        return name
+
     def measure(self, repeats):
-        # Compiles every program a timed run uses, the remainder's execution size included.
-        warmup = self.fused_steps + self.steps % self.fused_steps
-        for run in self.variants.values():
-            jax.block_until_ready(run(self.fresh_state(), warmup))
-        best = dict.fromkeys(self.variants, 0.0)
+        """Median steps/s and process CPU seconds per step of each variant."""
+        # Compiles every program a timed run uses (one loop: the k-step and the single
+        # step programs); 'auto' runs until it has chosen.
+        for name, run in self.variants.items():
+            state = self.fresh_state()
+            for _ in range(50):
+                state = jax.block_until_ready(run(state, self.loop_steps))
+                tuner = getattr(self.loops.get(name), "execution_size_tuner", None)
+                if tuner is None or tuner.done:
+                    break
+        rates = {name: [] for name in self.variants}
+        cpu = {name: [] for name in self.variants}
         for _ in range(repeats):
             for name, run in self.variants.items():
                 state = self.fresh_state()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 jax.block_until_ready(run(state, self.steps))
-                best[name] = max(best[name], self.steps / (time.perf_counter() - start))
-        return best
+                rates[name].append(self.steps / (time.perf_counter() - start))
+                cpu[name].append((time.process_time() - start_cpu) / self.steps)
+        return ({n: statistics.median(v) for n, v in rates.items()},
+                {n: statistics.median(v) for n, v in cpu.items()})
 
 
 def host_overhead_us(repeats, steps=2000):
-    """jaxloop's host time per step minus the hand-written loop's, on a step whose device
-    time is negligible (a 16-8-10 MLP on 8 examples): what the loop itself costs."""
-    case = Case("tiny", MLP(hidden=8), (16,), 8, partition.SingleDevicePartitioner(), steps)
-    best = case.measure(repeats)
-    hand = 1e6 / best["hand-written"]
-    return hand, {name: 1e6 / v - hand for name, v in best.items() if name != "hand-written"}
+    """Host time per step on a step whose device time is negligible (a 16-8-10 MLP on 8
+    examples): the hand-written loop's, and what jaxloop adds, in wall and CPU time."""
+    case = Case("tiny", MLP(hidden=8), (16,), 8, partition.SingleDevicePartitioner(), steps,
+                loop_steps=steps)
+    rates, cpu = case.measure(repeats)
+    hand, hand_cpu = 1e6 / rates["hand-written"], 1e6 * cpu["hand-written"]
+    return (hand, hand_cpu), {
+        name: (1e6 / rates[name] - hand, 1e6 * cpu[name] - hand_cpu)
+        for name in rates if name != "hand-written"
+    }
 
 
-def cases_for(devices, steps):
+def cases_for(devices, steps, loop_steps):
+    """(name, a function that builds the Case) for each case on this many devices."""
     if devices == 1:
         single = partition.SingleDevicePartitioner()
         return [
-            Case("MLP 784-256-10, batch 32", MLP(), (784,), 32, single, steps,
-                 fused=(FUSED_STEPS, 1)),
-            # XLA:CPU runs convolutions inside a rolled loop on a slow kernel: unroll. The
-            # CNN is compute-bound, so fusing only shows that it costs nothing (k <= 8).
-            Case("guide CNN, batch 32", GuideCNN(), (28, 28, 1), 32, single, steps // 5,
-                 fused=(4, True)),
+            ("MLP 784-256-10, batch 32", lambda name: Case(
+                name, MLP(), (784,), 32, single, steps, loop_steps,
+                fused=(4, 8, 16, 32), auto=True, aligned=True)),
+            # XLA:CPU runs convolutions inside a rolled loop on a slow kernel: unroll.
+            ("guide CNN, batch 32", lambda name: Case(
+                name, GuideCNN(), (28, 28, 1), 32, single, steps // 5, loop_steps // 5,
+                fused=(2, 4, 8), unroll=True, auto=True)),
         ]
     mesh = Mesh(np.array(jax.devices()), ("data",))
     return [
-        Case("MLP batch 256, DataParallel x8", MLP(), (784,), 256,
-             partition.DataParallelPartitioner(mesh, "data"), steps // 2),
-        Case("MLP batch 256, FSDP x8", MLP(), (784,), 256,
-             partition.FSDPPartitioner(mesh, "data"), steps // 2),
+        ("MLP batch 256, DataParallel x8", lambda name: Case(
+            name, MLP(), (784,), 256, partition.DataParallelPartitioner(mesh, "data"),
+            steps // 2, loop_steps)),
+        ("MLP batch 256, FSDP x8", lambda name: Case(
+            name, MLP(), (784,), 256, partition.FSDPPartitioner(mesh, "data"), steps // 2,
+            loop_steps)),
     ]
 
 
-def run_group(devices, steps, repeats, only):
+def run_group(devices, steps, loop_steps, repeats, only):
     assert jax.device_count() == devices, (jax.device_count(), devices)
-    print(f"-- {devices} device(s), {jax.devices()[0].platform}, best of {repeats} "
-          f"alternating runs; steps/s (ratio to hand-written)")
-    for case in cases_for(devices, steps):
-        if only and only.lower() not in case.name.lower():
+    print(f"-- {devices} device(s), {jax.devices()[0].platform}, median of {repeats} "
+          f"alternating runs; steps/s (ratio to hand-written); load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    for name, build in cases_for(devices, steps, loop_steps):
+        if only and only.lower() not in name.lower():
             continue
-        best = case.measure(repeats)
-        hand = best["hand-written"]
-        cells = [f"hand-written {hand:8.1f}"] + [
-            f"{name} {value:8.1f} ({value / hand:.3f})"
-            for name, value in best.items() if name != "hand-written"
-        ]
-        print(f"{case.name} [{case.steps} steps]")
-        for cell in cells:
-            print(f"    {cell}")
+        case = build(name)
+        rates, _ = case.measure(repeats)
+        hand = rates["hand-written"]
+        print(f"{case.name} [{case.steps} steps, loops of {case.loop_steps}]")
+        print(f"    {'hand-written':22s} {hand:8.1f}")
+        for name, value in rates.items():
+            if name != "hand-written":
+                print(f"    {case.label(name):22s} {value:8.1f} ({value / hand:.3f})")
+        fixed = {n: v for n, v in rates.items() if n.startswith(("p=2", "k=")) and "L=" not in n}
+        if "auto" in rates and fixed:
+            best = max(fixed, key=fixed.get)
+            print(f"    auto / best fixed k ({best}): {rates['auto'] / fixed[best]:.3f}")
         sys.stdout.flush()
     if devices == 1 and (not only or only.lower() in "tiny"):
-        hand_us, extra = host_overhead_us(repeats)
-        print(f"host time per step on a tiny step: hand-written {hand_us:.1f} us; jaxloop adds "
-              + ", ".join(f"{name}: {us:+.1f} us" for name, us in extra.items()))
+        (hand_us, hand_cpu), extra = host_overhead_us(repeats)
+        print(f"host time per step on a tiny step (median of {repeats}): hand-written "
+              f"{hand_us:.1f} us wall, {hand_cpu:.1f} us CPU; jaxloop adds "
+              + ", ".join(f"{name}: {w:+.1f} us wall, {c:+.1f} us CPU"
+                          for name, (w, c) in extra.items()
+                          if name.startswith("p=")))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000,
+    parser.add_argument("--steps", type=int, default=600,
                         help="steps per timed run (the CNN runs 1/5, the 8-device cases 1/2)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--loop-steps", type=int, default=200,
+                        help="steps per train loop (the CNN's loops are 1/5 as long)")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default="",
                         help="run only the cases whose name contains this ('tiny': overhead)")
     parser.add_argument("--devices", type=int, choices=(1, 8),
                         help="run one device-count group in this process (used internally)")
     args = parser.parse_args()
     if args.devices is not None:
-        run_group(args.devices, args.steps, args.repeats, args.only)
+        run_group(args.devices, args.steps, args.loop_steps, args.repeats, args.only)
         return
     for devices in (1, 8):
         env = dict(os.environ)
@@ -250,7 +296,8 @@ def main():
         env["XLA_FLAGS"] = " ".join(flags)
         subprocess.run(
             [sys.executable, __file__, "--devices", str(devices), "--steps", str(args.steps),
-             "--repeats", str(args.repeats), "--only", args.only],
+             "--loop-steps", str(args.loop_steps), "--repeats", str(args.repeats),
+             "--only", args.only],
             env=env, check=True,
         )
 

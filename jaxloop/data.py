@@ -18,7 +18,6 @@ import collections.abc
 import hashlib
 import json
 import logging
-import queue
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -648,39 +647,84 @@ _BATCH, _END, _ERROR = "batch", "end", "error"
 _POLL_SECONDS = 0.05
 
 
-def _put(q: queue.Queue, stop: threading.Event, item: tuple[str, Any, Any]) -> bool:
-    """Puts `item` unless asked to stop; False if stopped first."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=_POLL_SECONDS)
-            return True
-        except queue.Full:
-            continue
-    return False
+class _Handoff:
+    """The buffer between the prefetch thread and the consumer.
+
+    Waking a thread costs far more than a step of a small model on a loaded machine (the
+    woken thread takes the GIL from the consumer), so the thread is woken in bursts: it
+    fills the buffer to ``2 * size`` items, sleeps, and is woken once the consumer has
+    taken it down to `size`, i.e. once per `size` batches rather than once per batch. The
+    consumer takes items without locking while any are ready.
+    """
+
+    def __init__(self, size: int):
+        self.low = size
+        self.high = 2 * size
+        self.items: collections.deque = collections.deque()
+        self.cond = threading.Condition()
+        self.stop = threading.Event()
+        self.consumer_waiting = False
+
+    def put(self, item: tuple[str, Any, Any]) -> bool:
+        """Producer side: appends `item`, first sleeping while the buffer is full. False
+        if stopped instead."""
+        items, cond = self.items, self.cond
+        if len(items) >= self.high:
+            with cond:
+                while len(items) > self.low and not self.stop.is_set():
+                    cond.wait(_POLL_SECONDS)
+        if self.stop.is_set():
+            return False
+        items.append(item)
+        if self.consumer_waiting:
+            with cond:
+                cond.notify_all()
+        return True
+
+    def get(self, thread: threading.Thread) -> tuple[str, Any, Any]:
+        """Consumer side: the next item, waiting for one if none is ready."""
+        items = self.items
+        if len(items) <= self.low:
+            with self.cond:
+                self.cond.notify_all()  # the producer may be asleep on a full buffer
+                self.consumer_waiting = True
+                try:
+                    while not items:
+                        if not thread.is_alive() and not items:
+                            raise RuntimeError("jaxloop prefetch thread exited unexpectedly.")
+                        self.cond.wait(_POLL_SECONDS * 10)
+                finally:
+                    self.consumer_waiting = False
+        return items.popleft()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.items.clear()
+        with self.cond:
+            self.cond.notify_all()
 
 
 def _produce(
     source: Iterator[Batch],
     shard_fn: Callable[[Batch], Batch],
-    q: queue.Queue,
-    stop: threading.Event,
+    handoff: _Handoff,
     track_state: bool,
 ) -> None:
     # A module-level function holding no reference to the DevicePrefetchIterator, so an
     # abandoned prefetcher can be garbage-collected (and its __del__ stop this thread).
     try:
-        while not stop.is_set():
+        while not handoff.stop.is_set():
             try:
                 batch = next(source)
             except StopIteration:
-                _put(q, stop, (_END, None, None))
+                handoff.put((_END, None, None))
                 return
             state = iterator_state(source) if track_state else None
             batch = shard_fn(batch)
-            if not _put(q, stop, (_BATCH, batch, state)):
+            if not handoff.put((_BATCH, batch, state)):
                 return
     except BaseException as e:  # re-raised in the consumer thread
-        _put(q, stop, (_ERROR, e, None))
+        handoff.put((_ERROR, e, None))
 
 
 class DevicePrefetchIterator(Iterator[Batch]):
@@ -707,11 +751,10 @@ class DevicePrefetchIterator(Iterator[Batch]):
         self._finished = False
         if self._size == 0:
             return
-        self._queue: queue.Queue = queue.Queue(maxsize=self._size)
-        self._stop = threading.Event()
+        self._handoff = _Handoff(self._size)
         self._thread = threading.Thread(
             target=_produce,
-            args=(self._source, self._shard_fn, self._queue, self._stop, self._track_state),
+            args=(self._source, self._shard_fn, self._handoff, self._track_state),
             name="jaxloop-device-prefetch",
             daemon=True,  # never block interpreter exit on a stuck source
         )
@@ -721,13 +764,7 @@ class DevicePrefetchIterator(Iterator[Batch]):
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        self._stop.set()
-        # Free queue slots so a producer blocked on a full queue notices the stop.
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
+        self._handoff.close()
         if thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
@@ -754,15 +791,12 @@ class DevicePrefetchIterator(Iterator[Batch]):
         if thread is None:  # closed
             self._finished = True
             raise StopIteration
-        while True:
-            try:
-                kind, value, state = self._queue.get(timeout=_POLL_SECONDS * 10)
-                break
-            except queue.Empty:
-                if not thread.is_alive() and self._queue.empty():
-                    self._finished = True
-                    self._shutdown()
-                    raise RuntimeError("jaxloop prefetch thread exited unexpectedly.") from None
+        try:
+            kind, value, state = self._handoff.get(thread)
+        except RuntimeError:
+            self._finished = True
+            self._shutdown()
+            raise
         if kind == _BATCH:
             self._state = state
             return value
@@ -830,6 +864,8 @@ def prefetch_to_device(
     Args:
       iterator: source iterator (anything `as_iterator` accepts) of host numpy batches.
       shard_fn: puts a host batch on the devices, e.g. ``Partitioner.shard_batch``.
-      size: number of batches kept ready on device.
+      size: number of batches kept ready on device: the thread keeps between `size` and
+        ``2 * size`` ready, refilling in bursts of `size` (one thread wake-up per `size`
+        batches instead of one per batch).
     """
     return DevicePrefetchIterator(iterator, shard_fn, size)

@@ -1,9 +1,10 @@
 """Loop: runs a Step over many batches and collects its outputs.
 
 The host never waits for a step's result inside the loop. It only bounds how far ahead it
-runs: before dispatching a step it waits for the step `max_steps_in_flight` back. That keeps
+runs: once `max_steps_in_flight` steps are unfinished it waits until half of them are. That keeps
 the device busy while capping queued work (unbounded dispatch of sharded steps crashed XLA's
-CPU collectives on small machines, and would hold every batch in memory).
+CPU collectives on small machines, and would hold every batch in memory). The default bound
+depends on the step's mesh (`default_max_steps_in_flight`).
 
 With ``steps_per_execution=k`` the loop runs k steps per compiled call (`Step.call_steps`,
 a `jax.lax.scan` over k stacked batches), which removes the per-step dispatch cost for
@@ -21,20 +22,46 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
 from clu import metrics as clu_metrics
 
-from jaxloop import preemption, types
+from jaxloop import execution_size, preemption, types
 from jaxloop import step as step_lib
 
 Output = types.Output
 State = types.TrainState
 Step = step_lib.Step
 
+# The bound on a mesh of several CPU devices (see `default_max_steps_in_flight`).
 DEFAULT_MAX_STEPS_IN_FLIGHT = 2
+
+
+def default_max_steps_in_flight(step: Step) -> int:
+    """How many dispatched executions a loop lets run ahead of the device by default.
+
+    2 on a mesh of several CPU devices: with hundreds of sharded steps queued, XLA's CPU
+    collectives deadlocked ("Expected 8 threads to join the rendezvous"). 8 elsewhere, so
+    that a host thread woken late (a loaded machine, a garbage collection) still finds
+    queued work for the device; with 2, a loaded 2-core machine lost up to 30% of the
+    throughput of 0.2 ms steps.
+
+    Example::
+
+        default_max_steps_in_flight(step)  # 8 for a SingleDevicePartitioner's step
+    """
+    mesh = getattr(getattr(step, "partitioner", None), "mesh", None)
+    if mesh is None:
+        return DEFAULT_MAX_STEPS_IN_FLIGHT
+    cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
+    return DEFAULT_MAX_STEPS_IN_FLIGHT if cpu and mesh.size > 1 else 8
+
+
+# A tuple: isinstance checks it faster than a union, once per output per step.
+_METRIC_TYPES = (clu_metrics.Metric, clu_metrics.Collection)
 
 
 @jax.jit
@@ -46,7 +73,7 @@ def _merge_metrics(total: clu_metrics.Metric, new: clu_metrics.Metric) -> clu_me
 def _split_steps(outputs: Output, num_steps: int) -> list[Output]:
     per_step: list[Output] = [{} for _ in range(num_steps)]
     for key, value in outputs.items():
-        if isinstance(value, clu_metrics.Metric | clu_metrics.Collection):
+        if isinstance(value, _METRIC_TYPES):
             # Merged here in step order, so the loop merges once per execution.
             merged = jax.tree.map(lambda x: x[0], value)
             for i in range(1, num_steps):
@@ -64,6 +91,10 @@ _split_steps_jit = jax.jit(_split_steps, static_argnums=1)
 
 def _sync_token(outputs: Any) -> jax.Array | None:
     """An array that is ready once its step has finished and that no later step donates."""
+    if isinstance(outputs, dict) and outputs:
+        first = next(iter(outputs.values()))
+        if isinstance(first, jax.Array):  # the usual case, without flattening every output
+            return first
     for leaf in jax.tree.leaves(outputs):
         if isinstance(leaf, jax.Array):
             return leaf
@@ -103,8 +134,14 @@ class Loop:
     Args:
       step: the Step to run on each batch.
       max_steps_in_flight: how many dispatched executions (steps, when
-        `steps_per_execution` is 1) may be unfinished at once (>= 1).
-      steps_per_execution: how many steps run in one compiled call (>= 1).
+        `steps_per_execution` is 1) may be unfinished at once (>= 1); None: the step's
+        `default_max_steps_in_flight(step)` (2 on several CPU devices, else 8).
+      steps_per_execution: how many steps run in one compiled call (>= 1), or ``'auto'``:
+        the loop times its first executions with 1, 2, 4, ... steps and keeps the size
+        at which the host's dispatch is under 5% of an execution's time, never more than
+        the loop's length or the smallest interval of the step's actions, preferring a
+        size that divides them (see `execution_size`). The choice holds for the loop's
+        later runs; `steps_per_execution` reports it (1 until it is made).
       unroll: with ``steps_per_execution > 1``, how many steps the compiled loop body
         holds (`jax.lax.scan`'s `unroll`; True: all of them). 1 compiles fastest and suits
         dense models; XLA:CPU runs convolutions inside a loop body on a slower kernel that
@@ -117,11 +154,13 @@ class Loop:
     execution, with its last step). Executions are cut so that everything the host sees
     stays exact:
 
-    - a loop of n steps runs ``n // k`` executions of k and one smaller execution for the
-      rest (compiled once per distinct size; one step runs as a plain step);
+    - only two programs ever run: the k-step one and the single step. A loop of n steps
+      runs ``n // k`` executions of k and its last ``n % k`` steps one by one, so no loop
+      length compiles anything after the first loop;
     - a step-level action of the Step (see `step.action_fires`) fires exactly on its steps:
-      an execution starts at each step a begin action fires on and ends at each step an end
-      action fires on, so intervals that are multiples of k cost nothing;
+      an execution never spans a step a begin action fires on (except as its first step)
+      or an end action fires on (except as its last); the steps up to such a step run one
+      by one, so intervals that are multiples of k cost nothing;
     - the Step's `begin` and `end` run once per execution, on the stacked batch (leading
       axis k) and the stacked outputs;
     - when the dataset ends inside an execution, the batches read run as single steps;
@@ -136,15 +175,25 @@ class Loop:
     def __init__(
         self,
         step: Step,
-        max_steps_in_flight: int = DEFAULT_MAX_STEPS_IN_FLIGHT,
-        steps_per_execution: int = 1,
+        max_steps_in_flight: int | None = None,
+        steps_per_execution: int | str = 1,
         unroll: int | bool = 1,
     ):
+        if max_steps_in_flight is None:
+            max_steps_in_flight = default_max_steps_in_flight(step)
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}")
-        if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
+        self._tuner: execution_size.ExecutionSizeTuner | None = None
+        self._auto_chosen = False
+        if steps_per_execution == "auto":
+            self._tuner = execution_size.ExecutionSizeTuner(
+                max_size=self._smallest_action_interval(step)
+            )
+            steps_per_execution = 1
+        elif not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise ValueError(
-                f"steps_per_execution must be a positive integer, got {steps_per_execution!r}"
+                "steps_per_execution must be a positive integer or 'auto', got "
+                f"{steps_per_execution!r}"
             )
         self._step = step
         self._max_steps_in_flight = max_steps_in_flight
@@ -166,7 +215,25 @@ class Loop:
 
     @property
     def steps_per_execution(self) -> int:
+        """Steps per compiled call; with 'auto', the size chosen (1 while measuring)."""
         return self._steps_per_execution
+
+    @property
+    def execution_size_tuner(self) -> execution_size.ExecutionSizeTuner | None:
+        """With ``steps_per_execution='auto'``: the measurements (per-step seconds by
+        size in ``per_step_secs``) and whether the choice is made (``done``)."""
+        return self._tuner
+
+    @staticmethod
+    def _smallest_action_interval(step: Step) -> int:
+        actions = [*getattr(step, "begin_actions", ()), *getattr(step, "end_actions", ())]
+        intervals = [
+            a.interval
+            for a in actions
+            if getattr(a, "fires_at", None) is None
+            and isinstance(getattr(a, "interval", None), int)
+        ]
+        return min([execution_size.DEFAULT_MAX_SIZE, *intervals])
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         """Called before the first step of each loop; returns the state and iterator.
@@ -209,7 +276,7 @@ class Loop:
         """
         if step_outputs is not None:
             for key, value in step_outputs.items():
-                if isinstance(value, clu_metrics.Metric | clu_metrics.Collection):
+                if isinstance(value, _METRIC_TYPES):
                     previous = loop_outputs.get(key)
                     loop_outputs[key] = value if previous is None else _merge_metrics(
                         previous, value
@@ -273,9 +340,15 @@ class Loop:
             # next (donating) step would delete it, so wait now.
             jax.block_until_ready(state)
             return
-        self._in_flight.append(token)
-        while len(self._in_flight) >= self._max_steps_in_flight:
-            self._in_flight.popleft().block_until_ready()
+        in_flight = self._in_flight
+        in_flight.append(token)
+        if len(in_flight) >= self._max_steps_in_flight:
+            # Wait until half the bound remains in flight, not just one fewer: one wait
+            # (a thread sleep and wake-up) per max/2 steps instead of one per step. Steps
+            # finish in order, so the newest of those waited for is the only one to block on.
+            for _ in range(len(in_flight) - self._max_steps_in_flight // 2 - 1):
+                in_flight.popleft()
+            in_flight.popleft().block_until_ready()
 
     def _run_one_step(
         self,
@@ -325,8 +398,13 @@ class Loop:
             self.dataset_exhausted = True
             if not batches:
                 raise
-        layouts = {step_lib.batch_layout(b) for b in batches}
-        if len(batches) < num_steps or len(layouts) > 1:
+        prepared = None
+        if len(batches) == num_steps:
+            try:
+                prepared = self._step.prepare_batches(batches)
+            except step_lib.BatchLayoutError:
+                pass  # e.g. a smaller last batch: run these one by one
+        if prepared is None:
             remaining = iter(batches)
             for i in range(len(batches)):
                 state, loop_outputs = self._run_one_step(
@@ -336,7 +414,7 @@ class Loop:
                 )
             return state, loop_outputs, len(batches)
         new_state, outputs = self._step.call_steps(
-            state, batches, per_loop_step_number, log_num_flops=log_num_flops,
+            state, prepared, per_loop_step_number, log_num_flops=log_num_flops,
             carry_state=return_state_from_step, unroll=self._unroll, **kwargs,
         )
         if return_state_from_step:
@@ -350,7 +428,10 @@ class Loop:
 
     def _execution_size(self, first: int, remaining: int | None) -> int:
         """How many steps the execution starting at step `first` runs (see `Loop`)."""
-        size = self._steps_per_execution
+        return self._cut(first, remaining, self._steps_per_execution)
+
+    def _cut(self, first: int, remaining: int | None, size: int) -> int:
+        """`_execution_size` for executions of at most `size` steps."""
         if remaining is not None:
             size = min(size, remaining)
         begin_actions = self._step.begin_actions
@@ -396,13 +477,32 @@ class Loop:
         # once here (a loop boundary) so the per-step check never waits for the device.
         check_preemption = preemption.active() and return_state_from_step
         host_step = int(state.step) if check_preemption else 0
-        fused = self._steps_per_execution > 1
+        tuner = None if self._auto_chosen else self._tuner
+        if tuner is not None and num_steps is not None:
+            tuner.limit(num_steps)
+        fused = self._steps_per_execution > 1 or tuner is not None
+        segment_start = None  # (clock, step number) where the timed segment began
         per_loop_step_number = 0
         while num_steps is None or per_loop_step_number < num_steps:
             size = 1
+            if tuner is not None:
+                if tuner.done:
+                    self._choose_steps_per_execution(tuner, num_steps)
+                    tuner = None
+                    fused = self._steps_per_execution > 1
+                else:
+                    self._steps_per_execution = tuner.candidate
+                    if segment_start is None:
+                        # Timed from an idle device, so no earlier work is counted.
+                        self._block_on_last(state)
+                        segment_start = (time.perf_counter(), per_loop_step_number)
             if fused:
                 remaining = None if num_steps is None else num_steps - per_loop_step_number
                 size = self._execution_size(per_loop_step_number + 1, remaining)
+                if size < self._steps_per_execution:
+                    # Fewer steps (a loop's remainder, the steps up to an action) run one
+                    # by one: a program of another size would compile anew.
+                    size = 1
             try:
                 if size == 1:
                     state, loop_outputs = self._run_one_step(
@@ -429,14 +529,58 @@ class Loop:
                 self.dataset_exhausted = True
                 break
             per_loop_step_number += size
+            if tuner is not None:
+                steps = per_loop_step_number - segment_start[1]
+                if steps >= tuner.segment_steps:
+                    self._block_on_last(state)
+                    tuner.record(
+                        self._steps_per_execution, steps, time.perf_counter() - segment_start[0]
+                    )
+                    segment_start = None
             if check_preemption and self._reached_sync_point(host_step, per_loop_step_number, size):
                 self.preempted = True
                 break
             if self.dataset_exhausted:
                 break
         self._in_flight.clear()
+        if tuner is not None:
+            if self.dataset_exhausted and num_steps is None:
+                # Now the loop's length is known (an eval loop over its whole dataset).
+                tuner.limit(per_loop_step_number)
+            if tuner.done:
+                self._choose_steps_per_execution(tuner, num_steps)
+            else:
+                # Still measuring (a segment cut by the loop's end does not count): the
+                # next loop goes on from the same segment.
+                self._steps_per_execution = 1
         self.num_steps_run = per_loop_step_number
         return state, dict(loop_outputs)
+
+    def _choose_steps_per_execution(
+        self, tuner: execution_size.ExecutionSizeTuner, num_steps: int | None
+    ) -> None:
+        plan = None if num_steps is None else (lambda k: self._plan(k, num_steps))
+        self._steps_per_execution = tuner.choose(plan)
+        self._auto_chosen = True
+
+    def _block_on_last(self, state: State) -> None:
+        if self._in_flight:
+            self._in_flight[-1].block_until_ready()
+        else:
+            jax.block_until_ready(state)
+
+    def _plan(self, size: int, num_steps: int) -> tuple[int, int]:
+        """(executions of `size` steps, single steps) of a loop of `num_steps` steps."""
+        executions = singles = 0
+        done = 0
+        while done < num_steps:
+            if self._cut(done + 1, num_steps - done, size) < size:
+                singles += 1
+                done += 1
+            else:
+                executions += 1
+                done += size
+        return executions, singles
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         """Called after the last step of each loop."""

@@ -56,15 +56,22 @@ _SPEC_HELP = (
 
 @dataclasses.dataclass(frozen=True)
 class PreparedBatch:
-    """A batch already preprocessed and placed on the devices by `Step.prepare_batch`.
+    """A batch already preprocessed (and placed on the devices) by `Step.prepare_batch`.
 
     A device prefetcher hands these to the step, which then skips both stages.
     `Step.prepare_batches` makes one of several batches stacked on a new leading axis, with
-    `num_steps` set to their number (None for a single batch).
+    `num_steps` set to their number (None for a single batch). `on_host` marks a
+    preprocessed batch left on the host because the step's compiled call places it itself
+    (one process on CPU devices, where placing ahead saves nothing).
     """
 
     batch: Batch
     num_steps: int | None = None
+    on_host: bool = False
+
+
+class BatchLayoutError(ValueError):
+    """Batches meant for one execution differ in tree structure or leaf shapes."""
 
 
 def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
@@ -212,6 +219,7 @@ class Step:
         self._end_actions = list(end_actions or [])
         self._compiled: Callable | None = None
         self._runs_host_batches = False
+        self._prepares_on_host = False
         self._jit_kwargs: dict[str, Any] = {}
         # The multi-step programs of `call_steps`, keyed by (carry_state, unroll).
         self._compiled_steps: dict[tuple[bool, int | bool], Callable] = {}
@@ -417,6 +425,14 @@ class Step:
             and cls.begin is Step.begin
             and callable(getattr(self._compiled, "call_placing_batch", None))
         )
+        # On CPU devices in one process, placing a batch ahead (a prefetch thread) is a
+        # copy in host memory that the compiled call would make anyway: leave it to the
+        # call.
+        self._prepares_on_host = (
+            self._runs_host_batches
+            and jax.process_count() == 1
+            and all(d.platform == "cpu" for d in self._partitioner.mesh.devices.flat)
+        )
         return self._compiled
 
     def _steps_program(self, carry_state: bool, unroll: int | bool) -> Callable:
@@ -519,8 +535,15 @@ class Step:
 
     def prepare_batch(self, batch: Batch) -> PreparedBatch:
         """`preprocess_batch`, then sharding (if enabled): the host-side work for a batch,
-        which a prefetcher may do in the background ahead of the step."""
+        which a prefetcher may do in the background ahead of the step.
+
+        On CPU devices in one process, once the step is compiled, the batch stays on the
+        host (``on_host=True``) when the compiled call can place it itself: placing it
+        ahead would copy it within host memory for nothing.
+        """
         batch = self.preprocess_batch(batch)
+        if self._prepares_on_host:
+            return PreparedBatch(batch, on_host=True)
         if self._should_shard_batch:
             batch = self._partitioner.shard_batch(batch)
         return PreparedBatch(batch)
@@ -531,8 +554,11 @@ class Step:
         Each batch is preprocessed; host (numpy) batches are then stacked with `np.stack`
         on a new leading axis and placed in one transfer with
         `Partitioner.shard_stacked_batch`. Batches already on the devices (prefetched
-        `PreparedBatch`es, jax arrays) are stacked on the devices instead. All batches
-        must have the same layout (`batch_layout`).
+        `PreparedBatch`es, jax arrays) are stacked on the devices instead.
+
+        Raises:
+          BatchLayoutError: the batches differ in layout (`batch_layout`); raised before
+            any batch is preprocessed.
 
         Example::
 
@@ -543,7 +569,7 @@ class Step:
             raise ValueError("prepare_batches needs at least one batch")
         layouts = {batch_layout(b) for b in batches}
         if len(layouts) > 1:
-            raise ValueError(
+            raise BatchLayoutError(
                 f"Batches run in one execution must share one layout (tree structure and "
                 f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}"
             )
@@ -556,13 +582,21 @@ class Step:
                     stacked = self._partitioner.shard_stacked_batch(stacked)
                 return PreparedBatch(stacked, len(batches))
             placed = [self._partitioner.shard_batch(b) if shard else b for b in host]
+        elif all(isinstance(b, PreparedBatch) and b.on_host for b in batches):
+            stacked = jax.tree.map(lambda *xs: np.stack(xs), *(b.batch for b in batches))
+            return PreparedBatch(self._partitioner.shard_stacked_batch(stacked), len(batches))
         else:
-            placed = [
-                (b if isinstance(b, PreparedBatch) else self.prepare_batch(b)).batch
-                for b in batches
-            ]
+            placed = [self._placed(b) for b in batches]
         stacked = self._partitioner.stack_batches(placed) if shard else _stack_on_device(placed)
         return PreparedBatch(stacked, len(batches))
+
+    def _placed(self, batch: Batch | PreparedBatch) -> Batch:
+        """The batch preprocessed and on the devices."""
+        if not isinstance(batch, PreparedBatch):
+            batch = self.prepare_batch(batch)
+        if batch.on_host:
+            return self._partitioner.shard_batch(batch.batch)
+        return batch.batch
 
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
         """Runs before the compiled `run`, outside jit, on the sharded batch.
@@ -607,10 +641,11 @@ class Step:
         every step runs the one compiled program.
         """
         compiled = self._compiled or self.compile()
-        if isinstance(batch, PreparedBatch):
+        prepared = isinstance(batch, PreparedBatch)
+        if prepared and not batch.on_host:
             batch = batch.batch
         elif self._runs_host_batches and not kwargs:
-            host = self.preprocess_batch(batch)
+            host = batch.batch if prepared else self.preprocess_batch(batch)
             if log_num_flops:
                 self.compute_num_flops(state, host)
             if self._begin_actions:
@@ -624,7 +659,7 @@ class Step:
             state, outputs = compiled.call_placing_batch(state, host)
             return self._end_step(state, outputs, per_loop_step_number)
         else:
-            batch = self.prepare_batch(batch).batch
+            batch = self._placed(batch)
         for action in self._begin_actions:
             if action_fires(action, per_loop_step_number, begin=True):
                 action(state, None, batch=batch, per_loop_step_number=per_loop_step_number)

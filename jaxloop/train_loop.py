@@ -7,6 +7,8 @@ Example::
 
     # 16 steps per compiled call: same results, far less per-step dispatch for small steps.
     train_loop = TrainLoop(train_step, steps_per_execution=16)
+    # Or let the loop time its first executions and pick the size.
+    train_loop = TrainLoop(train_step, steps_per_execution='auto')
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class TrainLoop(action_loop.ActionLoop):
     Arguments are those of `ActionLoop`: ``begin_actions``, ``end_actions``,
     ``stat_names``, ``global_batch_size``, ``max_steps_in_flight`` and
     ``steps_per_execution`` (default 1: steps that run k at a time in one compiled
-    `jax.lax.scan`, with bit-identical results; see `loop.Loop` for the rules).
+    `jax.lax.scan`, with bit-identical results; ``'auto'`` measures and picks k; see
+    `loop.Loop` for the rules).
     """
 
     def __init__(self, step: step_lib.Step, *args: Any, **kwargs: Any):

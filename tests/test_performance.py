@@ -114,13 +114,25 @@ def test_unrolled_conv_steps_are_bit_identical():
     assert_same_outputs(results[1][1], results[4][1])
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_fused_steps_without_batch_sharding(on_device):
+    batches = [jax.device_put(b) if on_device else b for b in BATCHES[:8]]
+    params = []
+    for spe in (1, 4):
+        step = make_step(should_shard_batch=False)
+        state, _ = train_loop_lib.TrainLoop(step, steps_per_execution=spe)(
+            step.initialize_model([1, 16]), batches)
+        params.append(host(state.params))
+    jax.tree.map(np.testing.assert_array_equal, *params)
+
+
 def test_fused_steps_with_ragged_last_batch():
     step = make_step()
     state = step.initialize_model([1, 16])
     batches = BATCHES[:5] + [{k: v[:8] for k, v in BATCHES[5].items()}]
     state, outputs = train_loop_lib.TrainLoop(step, steps_per_execution=3)(state, batches)
     assert int(state.step) == 6 and outputs["logits"][-1].shape == (8, 10)
-    with pytest.raises(ValueError, match="share one layout"):
+    with pytest.raises(step_lib.BatchLayoutError, match="share one layout"):
         step.prepare_batches(batches[4:])
 
 
@@ -156,6 +168,107 @@ def test_step_actions_fire_exactly_with_fused_steps():
     # Called directly, call_steps refuses an action that would fire inside the execution.
     with pytest.raises(ValueError, match="fires on step 3, inside an execution of steps 1..4"):
         step.call_steps(state, BATCHES[:4], per_loop_step_number=1)
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Counts XLA compilations (jax's backend-compile events) inside the block."""
+    names = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_no_compiles_after_the_first_loop_for_any_loop_length():
+    # 200 = 12 x 16 + 8: the last 8 steps of each loop run with the single-step program.
+    results = {}
+    for spe in (1, 16):
+        step = make_step()
+        state = step.initialize_model([1, 16])
+        tl = train_loop_lib.TrainLoop(step, steps_per_execution=spe)
+        data = forever()
+        with counting_compiles() as first:
+            state, _ = tl(state, data, num_steps=200)
+        losses = []
+        with counting_compiles() as later:
+            for num_steps in (200, 200, 37, 5, 16, 1):
+                state, outputs = tl(state, data, num_steps=num_steps)
+                losses += outputs["loss"]
+        assert first and later == [], (spe, later)
+        results[spe] = (host(state), np.stack(host(losses)))
+    assert int(results[16][0].step) == 659
+    jax.tree.map(np.testing.assert_array_equal, results[1][0].params, results[16][0].params)
+    jax.tree.map(np.testing.assert_array_equal, results[1][0].opt_state,
+                 results[16][0].opt_state)
+    np.testing.assert_array_equal(results[1][1], results[16][1])
+
+
+def test_auto_steps_per_execution_is_bit_identical_and_settles():
+    runs = {}
+    for spe in (1, "auto"):
+        end = Record(10)
+        step = make_step(end_actions=[end])
+        state = step.initialize_model([1, 16])
+        tl = train_loop_lib.TrainLoop(step, steps_per_execution=spe)
+        data = forever()
+        losses = []
+        for _ in range(9):  # measuring takes about 7 loops of 100 steps here
+            state, outputs = tl(state, data, num_steps=100)
+            losses += outputs["loss"]
+        with counting_compiles() as later:
+            state, outputs = tl(state, data, num_steps=100)
+        losses += outputs["loss"]
+        assert later == []
+        runs[spe] = (host(state), np.stack(host(losses)), end, tl)
+    state, losses, end, tl = runs["auto"]
+    tuner = tl.execution_size_tuner
+    assert tuner.done and tl.steps_per_execution in tuner.per_step_secs
+    # Capped by the action's interval; the end action fired on exactly its steps.
+    assert set(tuner.per_step_secs) == {1, 2, 4, 8}
+    assert [c[:2] for c in end.calls] == [c[:2] for c in runs[1][2].calls]
+    assert int(state.step) == 1000
+    jax.tree.map(np.testing.assert_array_equal, runs[1][0].params, state.params)
+    np.testing.assert_array_equal(runs[1][1], losses)
+
+
+def test_auto_eval_loop_settles_on_a_short_dataset():
+    state = make_step().initialize_model([1, 16])
+    el = eval_loop_lib.EvalLoop(make_step(train=False), steps_per_execution="auto")
+    _, plain = eval_loop_lib.EvalLoop(make_step(train=False))(state, BATCHES)
+    _, outputs = el(state, BATCHES)  # 16 batches: too few to time any segment
+    assert el.execution_size_tuner.done and el.steps_per_execution == 1
+    assert_same_outputs(plain, outputs)
+
+
+def test_execution_size_tuner_prefers_sizes_that_fit_the_loop():
+    from jaxloop import execution_size
+
+    tuner = execution_size.ExecutionSizeTuner(max_size=8, rounds=1)
+    assert tuner.sizes == [1, 2, 4, 8]
+    fake_per_step = {1: 1.0, 2: 0.6, 4: 0.5, 8: 0.49}
+    while not tuner.done:
+        k, steps = tuner.candidate, tuner.segment_steps
+        tuner.record(k, steps, steps * fake_per_step[k])
+    assert tuner.per_step_secs == fake_per_step
+    # The best per step is 8; 4 is within 2.5% of it, and the smallest such size wins.
+    assert tuner.choose() == 4
+    # A 12-step loop: 8 + 4 single steps is slower than 4 + 4 + 4.
+    assert tuner.choose(lambda k: (12 // k, 12 % k)) == 4
+    fake_per_step[4] = 0.6
+    tuner.per_step_secs.update(fake_per_step)
+    assert tuner.choose() == 8 and tuner.choose(lambda k: (12 // k, 12 % k)) == 2
+    short = execution_size.ExecutionSizeTuner(max_size=32)
+    short.limit(40)  # a segment of 16-step executions (64 steps) does not fit
+    assert short.sizes == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match="steps_per_execution"):
+        train_loop_lib.TrainLoop(make_step(), steps_per_execution="fast")
 
 
 def test_fused_clu_metrics_are_merged():
@@ -202,6 +315,13 @@ def test_preemption_stops_at_the_end_of_an_execution():
         assert lp.preempted and lp.num_steps_run == expected
 
 
+def test_default_steps_in_flight_come_from_the_partitioner():
+    # Several CPU devices: 2 (deeper queues of collectives deadlocked XLA:CPU); else 8.
+    assert loop.Loop(make_step("dp")).max_steps_in_flight == 2
+    assert train_loop_lib.TrainLoop(make_step()).max_steps_in_flight == 8
+    assert loop.Loop(make_step(), max_steps_in_flight=3).max_steps_in_flight == 3
+
+
 def test_steps_per_execution_must_be_positive():
     with pytest.raises(ValueError, match="steps_per_execution"):
         train_loop_lib.TrainLoop(make_step(), steps_per_execution=0)
@@ -226,6 +346,26 @@ def test_batch_layout_is_validated_once(monkeypatch):
     for _ in range(2):  # a bad layout is never remembered
         with pytest.raises(ValueError, match=r"\['x'\] has shape \(12, 16\).*8 local devices"):
             part.shard_batch(toy_data(12))
+
+
+@pytest.mark.parametrize("kind", ["single", "fsdp"])
+def test_call_placing_batch_equals_placing_first(kind):
+    results = []
+    for placing in (False, True):
+        step = make_step(kind)
+        state = step.initialize_model([1, 16])
+        fn = step.compile()
+        for batch in BATCHES[:3]:
+            if placing:
+                state, out = fn.call_placing_batch(state, batch)
+            else:
+                state, out = fn(state, step.partitioner.shard_batch(batch))
+        results.append((host(state.params), out["logits"]))
+    jax.tree.map(np.testing.assert_array_equal, results[0][0], results[1][0])
+    assert results[1][1].sharding.is_equivalent_to(results[0][1].sharding, 2)
+    if kind == "fsdp":
+        with pytest.raises(ValueError, match=r"\['x'\] has shape \(12, 16\)"):
+            fn.call_placing_batch(state, toy_data(12))
 
 
 def test_stacked_batches_are_placed_like_their_steps():
@@ -373,6 +513,7 @@ def test_profile_action_cuts_fused_executions_at_its_range(tmp_path):
     lp._execution_size = lambda first, remaining, size=lp._execution_size: (
         sizes.append(size(first, remaining)) or sizes[-1])
     lp(step.initialize_model([1, 16]), forever(), num_steps=12)
-    assert sizes == [2, 4, 2, 4]  # 1-2, traced 3-6 and 7-8, then 9-12
+    # Executions cut at the traced range 3-8: 1-2 and 7-8 run one by one (size 1 each).
+    assert sizes == [2, 1, 4, 2, 1, 4]
     with pytest.raises(ValueError, match="start_step"):
         profiling.ProfileAction(tmp_path, start_step=0)

@@ -1,0 +1,146 @@
+"""Choosing how many steps run per compiled call (``steps_per_execution='auto'``).
+
+Each compiled call costs the host a fixed dispatch time; fusing k steps into one call
+spreads it over k steps. `ExecutionSizeTuner` measures this instead of guessing. A loop
+with ``steps_per_execution='auto'`` runs its first steps as timed segments of executions
+of k = 1, 2, 4, ... steps, up to a limit (32, the loop's length, the smallest interval of
+the step's actions). The sizes take turns, round after round, so that a change in the
+machine's load hits them alike; each segment holds at least 4 executions and 32 steps and
+is timed by the wall clock from its first dispatch until its last step is done (the loop
+then runs as it always does, with steps in flight). A first, untimed execution of each
+size compiles it.
+
+Of the sizes measured (the best segment of each), the loop keeps the smallest whose
+predicted loop time is within 2.5% of the best: a larger k would buy almost nothing, and
+the host's dispatch left at that size is a few percent of an execution's time at most
+(with a fixed cost D per execution and u per step, a step costs ``D/k + u``). The
+prediction counts the steps that would run one by one (a loop's remainder, the steps up to
+a step action; see `loop.Loop`) at the single-step time, so a k that fits the loop length
+and the actions' intervals wins over one that does not, and a k whose fused program runs
+slower (XLA:CPU's rolled convolutions) is never kept; sizes 3 times slower than the best
+after the first round are measured no further. Results do not depend on the choice: every
+k gives the same steps, bit for bit where XLA compiles the fused body like a single step
+(see `Partitioner.partition_steps`).
+
+Example::
+
+    tuner = ExecutionSizeTuner(max_size=16)
+    while not tuner.done:
+        k, steps = tuner.candidate, tuner.segment_steps
+        ...  # run `steps` steps in executions of k, taking `seconds`
+        tuner.record(k, steps, seconds)
+    k = tuner.choose(lambda k: (num_executions, num_single_steps))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+DEFAULT_MAX_SIZE = 32
+MIN_SEGMENT_STEPS = 32
+MIN_SEGMENT_EXECUTIONS = 4
+
+
+def _agreed(values: list[float]) -> list[float]:
+    """Process 0's values on every process: all processes must run the same programs in
+    the same order, so measurements (which differ per host) decide nothing locally."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return [float(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values))]
+
+
+def segment_steps(size: int) -> int:
+    """Steps in a timed segment of executions of `size` steps."""
+    return size * max(MIN_SEGMENT_EXECUTIONS, -(-MIN_SEGMENT_STEPS // size))
+
+
+class ExecutionSizeTuner:
+    """Times segments of executions of 1, 2, 4, ... steps and picks a steps_per_execution.
+
+    Args:
+      max_size: the largest size tried (the loop also caps it at its length and at the
+        smallest interval of the step's actions).
+      rounds: timed segments per size (the best counts).
+      tolerance: the loop time, relative to the best size's, within which the smallest
+        size is kept.
+    """
+
+    def __init__(self, max_size: int = DEFAULT_MAX_SIZE, rounds: int = 3,
+                 tolerance: float = 0.025):
+        if max_size < 1:
+            raise ValueError(f"max_size must be >= 1, got {max_size}")
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        self.rounds = rounds
+        self.tolerance = tolerance
+        self.sizes = [1 << i for i in range(max_size.bit_length()) if 1 << i <= max_size]
+        self.per_step_secs: dict[int, float] = {}
+        self.done = False
+        self._round = 0  # round 0: one untimed execution of each size (compiles it)
+        self._turn = 0
+
+    @property
+    def candidate(self) -> int:
+        """The size of the next segment's executions."""
+        return self.sizes[self._turn]
+
+    @property
+    def segment_steps(self) -> int:
+        """The steps of the next segment (one execution in the compiling round)."""
+        return self.candidate if self._round == 0 else segment_steps(self.candidate)
+
+    def limit(self, num_steps: int) -> None:
+        """Drops the sizes whose segments do not fit in a loop of `num_steps` steps."""
+        fits = [k for k in self.sizes if segment_steps(k) <= num_steps]
+        if fits != self.sizes:
+            self.sizes = fits or [1]
+            self._turn = min(self._turn, len(self.sizes) - 1)
+            if not fits:
+                self.done = True
+
+    def record(self, size: int, steps: int, seconds: float) -> None:
+        """Reports a segment of `steps` steps run in executions of `size` steps (some
+        perhaps one by one), `seconds` from its first dispatch to its last step's end."""
+        if self.done or size != self.candidate or steps < self.segment_steps:
+            return
+        if self._round > 0:
+            per_step = seconds / steps
+            self.per_step_secs[size] = min(self.per_step_secs.get(size, per_step), per_step)
+        self._turn += 1
+        if self._turn < len(self.sizes):
+            return
+        self._turn = 0
+        self._round += 1
+        if self._round == 1:
+            return
+        times = _agreed([self.per_step_secs[k] for k in self.sizes])
+        self.per_step_secs.update(zip(self.sizes, times, strict=True))
+        self.sizes = [k for k, t in zip(self.sizes, times, strict=True) if t <= 3 * min(times)]
+        if self._round > self.rounds:
+            self.done = True
+
+    def choose(self, plan: Callable[[int], tuple[int, int]] | None = None) -> int:
+        """The smallest measured size whose predicted loop time is within `tolerance` of
+        the best one's.
+
+        `plan(k)` gives (executions of k steps, steps run one by one) for a loop of the
+        caller's length; None predicts from the per-step times alone.
+        """
+        measured = self.per_step_secs
+        if not measured:
+            return 1
+        single = measured.get(1, max(measured.values()))
+
+        def predicted(k: int) -> float:
+            if plan is None:
+                return measured[k]
+            executions, singles = plan(k)
+            return executions * k * measured[k] + singles * single
+
+        bound = min(predicted(k) for k in measured) * (1 + self.tolerance)
+        return min(k for k in measured if predicted(k) <= bound)
