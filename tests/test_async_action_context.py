@@ -16,10 +16,10 @@ from concurrent import futures
 import jax
 import optax
 import pytest
+from models import ClassifierStep, LinenMLP, toy_data
 
 from jaxloop import actions, checkpoint, outer_loop, train_loop, writers
 from jaxloop.async_action_context import AsyncActionContext, get_async_action_context
-from tests.models import ClassifierStep, LinenMLP, toy_data
 
 pytestmark = pytest.mark.timeout(120)
 

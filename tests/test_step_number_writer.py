@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from models import ClassifierStep, LinenMLP, toy_data
 
 from jaxloop import actions, train_loop
 from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
-from tests.models import ClassifierStep, LinenMLP, toy_data
 
 pytestmark = pytest.mark.timeout(120)
 
