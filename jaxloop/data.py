@@ -825,9 +825,20 @@ class DevicePrefetchIterator(Iterator[Batch]):
         self._start()
 
     def close(self, timeout: float | None = None) -> None:
-        """Stops and joins the prefetch thread; later `next()` calls end iteration."""
+        """Stops and joins the prefetch thread; later `next()` calls end iteration.
+
+        A source that can take a position (``set_state``) is moved back to just after the
+        last consumed batch, so batches read ahead are not lost to a later user of it (the
+        next `OuterLoop` call on the same iterator, say), however far the thread had read.
+        """
         self._finished = True
+        thread = self._thread
         self._shutdown(timeout)
+        stopped = thread is None or not thread.is_alive()
+        if stopped and self._state is not None and callable(
+            getattr(self._source, "set_state", None)
+        ):
+            restore_iterator_state(self._source, self._state)
 
     def __enter__(self) -> DevicePrefetchIterator:
         return self

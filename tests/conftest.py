@@ -3,6 +3,8 @@
 import os
 import sys
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -15,7 +17,18 @@ if BLOCK_TF:
     sys.modules["tensorflow"] = None
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_collection_modifyitems(config, items):
+    # Subprocess tests start real processes on local ports and load the machine: under
+    # pytest-xdist (``--dist loadgroup``) one worker runs all of them in turn while the other
+    # runs the in-process tests, so no two jobs race for a port or share the cores.
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("subprocesses"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _tensorflow_stays_unimported():
+    """Fails the TF-free tier (in every xdist worker) if anything imported TensorFlow."""
+    yield
     if BLOCK_TF and sys.modules.get("tensorflow") is not None:
-        print("ERROR: TensorFlow was imported during the TF-free tier", file=sys.stderr)
-        session.exitstatus = 1
+        pytest.fail("TensorFlow was imported during the TF-free tier")

@@ -119,21 +119,26 @@ class Result(NamedTuple):
 JOB = REPO / "tests" / "multihost_job.py"
 
 
+def job_envs(processes: int) -> list[dict[str, str]]:
+    """The environments of a job's processes: `processes` x 4 CPU devices joined through a
+    coordinator on a free local port, or, with 1, one process with 8 devices."""
+    if processes == 1:
+        return [process_env(8)]
+    port = free_port()
+    return [
+        process_env(4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}",
+                    JAXLOOP_NUM_PROCESSES=str(processes), JAXLOOP_PROCESS_ID=str(i))
+        for i in range(processes)
+    ]
+
+
 def run_digits(workdir: Path, *flags: str, processes: int = 2) -> Result:
     """Runs the digits job as `processes` processes (4 devices each) or, with 1, as one
     process with 8 devices; returns its results (the same in every process)."""
     result_dir = workdir.parent / f"{workdir.name}-run-{time.monotonic_ns()}"
     command = [sys.executable, str(JOB), "digits", str(result_dir), "--workdir", str(workdir),
                *flags]
-    if processes == 1:
-        envs = [process_env(8)]
-    else:
-        port = free_port()
-        envs = [
-            process_env(4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}",
-                        JAXLOOP_NUM_PROCESSES=str(processes), JAXLOOP_PROCESS_ID=str(i))
-            for i in range(processes)
-        ]
+    envs = job_envs(processes)
     with started([command] * processes, envs, result_dir / "logs") as procs:
         try:
             codes = wait_all(procs, RUN_TIMEOUT)
@@ -402,15 +407,7 @@ def run_job(scenario: str, result_dir: Path, processes: int = 2) -> list[dict]:
     with 8 devices) and returns each process's results, read from its result file."""
     result_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(JOB), scenario, str(result_dir)]
-    if processes == 1:
-        envs = [process_env(8)]
-    else:
-        port = free_port()
-        envs = [
-            process_env(4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}",
-                        JAXLOOP_NUM_PROCESSES=str(processes), JAXLOOP_PROCESS_ID=str(i))
-            for i in range(processes)
-        ]
+    envs = job_envs(processes)
     logdir = result_dir / "logs"
     with started([command] * processes, envs, logdir) as procs:
         try:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_multiprocess import free_port, process_env, read_logs, started, wait_all
+from test_multiprocess import job_envs, read_logs, started, wait_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -79,15 +79,7 @@ FINAL = re.compile(r"^final step=(\d+) fingerprint=([0-9a-f]{64})$", re.M)
 def run(workdir: Path, total: int, processes: int = 2) -> tuple[list[int], list]:
     workdir.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, "-c", WORKER, str(workdir), str(total)]
-    if processes == 1:
-        envs = [process_env(8)]
-    else:
-        port = free_port()
-        envs = [
-            process_env(4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}",
-                        JAXLOOP_NUM_PROCESSES=str(processes), JAXLOOP_PROCESS_ID=str(i))
-            for i in range(processes)
-        ]
+    envs = job_envs(processes)
     logdir = workdir.parent / f"{workdir.name}-logs-{time.monotonic_ns()}"
     with started([base] * processes, envs, logdir) as procs:
         try:
