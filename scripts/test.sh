@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 ruff check jaxloop tests benchmarks
-# Two xdist workers: one runs the subprocess tests (marked slow) in turn, the other the rest
-# (see tests/conftest.py).
+# Two xdist workers: one runs the multi-process jobs in turn, the other the rest (see
+# tests/conftest.py).
 JAXLOOP_BLOCK_TF=1 pytest -m "not tf" -n 2 --dist loadgroup "$@"
 pytest -m tf -n 2 --dist loadgroup "$@"

@@ -18,12 +18,12 @@ if BLOCK_TF:
 
 
 def pytest_collection_modifyitems(config, items):
-    # Subprocess tests start real processes on local ports and load the machine: under
+    # Multi-process jobs join on a free local port and each loads both cores: under
     # pytest-xdist (``--dist loadgroup``) one worker runs all of them in turn while the other
-    # runs the in-process tests, so no two jobs race for a port or share the cores.
+    # runs everything else, so no two jobs race for a port.
     for item in items:
-        if item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group("subprocesses"))
+        if item.get_closest_marker("multiprocess"):
+            item.add_marker(pytest.mark.xdist_group("multiprocess"))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -115,6 +115,7 @@ POLICY_JOB_TIMEOUT = 180
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(POLICY_JOB_TIMEOUT + 60)
 def test_two_processes_follow_process_zeros_clock(tmp_path):
     """Process 1's clock says a save is due at every loop, process 0's only at loops 3 and

@@ -47,6 +47,7 @@ def test_example_flags_are_checked(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_features_under_two_processes_match_one_process(tmp_path):
     # The guard's decision and the accumulated gradients are global (SPMD) values, so two

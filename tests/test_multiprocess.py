@@ -28,7 +28,7 @@ import pytest
 
 from jaxloop import checkpoint, distributed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("--train-steps", "200", "--train-loop-steps", "100", "--batch-size", "64")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_multiprocess import job_envs, read_logs, started, wait_all
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 RUN_TIMEOUT = 300
 
