@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxloop import model as model_lib
 from jaxloop import step as step_lib
 from jaxloop import types
 
@@ -104,7 +105,7 @@ class SimpleStep(step_lib.Step):
             )
 
         def init_fn(inputs: PyTree) -> State:
-            variables = self.model.init(self._init_keys(), inputs, **kwargs)
+            variables = self.model.init(model_lib.init_rngs(self._base_prng), inputs, **kwargs)
             return State.create(
                 apply_fn=self.model.apply,
                 params=variables["params"],
@@ -117,15 +118,6 @@ class SimpleStep(step_lib.Step):
         if log_num_params:
             log.info("Number of parameters: %d", self.num_params)
         return state
-
-    def _init_keys(self) -> dict[str, jax.Array]:
-        base = self._base_prng
-        if isinstance(base, Mapping):
-            keys = dict(base)
-            keys.setdefault("params", next(iter(keys.values())))
-            return keys
-        params_key, dropout_key = jax.random.split(base)
-        return {"params": params_key, "dropout": dropout_key}
 
     def _rngs(self, state: State) -> dict[str, jax.Array]:
         """Per-step keys for the model: a pure function of (base_prng, state.step)."""
