@@ -10,10 +10,13 @@ is timed by the wall clock from its first dispatch until its last step is done (
 then runs as it always does, with steps in flight). A first, untimed execution of each
 size compiles it.
 
-Of the sizes measured (the best segment of each), the loop keeps the smallest whose
-predicted loop time is within 2.5% of the best: a larger k would buy almost nothing, and
+Of the sizes measured (the best of 5 segments of each), the loop keeps the smallest whose
+predicted loop time is within 1% of the best: a larger k would buy almost nothing, and
 the host's dispatch left at that size is a few percent of an execution's time at most
-(with a fixed cost D per execution and u per step, a step costs ``D/k + u``). The
+(with a fixed cost D per execution and u per step, a step costs ``D/k + u``). A wider
+margin would give away real speed: on XLA:CPU a fused execution can also run faster per
+step for reasons other than dispatch (the guide's CNN, 4-8% at k=2), which timed segments
+of a few hundred milliseconds tell apart only as a few percent. The
 prediction counts the steps that would run one by one (a loop's remainder, the steps up to
 a step action; see `loop.Loop`) at the single-step time, so a k that fits the loop length
 and the actions' intervals wins over one that does not, and a k whose fused program runs
@@ -70,8 +73,8 @@ class ExecutionSizeTuner:
         size is kept.
     """
 
-    def __init__(self, max_size: int = DEFAULT_MAX_SIZE, rounds: int = 3,
-                 tolerance: float = 0.025):
+    def __init__(self, max_size: int = DEFAULT_MAX_SIZE, rounds: int = 5,
+                 tolerance: float = 0.01):
         if max_size < 1:
             raise ValueError(f"max_size must be >= 1, got {max_size}")
         if rounds < 1:

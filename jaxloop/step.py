@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -218,6 +219,8 @@ class Step:
         self._begin_actions = list(begin_actions or [])
         self._end_actions = list(end_actions or [])
         self._compiled: Callable | None = None
+        # The prefetch thread's `prepare_batch` and the loop's first call may both compile.
+        self._compile_lock = threading.Lock()
         self._runs_host_batches = False
         self._prepares_on_host = False
         self._jit_kwargs: dict[str, Any] = {}
@@ -435,11 +438,18 @@ class Step:
         )
         return self._compiled
 
+    def _program(self) -> Callable:
+        """The single-step program, made on first use (`compile` with default flags)."""
+        compiled = self._compiled
+        if compiled is None:
+            with self._compile_lock:
+                compiled = self._compiled or self.compile()
+        return compiled
+
     def _steps_program(self, carry_state: bool, unroll: int | bool) -> Callable:
         program = self._compiled_steps.get((carry_state, unroll))
         if program is None:
-            if self._compiled is None:
-                self.compile()
+            self._program()
             program = self._partitioner.partition_steps(
                 self._run_in_mode, carry_state=carry_state, unroll=unroll, **self._jit_kwargs
             )
@@ -453,7 +463,7 @@ class Step:
         Nothing is compiled for it (the step is only lowered), and the figure does not
         depend on the partitioner: single device, data parallel and SPMD agree.
         """
-        compiled = self._compiled or self.compile()
+        compiled = self._program()
         analysis = compiled.lower(state, batch, **kwargs).cost_analysis()
         if isinstance(analysis, list | tuple):
             analysis = analysis[0] if analysis else {}
@@ -523,7 +533,7 @@ class Step:
                 zeros_from_spec(init_spec)
             )
         batch = self.abstract_batch(spec)
-        compiled = self._compiled or self.compile()
+        compiled = self._program()
         program = compiled.lower(state, batch, **kwargs).compile()
         return memory_lib.MemoryEstimate.from_compiled(program, self._partitioner.mesh.devices)
 
@@ -537,10 +547,13 @@ class Step:
         """`preprocess_batch`, then sharding (if enabled): the host-side work for a batch,
         which a prefetcher may do in the background ahead of the step.
 
-        On CPU devices in one process, once the step is compiled, the batch stays on the
-        host (``on_host=True``) when the compiled call can place it itself: placing it
-        ahead would copy it within host memory for nothing.
+        On CPU devices in one process the batch stays on the host (``on_host=True``) when
+        the compiled call can place it itself: placing it ahead would copy it within host
+        memory for nothing. The choice is made here once for all batches (this makes the
+        step's program, as its first call would), so the batches a prefetcher prepares
+        before the first step run the same compiled program as all later ones.
         """
+        self._program()
         batch = self.preprocess_batch(batch)
         if self._prepares_on_host:
             return PreparedBatch(batch, on_host=True)
@@ -640,7 +653,7 @@ class Step:
         on this step is given a placed copy, and `log_num_flops` only lowers the step, so
         every step runs the one compiled program.
         """
-        compiled = self._compiled or self.compile()
+        compiled = self._program()
         prepared = isinstance(batch, PreparedBatch)
         if prepared and not batch.on_host:
             batch = batch.batch
