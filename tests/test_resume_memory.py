@@ -35,10 +35,11 @@ def device_bytes() -> int:
     # A shard's `.data` is itself a live array viewing the same buffer: count each buffer once.
     buffers = {}
     for x in jax.live_arrays():
-        if x.is_deleted():
-            continue
-        for s in x.addressable_shards:
-            buffers[(s.device.id, s.data.unsafe_buffer_pointer())] = s.data.nbytes
+        try:
+            for s in x.addressable_shards:
+                buffers[(s.device.id, s.data.unsafe_buffer_pointer())] = s.data.nbytes
+        except jax.errors.JaxRuntimeError:
+            continue  # donated while it was being read (the sampler runs beside the steps)
     return sum(buffers.values())
 
 
@@ -51,15 +52,19 @@ class PeakSampler:
 
     def __init__(self):
         self.peak = 0
+        self.error = None
         self._stop = threading.Event()
 
     def sample(self):
         self.peak = max(self.peak, device_bytes() - self.base)
 
     def _run(self):
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(0.0005)
+        try:
+            while not self._stop.is_set():
+                self.sample()
+                self._stop.wait(0.0005)
+        except BaseException as e:  # a sampler that stopped early would under-report
+            self.error = e
 
     def __enter__(self):
         gc.collect()
@@ -71,6 +76,8 @@ class PeakSampler:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+        if self.error is not None:
+            raise self.error
         self.sample()
 
 
