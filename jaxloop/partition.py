@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -408,6 +409,13 @@ class Partitioner(abc.ABC):
         )
 
 
+def _frozen(state: Any) -> bool:
+    """Whether `state` is a frozen dataclass (a flax struct such as TrainState): an object
+    whose fields cannot be reassigned, so its arrays' placement cannot change."""
+    params = getattr(type(state), "__dataclass_params__", None)
+    return params is not None and params.frozen
+
+
 # What a _PartitionedFn compiles: one step, or a scan of steps with the state carried from
 # step to step or fixed.
 _ONE_STEP, _CARRIED, _FIXED = "one step", "carried", "fixed"
@@ -436,6 +444,11 @@ class _PartitionedFn:
         # state to that placement: a memo of a pure function of the arrays' shardings.
         self._programs: dict[Any, tuple[PyTree, Callable, dict]] = {}
         self._key: Any = object()
+        # Weak references to the states last passed in and returned, when immutable: the
+        # loop passes one of them back (the returned state to a train step, the same state
+        # to an eval step), placed as the current program expects, so their leaves need not
+        # be read again. Weak, so that a state the user drops is freed.
+        self._known: tuple[Callable[[], Any], ...] = ()
         # The current program: its pin (read while tracing), the jitted function, and its
         # variants whose batch argument has pinned shardings, so host batches are placed by
         # the call itself (keyed by the batch placement).
@@ -491,11 +504,16 @@ class _PartitionedFn:
 
     def _select(self, state: PyTree) -> None:
         """Makes the program for this state's placement current (cheap when unchanged)."""
+        if state is not None:
+            for ref in self._known:
+                if ref() is state:
+                    return
         key = None if state is None else tuple(
             getattr(x, "sharding", None) for x in jax.tree.leaves(state)
         )
         if key == self._key:
             return
+        self._known = ()
         entry = self._programs.get(key)
         if entry is None:
             pin = None if state is None else self._input_shardings(state)
@@ -504,9 +522,14 @@ class _PartitionedFn:
         self._key = key
         self._state_shardings, self._jitted, self._placing = entry
 
+    def _remember(self, state: PyTree, result: Any) -> Any:
+        out = result[0] if type(result) is tuple and len(result) == 2 else None
+        self._known = tuple(weakref.ref(x) for x in (state, out) if _frozen(x))
+        return result
+
     def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, Any]:
         self._select(state)
-        return self._jitted(state, *args, **kwargs)
+        return self._remember(state, self._jitted(state, *args, **kwargs))
 
     def call_placing_batch(self, state: PyTree, batch: PyTree) -> tuple[PyTree, Any]:
         """Calls the function on a host batch that the call places as
@@ -523,7 +546,7 @@ class _PartitionedFn:
                 self._one_step, in_shardings=(None, placement.tree), **self._jit_kwargs
             )
             self._placing[placement.key] = jitted
-        return jitted(state, batch)
+        return self._remember(state, jitted(state, batch))
 
     def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
         """Lowers the jitted function for these arguments (for cost analysis)."""
