@@ -209,7 +209,7 @@ class Case:
                 {n: statistics.median(v) for n, v in cpu.items()})
 
 
-def host_overhead_us(repeats, steps=2000):
+def host_overhead_us(repeats, steps=10000):
     """Host time per step on a step whose device time is negligible (a 16-8-10 MLP on 8
     examples): the hand-written loop's, and what jaxloop adds, in wall and CPU time."""
     case = Case("tiny", MLP(hidden=8), (16,), 8, partition.SingleDevicePartitioner(), steps,
