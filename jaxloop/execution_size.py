@@ -5,21 +5,20 @@ spreads it over k steps. `ExecutionSizeTuner` measures this instead of guessing.
 with ``steps_per_execution='auto'`` runs its first steps as timed segments of executions
 of k = 1, 2, 4, ... steps, up to a limit (32, the loop's length, the smallest interval of
 the step's actions). The sizes take turns, round after round, so that a change in the
-machine's load hits them alike; each segment holds at least 4 executions and 32 steps and
-is timed by the wall clock from its first dispatch until its last step is done (the loop
-then runs as it always does, with steps in flight). A first, untimed execution of each
-size compiles it.
+machine's load hits them alike; each segment holds at least 5 executions and 32 steps.
+Its steps run as the loop always runs them, with steps in flight, and the wall clock
+times the executions between its first and its last, in that steady state (see
+`loop._Segment`). A first, untimed execution of each size compiles it.
 
 Of the sizes measured (the best of 5 segments of each), the loop keeps the smallest whose
-predicted loop time is within 1% of the best: a larger k would buy almost nothing, and
+predicted loop time is within 2.5% of the best: a larger k would buy almost nothing, and
 the host's dispatch left at that size is a few percent of an execution's time at most
-(with a fixed cost D per execution and u per step, a step costs ``D/k + u``). A wider
-margin would give away real speed: on XLA:CPU a fused execution can also run faster per
-step for reasons other than dispatch (the guide's CNN, 4-8% at k=2), which timed segments
-of a few hundred milliseconds tell apart only as a few percent. The
-prediction counts the steps that would run one by one (a loop's remainder, the steps up to
-a step action; see `loop.Loop`) at the single-step time, so a k that fits the loop length
-and the actions' intervals wins over one that does not, and a k whose fused program runs
+(with a fixed cost D per execution and u per step, a step costs ``D/k + u``). Segments
+still measure the largest sizes a few percent fast now and then (the MLP's k=32), so the
+margin goes to the smaller size. The prediction counts the steps that would run one by
+one (a loop's remainder, the steps up to a step action; see `loop.Loop`) at the
+single-step time, so a k that fits the loop length and the actions' intervals wins over
+one that does not, and a k whose fused program runs
 slower (XLA:CPU's rolled convolutions) is never kept; sizes 3 times slower than the best
 after the first round are measured no further. Results do not depend on the choice: every
 k gives the same steps, bit for bit where XLA compiles the fused body like a single step
@@ -44,7 +43,7 @@ import numpy as np
 
 DEFAULT_MAX_SIZE = 32
 MIN_SEGMENT_STEPS = 32
-MIN_SEGMENT_EXECUTIONS = 4
+MIN_SEGMENT_EXECUTIONS = 5
 
 
 def _agreed(values: list[float]) -> list[float]:
@@ -74,7 +73,7 @@ class ExecutionSizeTuner:
     """
 
     def __init__(self, max_size: int = DEFAULT_MAX_SIZE, rounds: int = 5,
-                 tolerance: float = 0.01):
+                 tolerance: float = 0.025):
         if max_size < 1:
             raise ValueError(f"max_size must be >= 1, got {max_size}")
         if rounds < 1:
@@ -107,11 +106,12 @@ class ExecutionSizeTuner:
                 self.done = True
 
     def record(self, size: int, steps: int, seconds: float) -> None:
-        """Reports a segment of `steps` steps run in executions of `size` steps (some
-        perhaps one by one), `seconds` from its first dispatch to its last step's end."""
-        if self.done or size != self.candidate or steps < self.segment_steps:
+        """Reports a segment of `segment_steps` steps run in executions of `size` steps
+        (some perhaps one by one), of which `steps` took `seconds` (the loop times the
+        executions between the first and the last). Ignored for a size not asked for."""
+        if self.done or size != self.candidate:
             return
-        if self._round > 0:
+        if self._round > 0 and steps > 0:
             per_step = seconds / steps
             self.per_step_secs[size] = min(self.per_step_secs.get(size, per_step), per_step)
         self._turn += 1

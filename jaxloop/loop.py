@@ -128,6 +128,49 @@ class _Prefetch:
             self._iterator.close()
 
 
+class _Segment:
+    """The clock of a segment of executions timed for ``steps_per_execution='auto'``.
+
+    It times the executions between the segment's first and last ones, in the steady state
+    of a long loop: the clock starts when the first execution ends and stops when the one
+    before the last ends, each waited for once the next is dispatched. So the device never
+    idles for the clock, and the host prepares the next execution while each timed one runs,
+    as it does in a long loop. (Timed from an idle device to an idle device instead, a
+    segment of few large executions counted one of them without the host's competing work,
+    which ranked a slower size first.)
+    """
+
+    def __init__(self, first_step: int):
+        self.first_step = first_step
+        self._executions = 0
+        self._previous: tuple[Any, int] = (None, first_step)  # (sync token, steps done)
+        self._last: tuple[Any, int] = (None, first_step)
+        self._start: tuple[float, int] | None = None  # (clock, steps done) when it began
+
+    def executed(self, in_flight: collections.deque, steps_done: int) -> None:
+        """Called after each execution of the segment is dispatched."""
+        self._executions += 1
+        # No token: the loop has waited for this execution already (no array outputs).
+        self._previous = self._last
+        self._last = (in_flight[-1] if in_flight else None, steps_done)
+        if self._executions == 2:
+            self._start = (self._wait(self._previous[0]), self._previous[1])
+
+    def timed(self) -> tuple[int, float]:
+        """(steps timed, seconds): the executions after the first and before the last; none
+        in a segment of fewer than three (the compiling round)."""
+        if self._start is None or self._executions < 3:
+            return 0, 0.0
+        clock, steps = self._start
+        return self._previous[1] - steps, self._wait(self._previous[0]) - clock
+
+    @staticmethod
+    def _wait(token: Any) -> float:
+        if token is not None:
+            token.block_until_ready()
+        return time.perf_counter()
+
+
 class Loop:
     """Runs a step repeatedly over a dataset iterator.
 
@@ -481,7 +524,7 @@ class Loop:
         if tuner is not None and num_steps is not None:
             tuner.limit(num_steps)
         fused = self._steps_per_execution > 1 or tuner is not None
-        segment_start = None  # (clock, step number) where the timed segment began
+        segment: _Segment | None = None  # the timed segment under way ('auto')
         per_loop_step_number = 0
         while num_steps is None or per_loop_step_number < num_steps:
             size = 1
@@ -492,10 +535,8 @@ class Loop:
                     fused = self._steps_per_execution > 1
                 else:
                     self._steps_per_execution = tuner.candidate
-                    if segment_start is None:
-                        # Timed from an idle device, so no earlier work is counted.
-                        self._block_on_last(state)
-                        segment_start = (time.perf_counter(), per_loop_step_number)
+                    if segment is None:
+                        segment = _Segment(per_loop_step_number)
             if fused:
                 remaining = None if num_steps is None else num_steps - per_loop_step_number
                 size = self._execution_size(per_loop_step_number + 1, remaining)
@@ -530,13 +571,10 @@ class Loop:
                 break
             per_loop_step_number += size
             if tuner is not None:
-                steps = per_loop_step_number - segment_start[1]
-                if steps >= tuner.segment_steps:
-                    self._block_on_last(state)
-                    tuner.record(
-                        self._steps_per_execution, steps, time.perf_counter() - segment_start[0]
-                    )
-                    segment_start = None
+                segment.executed(self._in_flight, per_loop_step_number)
+                if per_loop_step_number - segment.first_step >= tuner.segment_steps:
+                    tuner.record(self._steps_per_execution, *segment.timed())
+                    segment = None
             if check_preemption and self._reached_sync_point(host_step, per_loop_step_number, size):
                 self.preempted = True
                 break
@@ -562,12 +600,6 @@ class Loop:
         plan = None if num_steps is None else (lambda k: self._plan(k, num_steps))
         self._steps_per_execution = tuner.choose(plan)
         self._auto_chosen = True
-
-    def _block_on_last(self, state: State) -> None:
-        if self._in_flight:
-            self._in_flight[-1].block_until_ready()
-        else:
-            jax.block_until_ready(state)
 
     def _plan(self, size: int, num_steps: int) -> tuple[int, int]:
         """(executions of `size` steps, single steps) of a loop of `num_steps` steps."""

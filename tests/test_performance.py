@@ -247,7 +247,7 @@ def test_auto_steps_per_execution_is_bit_identical_and_settles():
         tl = train_loop_lib.TrainLoop(step, steps_per_execution=spe)
         data = forever()
         losses = []
-        for _ in range(9):  # measuring takes about 7 loops of 100 steps here
+        for _ in range(14):  # measuring takes about 10 loops of 100 steps here
             state, outputs = tl(state, data, num_steps=100)
             losses += outputs["loss"]
         with counting_compiles() as later:
@@ -261,7 +261,7 @@ def test_auto_steps_per_execution_is_bit_identical_and_settles():
     # Capped by the action's interval; the end action fired on exactly its steps.
     assert set(tuner.per_step_secs) == {1, 2, 4, 8}
     assert [c[:2] for c in end.calls] == [c[:2] for c in runs[1][2].calls]
-    assert int(state.step) == 1000
+    assert int(state.step) == 1500
     jax.tree.map(np.testing.assert_array_equal, runs[1][0].params, state.params)
     np.testing.assert_array_equal(runs[1][1], losses)
 
@@ -280,12 +280,12 @@ def test_execution_size_tuner_prefers_sizes_that_fit_the_loop():
 
     tuner = execution_size.ExecutionSizeTuner(max_size=8, rounds=1)
     assert tuner.sizes == [1, 2, 4, 8]
-    fake_per_step = {1: 1.0, 2: 0.6, 4: 0.5, 8: 0.496}
+    fake_per_step = {1: 1.0, 2: 0.6, 4: 0.5, 8: 0.49}
     while not tuner.done:
         k, steps = tuner.candidate, tuner.segment_steps
         tuner.record(k, steps, steps * fake_per_step[k])
-    assert tuner.per_step_secs == fake_per_step
-    # The best per step is 8; 4 is within 1% of it, and the smallest such size wins.
+    assert tuner.per_step_secs == pytest.approx(fake_per_step)
+    # The best per step is 8; 4 is within 2.5% of it, and the smallest such size wins.
     assert tuner.choose() == 4
     # A 12-step loop: 8 + 4 single steps is slower than 4 + 4 + 4.
     assert tuner.choose(lambda k: (12 // k, 12 % k)) == 4
