@@ -18,9 +18,9 @@ still measure the largest sizes a few percent fast now and then (the MLP's k=32)
 margin goes to the smaller size. The prediction counts the steps that would run one by
 one (a loop's remainder, the steps up to a step action; see `loop.Loop`) at the
 single-step time, so a k that fits the loop length and the actions' intervals wins over
-one that does not, and a k whose fused program runs
-slower (XLA:CPU's rolled convolutions) is never kept; sizes 3 times slower than the best
-after the first round are measured no further. Results do not depend on the choice: every
+one that does not, and a k whose fused program runs slower (XLA:CPU's rolled
+convolutions) is never kept; sizes 3 times slower than the best after the first round are
+measured no further. Results do not depend on the choice: every
 k gives the same steps, bit for bit where XLA compiles the fused body like a single step
 (see `Partitioner.partition_steps`).
 
