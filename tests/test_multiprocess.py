@@ -31,7 +31,7 @@ from jaxloop import checkpoint, distributed
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ("--train-steps", "200", "--train-loop-steps", "100", "--batch-size", "64")
+STEPS = ("--train-steps", "100", "--train-loop-steps", "50", "--batch-size", "64")
 RUN_TIMEOUT = 300  # seconds for one digits run (all its processes)
 # Short failure timeouts, so a broken run fails the test instead of hanging it.
 HEARTBEAT_TIMEOUT = 30
@@ -56,6 +56,10 @@ def process_env(devices: int, **extra: str) -> dict[str, str]:
         JAXLOOP_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT),
         JAXLOOP_SHUTDOWN_TIMEOUT=str(SHUTDOWN_TIMEOUT),
     )
+    if "JAXLOOP_TEST_JOB_CACHE" in os.environ:  # see tests/conftest.py
+        env.update(JAX_COMPILATION_CACHE_DIR=os.environ["JAXLOOP_TEST_JOB_CACHE"],
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     env.update(extra)
     return env
 
@@ -156,30 +160,42 @@ def run_digits(workdir: Path, *flags: str, processes: int = 2) -> Result:
                   r["restored_step"])
 
 
-@pytest.fixture(scope="module")
+# The uninterrupted reference runs, made once per worker process: pytest tears a module
+# fixture down whenever xdist hands the worker a test of another module in between, and
+# would run them again.
+_REFERENCE_RUNS: dict[int, tuple[Result, Path]] = {}
+
+
+def reference_run(tmp_path_factory: pytest.TempPathFactory, processes: int) -> tuple[Result, Path]:
+    if processes not in _REFERENCE_RUNS:
+        workdir = tmp_path_factory.mktemp(f"dp{processes}") / "work"
+        result = run_digits(workdir, "--partitioner", "dp", *STEPS, processes=processes)
+        _REFERENCE_RUNS[processes] = result, workdir
+    return _REFERENCE_RUNS[processes]
+
+
+@pytest.fixture
 def dp_two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
-    workdir = tmp_path_factory.mktemp("dp2") / "work"
-    return run_digits(workdir, "--partitioner", "dp", *STEPS), workdir
+    return reference_run(tmp_path_factory, 2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def dp_one_process(tmp_path_factory: pytest.TempPathFactory) -> Result:
-    workdir = tmp_path_factory.mktemp("dp1") / "work"
-    return run_digits(workdir, "--partitioner", "dp", *STEPS, processes=1)
+    return reference_run(tmp_path_factory, 1)[0]
 
 
 def test_two_processes_train_and_checkpoint_together(dp_two_processes):
     result, workdir = dp_two_processes
-    assert result.step == 200 and result.accuracy > 0.9
+    assert result.step == 100 and result.accuracy > 0.9
     # One set of checkpoints and event files, written jointly / by process 0 only.
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["100", "200", "STOPPED"]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["100", "50", "STOPPED"]
     assert os.listdir(workdir / "train") and os.listdir(workdir / "eval")
 
 
 def test_two_processes_match_one_process_with_eight_devices(dp_two_processes, dp_one_process):
     two, _ = dp_two_processes
     one = dp_one_process
-    assert one.step == two.step == 200
+    assert one.step == two.step == 100
     # Same global batches, seed and steps: only the order of floating-point reductions
     # (gloo across processes vs in-process all-reduce) differs, so the fingerprints may differ.
     assert abs(one.loss - two.loss) < 1e-4, (one, two)
@@ -189,7 +205,7 @@ def test_two_processes_match_one_process_with_eight_devices(dp_two_processes, dp
 def test_two_processes_fsdp_matches_dp(dp_two_processes, tmp_path):
     dp, _ = dp_two_processes
     fsdp = run_digits(tmp_path / "work", "--partitioner", "fsdp", *STEPS)
-    assert fsdp.step == 200
+    assert fsdp.step == 100
     assert abs(fsdp.loss - dp.loss) < 1e-4, (fsdp, dp)
     print(f"fsdp: loss={fsdp.loss} {fsdp.fingerprint}\ndp:   loss={dp.loss} {dp.fingerprint}")
 
@@ -197,21 +213,21 @@ def test_two_processes_fsdp_matches_dp(dp_two_processes, tmp_path):
 def test_resume_under_two_processes_and_under_one(dp_two_processes, tmp_path):
     uninterrupted, _ = dp_two_processes
     workdir = tmp_path / "work"
-    first = run_digits(workdir, "--partitioner", "dp", *STEPS[:1], "100", *STEPS[2:])
-    assert first.step == 100
+    first = run_digits(workdir, "--partitioner", "dp", *STEPS[:1], "50", *STEPS[2:])
+    assert first.step == 50
     copy = tmp_path / "copy"
     shutil.copytree(workdir, copy)
 
     resumed = run_digits(workdir, "--partitioner", "dp", *STEPS)
-    assert resumed.restored_step == 100
-    assert resumed.step == 200
+    assert resumed.restored_step == 50
+    assert resumed.step == 100
     assert resumed.fingerprint == uninterrupted.fingerprint
     assert resumed.loss == uninterrupted.loss
 
     # The 2-process checkpoint restores into a 1-process, 8-device run.
     single = run_digits(copy, "--partitioner", "dp", *STEPS, processes=1)
-    assert single.restored_step == 100
-    assert single.step == 200
+    assert single.restored_step == 50
+    assert single.step == 100
     assert abs(single.loss - uninterrupted.loss) < 1e-4, (single, uninterrupted)
 
 
@@ -470,7 +486,7 @@ def job_commands(args: Sequence[str], result_dir: Path, processes: int = 2):
     return [command] * processes, envs
 
 
-PREEMPT_STEPS = ("--train-steps", "200", "--train-loop-steps", "20", "--batch-size", "64")
+PREEMPT_STEPS = ("--train-steps", "100", "--train-loop-steps", "20", "--batch-size", "64")
 NOTICES = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT, "request": signal.SIGUSR1}
 
 
@@ -504,7 +520,7 @@ def test_preemption_reaching_one_process_stops_all_at_one_step(
     stopped = {r["preempted_step"] for r in results}
     assert len(stopped) == 1, results  # the same step everywhere
     (step,) = stopped
-    assert 20 < step < 200
+    assert 20 < step < 100
     assert max(checkpoint.all_steps(ckpt)) == step  # one consistent checkpoint, of that step
     assert not (ckpt / "STOPPED").exists()
     if notice != "SIGTERM":
@@ -515,5 +531,5 @@ def test_preemption_reaching_one_process_stops_all_at_one_step(
         codes = wait_all(procs, JOB_TIMEOUT)
     assert codes == [0, 0], [log.stderr[-3000:] for log in read_logs(tmp_path / "logs2", 2)]
     resumed = json.loads((result_dir / "result-0.json").read_text())
-    assert resumed["step"] == 200
+    assert resumed["step"] == 100
     assert resumed["fingerprint"] == uninterrupted.fingerprint
