@@ -50,7 +50,10 @@ def process_env(devices: int, **extra: str) -> dict[str, str]:
         if k != "XLA_FLAGS" and not k.startswith(("JAXLOOP_", "JAX_COORDINATOR"))
     }
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        # Unoptimised code, as in-process tests (tests/conftest.py): these jobs compile
+        # more than they run.
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                  "--xla_backend_optimization_level=0",
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
         JAXLOOP_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT),
