@@ -10,12 +10,13 @@ Its steps run as the loop always runs them, with steps in flight, and the wall c
 times the executions between its first and its last, in that steady state (see
 `loop._Segment`). A first, untimed execution of each size compiles it.
 
-Of the sizes measured (the best of 5 segments of each), the loop keeps the smallest whose
-predicted loop time is within 2.5% of the best: a larger k would buy almost nothing, and
-the host's dispatch left at that size is a few percent of an execution's time at most
-(with a fixed cost D per execution and u per step, a step costs ``D/k + u``). Segments
-still measure the largest sizes a few percent fast now and then (the MLP's k=32), so the
-margin goes to the smaller size. The prediction counts the steps that would run one by
+Of the sizes measured (the median of 5 segments of each), the loop keeps the smallest
+whose predicted loop time is within 2.5% of the best: a larger k would buy almost nothing,
+and the host's dispatch left at that size is a few percent of an execution's time at most
+(with a fixed cost D per execution and u per step, a step costs ``D/k + u``). The median,
+not the best: a segment of a large size holds few executions, and one of them timed on a
+quiet machine made the best of 5 rank a slower size first (the MLP's k=32); the margin
+goes to the smaller size for the same reason. The prediction counts the steps that would run one by
 one (a loop's remainder, the steps up to a step action; see `loop.Loop`) at the
 single-step time, so a k that fits the loop length and the actions' intervals wins over
 one that does not, and a k whose fused program runs slower (XLA:CPU's rolled
@@ -36,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 import jax
@@ -67,7 +69,7 @@ class ExecutionSizeTuner:
     Args:
       max_size: the largest size tried (the loop also caps it at its length and at the
         smallest interval of the step's actions).
-      rounds: timed segments per size (the best counts).
+      rounds: timed segments per size (their median counts).
       tolerance: the loop time, relative to the best size's, within which the smallest
         size is kept.
     """
@@ -82,6 +84,7 @@ class ExecutionSizeTuner:
         self.tolerance = tolerance
         self.sizes = [1 << i for i in range(max_size.bit_length()) if 1 << i <= max_size]
         self.per_step_secs: dict[int, float] = {}
+        self._samples: dict[int, list[float]] = {}
         self.done = False
         self._round = 0  # round 0: one untimed execution of each size (compiles it)
         self._turn = 0
@@ -112,8 +115,9 @@ class ExecutionSizeTuner:
         if self.done or size != self.candidate:
             return
         if self._round > 0 and steps > 0:
-            per_step = seconds / steps
-            self.per_step_secs[size] = min(self.per_step_secs.get(size, per_step), per_step)
+            samples = self._samples.setdefault(size, [])
+            samples.append(seconds / steps)
+            self.per_step_secs[size] = statistics.median(samples)
         self._turn += 1
         if self._turn < len(self.sizes):
             return

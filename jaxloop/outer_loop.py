@@ -159,7 +159,9 @@ class OuterLoop:
       prefetch: batches to preprocess and put on the devices in the background while the
         current step runs (0: none), through `Loop.prefetching`: the loops still receive
         the very iterator you pass (custom loops may check it, read its attributes, call
-        its methods), and its saved position counts only the batches trained on.
+        its methods), and its saved position counts only the batches trained on. On CPU
+        devices in one process batches stay on the host and are read as needed, without a
+        thread.
     """
 
     def __init__(

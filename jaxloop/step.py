@@ -543,6 +543,17 @@ class Step:
         """Host-side transformation of the raw batch before sharding (numpy in, numpy out)."""
         return batch
 
+    def batches_stay_on_host(self) -> bool:
+        """Whether `prepare_batch` leaves batches on the host for the compiled call to place
+        (CPU devices in one process, the default `prepare_batch` and `begin`).
+
+        Such batches have nothing to be placed ahead of the step, so a prefetcher reads them
+        as they are needed instead of in a thread (see `Loop.prefetching`). Makes the step's
+        program if it is not made yet, as `prepare_batch` does.
+        """
+        self._program()
+        return self._prepares_on_host
+
     def prepare_batch(self, batch: Batch) -> PreparedBatch:
         """`preprocess_batch`, then sharding (if enabled): the host-side work for a batch,
         which a prefetcher may do in the background ahead of the step.

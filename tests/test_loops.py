@@ -397,6 +397,32 @@ def test_prefetch_gives_identical_results_and_leaks_no_thread():
     assert set(threading.enumerate()) <= before
 
 
+def test_prefetch_reads_host_batches_in_the_loop_and_placed_batches_in_a_thread():
+    # On CPU devices in one process the compiled call places host batches itself: there is
+    # nothing to do ahead, so the batches are read in the loop's thread. A step whose own
+    # prepare_batch places them gets the background thread.
+    class PlacingStep(ClassifierStep):
+        def prepare_batch(self, batch):
+            return super().prepare_batch(batch)
+
+    readers = {}
+    params = {}
+    for name, cls in (("host", ClassifierStep), ("placed", PlacingStep)):
+        def reading(name=name):
+            for batch in forever():
+                readers.setdefault(name, set()).add(threading.current_thread().name)
+                yield batch
+
+        step = cls(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+        outer = outer_loop.OuterLoop(train_loop=train_loop_lib.TrainLoop(step), prefetch=2)
+        state, _ = outer(step.initialize_model([1, 16]), reading(), train_total_steps=12,
+                         train_loop_steps=4)
+        assert step.batches_stay_on_host() == (name == "host")
+        params[name] = jax.device_get(state.params)
+    assert readers == {"host": {"MainThread"}, "placed": {"jaxloop-device-prefetch"}}
+    jax.tree.map(np.testing.assert_array_equal, params["host"], params["placed"])
+
+
 def test_prefetch_surfaces_dataset_errors():
     def broken():
         yield from BATCHES[:7]

@@ -299,6 +299,23 @@ def test_execution_size_tuner_prefers_sizes_that_fit_the_loop():
         train_loop_lib.TrainLoop(make_step(), steps_per_execution="fast")
 
 
+def test_execution_size_tuner_is_not_swayed_by_one_fast_segment():
+    from jaxloop import execution_size
+
+    # Per-step seconds of each size's segments, round by round: size 8 once measures fast
+    # (a segment of few executions, timed on a quiet machine), but is no faster than 4.
+    segments = {1: [1.0, 1.0, 1.0], 2: [0.6, 0.6, 0.6], 4: [0.5, 0.51, 0.5],
+                8: [0.5, 0.3, 0.52]}
+    tuner = execution_size.ExecutionSizeTuner(max_size=8, rounds=3)
+    timed = {k: iter(v) for k, v in segments.items()}
+    while not tuner.done:
+        k, steps = tuner.candidate, tuner.segment_steps
+        per_step = next(timed[k]) if steps > k else 1.0  # the compiling round is untimed
+        tuner.record(k, steps, steps * per_step)
+    assert tuner.per_step_secs == pytest.approx({1: 1.0, 2: 0.6, 4: 0.5, 8: 0.5})
+    assert tuner.choose() == 4
+
+
 def test_fused_clu_metrics_are_merged():
     class MetricStep(ClassifierStep):
         def run(self, state, batch):
