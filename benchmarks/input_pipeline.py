@@ -6,8 +6,11 @@ Measures, side by side in one run (best of --repeats, alternating):
   no prefetch     OuterLoop(prefetch=0): input and step take turns
   prefetch        OuterLoop(prefetch=2): the next batches are loaded and placed while the
                   current step runs
-and prints steps/s and the ratios. The goal: prefetch >= 0.85 x the slower of the two alone,
-and no prefetch about half of that.
+and prints steps/s and the ratios. The goal: prefetch >= 0.85 x the slower of the two alone.
+Without prefetch the loop overlaps them too, since JAX dispatches steps asynchronously and
+the loop reads the next batch while the dispatched steps run. On CPU devices in one process
+(this machine) the two rows run the same way: batches stay on the host there, so prefetch
+starts no thread (see `Step.batches_stay_on_host`).
 
 The pipeline's cost is host work that releases the GIL (as decoding and file reads do),
 simulated with a sleep calibrated to the measured step time.
@@ -67,7 +70,7 @@ def main():
     for name in ("input alone", "no prefetch", "prefetch"):
         print(f"{name:>12}: {best[name]:8.1f} steps/s")
     print(f"ratio prefetch / slower alone    = {best['prefetch'] / slower:.3f} (goal >= 0.85)")
-    print(f"ratio no prefetch / slower alone = {best['no prefetch'] / slower:.3f} (about 0.5)")
+    print(f"ratio no prefetch / slower alone = {best['no prefetch'] / slower:.3f}")
 
 
 if __name__ == "__main__":
