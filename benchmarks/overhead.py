@@ -12,7 +12,8 @@ so that load on the machine hits them alike), steps/s of
                   run their last 8 steps one by one, compiling nothing new
   auto            ``steps_per_execution='auto'`` (its choice in brackets); measured once
                   the choice is made, as the fixed sizes are once compiled
-and prints the ratios to the hand-written loop. Goals: >= 0.97 for p=2; auto within 5%
+and prints the ratios to the hand-written loop, with the range of each round's ratio (the
+variants take turns in a rotating order). Goals: >= 0.97 for p=2; auto within 5%
 of the best fixed k. It also prints jaxloop's host time per step on a tiny step (16-8-10
 MLP, batch 8) whose device time is negligible, as wall time and as the process's CPU
 time (which other processes' load on a shared machine changes far less).
@@ -198,13 +199,20 @@ class Case:
                     break
         rates = {name: [] for name in self.variants}
         cpu = {name: [] for name in self.variants}
-        for _ in range(repeats):
-            for name, run in self.variants.items():
+        names = list(self.variants)
+        for r in range(repeats):
+            # Each round starts one variant later, so none always follows the same one.
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                run = self.variants[name]
                 state = self.fresh_state()
                 start, start_cpu = time.perf_counter(), time.process_time()
                 jax.block_until_ready(run(state, self.steps))
                 rates[name].append(self.steps / (time.perf_counter() - start))
                 cpu[name].append((time.process_time() - start_cpu) / self.steps)
+        # Each variant's ratio to the hand-written loop in every round: their spread shows
+        # how far whole runs of one program move on this machine.
+        self.round_ratios = {n: [a / b for a, b in zip(v, rates["hand-written"], strict=True)]
+                             for n, v in rates.items()}
         return ({n: statistics.median(v) for n, v in rates.items()},
                 {n: statistics.median(v) for n, v in cpu.items()})
 
@@ -261,7 +269,9 @@ def run_group(devices, steps, loop_steps, repeats, only):
         print(f"    {'hand-written':22s} {hand:8.1f}")
         for name, value in rates.items():
             if name != "hand-written":
-                print(f"    {case.label(name):22s} {value:8.1f} ({value / hand:.3f})")
+                spread = case.round_ratios[name]
+                print(f"    {case.label(name):22s} {value:8.1f} ({value / hand:.3f}; rounds "
+                      f"{min(spread):.2f}-{max(spread):.2f})")
         fixed = {n: v for n, v in rates.items() if n.startswith(("p=2", "k=")) and "L=" not in n}
         if "auto" in rates and fixed:
             best = max(fixed, key=fixed.get)
