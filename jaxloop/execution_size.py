@@ -16,14 +16,14 @@ and the host's dispatch left at that size is a few percent of an execution's tim
 (with a fixed cost D per execution and u per step, a step costs ``D/k + u``). The median,
 not the best: a segment of a large size holds few executions, and one of them timed on a
 quiet machine made the best of 5 rank a slower size first (the MLP's k=32); the margin
-goes to the smaller size for the same reason. The prediction counts the steps that would run one by
-one (a loop's remainder, the steps up to a step action; see `loop.Loop`) at the
+goes to the smaller size for the same reason. The prediction counts the steps that would
+run one by one (a loop's remainder, the steps up to a step action; see `loop.Loop`) at the
 single-step time, so a k that fits the loop length and the actions' intervals wins over
 one that does not, and a k whose fused program runs slower (XLA:CPU's rolled
 convolutions) is never kept; sizes 3 times slower than the best after the first round are
-measured no further. Results do not depend on the choice: every
-k gives the same steps, bit for bit where XLA compiles the fused body like a single step
-(see `Partitioner.partition_steps`).
+measured no further. Results do not depend on the choice: every k gives the same steps,
+bit for bit where XLA compiles the fused body like a single step (see
+`Partitioner.partition_steps`).
 
 Example::
 

@@ -106,8 +106,8 @@ class _Prefetch:
 
     None starts for a step whose batches stay on the host (`Step.batches_stay_on_host`):
     there is nothing to place ahead, so they are read from `source` as needed, each while
-    the steps already dispatched run. A thread would only take CPU from those steps (its
-    wake-ups cost about 20 us per step on 2 cores).
+    the steps already dispatched run. A thread would only take CPU from those steps (on a
+    tiny step on 2 CPU cores it added about 26 us of wall time per step).
     """
 
     def __init__(self, source: Iterator[Any], size: int):

@@ -36,7 +36,6 @@ def _jobs_share_a_compilation_cache(tmp_path_factory):
     (read there): those jobs compile the same few dozen programs each time, up to a fifth of
     a short job's time. This worker's own jax was configured at import and does not use it."""
     os.environ["JAXLOOP_TEST_JOB_CACHE"] = str(tmp_path_factory.mktemp("job-compilation-cache"))
-    yield
 
 
 @pytest.fixture(autouse=True, scope="session")

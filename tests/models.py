@@ -55,6 +55,14 @@ class ClassifierStep(step_lib.Step):
         return state, {"loss": loss, "accuracy": accuracy, "logits": logits}
 
 
+class PlacingClassifierStep(ClassifierStep):
+    """A ClassifierStep with its own `prepare_batch`: its batches are placed on the devices
+    ahead of the step, so a prefetcher runs its background thread even on CPU."""
+
+    def prepare_batch(self, batch):
+        return super().prepare_batch(batch)
+
+
 class XY(NamedTuple):
     x: np.ndarray
     y: np.ndarray

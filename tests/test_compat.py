@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from models import ClassifierStep, LinenMLP, toy_data
+from models import ClassifierStep, LinenMLP, PlacingClassifierStep, toy_data
 
 from jaxloop import actions, checkpoint, data, outer_loop
 from jaxloop import eval_loop as eval_loop_lib
@@ -244,14 +244,11 @@ def test_custom_train_loop_receives_the_users_iterator_while_prefetch_works():
             seen["prepared"] += isinstance(batch, step_lib.PreparedBatch)
             return batch
 
-    class PlacingStep(ClassifierStep):
-        # Places its own batches, so they are prefetched in the background (batches the
-        # compiled call places itself are read as needed: see test_loops).
-        def prepare_batch(self, batch):
-            return super().prepare_batch(batch)
-
     user_iterator = CountingIterator(BATCHES)
-    step = PlacingStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    # A step that places its own batches, so they are prefetched in the background (batches
+    # the compiled call places itself are read as needed: see test_loops).
+    step = PlacingClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
+                                 train=True)
     outer = outer_loop.OuterLoop(train_loop=CustomLoop(step), prefetch=2)
     state, _ = outer(step.initialize_model([1, 16]), user_iterator, train_total_steps=8,
                      train_loop_steps=4)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import ClassifierStep, LinenMLP, toy_data
+from models import ClassifierStep, LinenMLP, PlacingClassifierStep, toy_data
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxloop import actions, checkpoint, loop, outer_loop, stat_loop, writers
@@ -401,13 +401,9 @@ def test_prefetch_reads_host_batches_in_the_loop_and_placed_batches_in_a_thread(
     # On CPU devices in one process the compiled call places host batches itself: there is
     # nothing to do ahead, so the batches are read in the loop's thread. A step whose own
     # prepare_batch places them gets the background thread.
-    class PlacingStep(ClassifierStep):
-        def prepare_batch(self, batch):
-            return super().prepare_batch(batch)
-
     readers = {}
     params = {}
-    for name, cls in (("host", ClassifierStep), ("placed", PlacingStep)):
+    for name, cls in (("host", ClassifierStep), ("placed", PlacingClassifierStep)):
         def reading(name=name):
             for batch in forever():
                 readers.setdefault(name, set()).add(threading.current_thread().name)
