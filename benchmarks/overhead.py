@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import statistics
 import subprocess
@@ -120,9 +121,9 @@ class Case:
     ``steps_per_execution='auto'``; `aligned` adds k=16 on loops of 192 steps.
     """
 
-    def __init__(self, name, model, shape, batch_size, partitioner, steps, loop_steps=200,
+    def __init__(self, name, model, shape, batch_size, partitioner, loop_steps=200,
                  fused=(), unroll=1, auto=False, aligned=False, per_step=(0, 2)):
-        self.name, self.steps, self.shape, self.loop_steps = name, steps, shape, loop_steps
+        self.name, self.shape, self.loop_steps = name, shape, loop_steps
         self.batches = make_batches(shape, batch_size)
         self.step = TrainStep(jax.random.key(0), model, optimizer=optax.sgd(0.005, 0.9),
                               partitioner=partitioner, train=True)
@@ -140,6 +141,7 @@ class Case:
                                    out_shardings=(state_shardings, None))
             self.bound = IN_FLIGHT
         self.loops = {}
+        self.window = {}  # steps per timed window, where not loop_steps
         self.variants = {"hand-written": self.hand_written}
         for prefetch in per_step:
             self.variants[f"p={prefetch}"] = self.jaxloop(f"p={prefetch}", 1, prefetch)
@@ -154,7 +156,7 @@ class Case:
     def fresh_state(self):
         return jax.block_until_ready(self.step.initialize_model([1, *self.shape]))
 
-    def hand_written(self, state, n):
+    def hand_written(self, state, first, n):
         losses = []
         in_flight = collections.deque()
         for batch in cycle(self.batches, n):
@@ -172,9 +174,11 @@ class Case:
         self.loops[name] = loop
         outer = outer_loop.OuterLoop(train_loop=loop, prefetch=prefetch, progress=False)
         loop_steps = loop_steps or self.loop_steps
+        self.window[name] = loop_steps
 
-        def run(state, n):
-            state, _ = outer(state, cycle(self.batches, n), train_total_steps=n,
+        def run(state, first, n):
+            # The state goes on from `first` (its step count): train_total_steps is absolute.
+            state, _ = outer(state, cycle(self.batches, n), train_total_steps=first + n,
                              train_loop_steps=min(n, loop_steps), log_train_total_steps=False)
             return state
 
@@ -186,101 +190,129 @@ class Case:
             return f"auto [k={loop.steps_per_execution}]"
         return name
 
-    def measure(self, repeats):
-        """Median steps/s and process CPU seconds per step of each variant."""
-        # Compiles every program a timed run uses (one loop: the k-step and the single
-        # step programs); 'auto' runs until it has chosen.
+    def measure(self, rounds):
+        """Each variant's steps/s, and CPU seconds per step of the thread that runs the loop
+        (dispatch and the loop's own work, without XLA's threads), in every round.
+
+        A round times one window of every variant (one train loop of its length), in an
+        order that rotates from round to round. Each variant trains one state throughout,
+        so a window is a stretch of one long run.
+        """
+        states, done = {}, {}
+        # Compiles every program a window uses (one loop: the k-step and the single step
+        # programs); 'auto' runs until it has chosen.
         for name, run in self.variants.items():
-            state = self.fresh_state()
+            states[name], done[name] = self.fresh_state(), 0
             for _ in range(50):
-                state = jax.block_until_ready(run(state, self.loop_steps))
+                n = self.window.get(name, self.loop_steps)
+                states[name] = jax.block_until_ready(run(states[name], done[name], n))
+                done[name] += n
                 tuner = getattr(self.loops.get(name), "execution_size_tuner", None)
                 if tuner is None or tuner.done:
                     break
         rates = {name: [] for name in self.variants}
         cpu = {name: [] for name in self.variants}
         names = list(self.variants)
-        for r in range(repeats):
-            # Each round starts one variant later, so none always follows the same one.
+        for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                run = self.variants[name]
-                state = self.fresh_state()
-                start, start_cpu = time.perf_counter(), time.process_time()
-                jax.block_until_ready(run(state, self.steps))
-                rates[name].append(self.steps / (time.perf_counter() - start))
-                cpu[name].append((time.process_time() - start_cpu) / self.steps)
-        # Each variant's ratio to the hand-written loop in every round: their spread shows
-        # how far whole runs of one program move on this machine.
-        self.round_ratios = {n: [a / b for a, b in zip(v, rates["hand-written"], strict=True)]
-                             for n, v in rates.items()}
-        return ({n: statistics.median(v) for n, v in rates.items()},
-                {n: statistics.median(v) for n, v in cpu.items()})
+                n = self.window.get(name, self.loop_steps)
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                states[name] = jax.block_until_ready(
+                    self.variants[name](states[name], done[name], n))
+                rates[name].append(n / (time.perf_counter() - start))
+                cpu[name].append((time.thread_time() - start_cpu) / n)
+                done[name] += n
+        return rates, cpu
 
 
-def host_overhead_us(repeats, steps=10000):
+def median_ci(values):
+    """The median and a distribution-free 95% confidence interval for it (the order
+    statistics n/2 -/+ 0.98 sqrt(n), from the binomial distribution of ranks)."""
+    v = sorted(values)
+    n = len(v)
+    half = 0.98 * math.sqrt(n)
+    return (statistics.median(v), v[max(0, math.floor(n / 2 - half))],
+            v[min(n - 1, math.ceil(n / 2 + half))])
+
+
+def ratios(rates, name, over):
+    """`name`'s rate over `over`'s in each round (their windows ran side by side)."""
+    return [a / b for a, b in zip(rates[name], rates[over], strict=True)]
+
+
+def host_overhead_us(rounds, window=2000):
     """Host time per step on a step whose device time is negligible (a 16-8-10 MLP on 8
-    examples): the hand-written loop's, and what jaxloop adds, in wall and CPU time."""
-    case = Case("tiny", MLP(hidden=8), (16,), 8, partition.SingleDevicePartitioner(), steps,
-                loop_steps=steps)
-    rates, cpu = case.measure(repeats)
-    hand, hand_cpu = 1e6 / rates["hand-written"], 1e6 * cpu["hand-written"]
-    return (hand, hand_cpu), {
-        name: (1e6 / rates[name] - hand, 1e6 * cpu[name] - hand_cpu)
-        for name in rates if name != "hand-written"
-    }
+    examples): the hand-written loop's, and what jaxloop adds, in wall time and in CPU time
+    of the thread that runs the loop
+    (medians over rounds of what each round's window adds)."""
+    case = Case("tiny", MLP(hidden=8), (16,), 8, partition.SingleDevicePartitioner(),
+                loop_steps=window)
+    rates, cpu = case.measure(rounds)
+    wall = {n: [1e6 / r for r in v] for n, v in rates.items()}
+    cpu = {n: [1e6 * c for c in v] for n, v in cpu.items()}
+    hand = (statistics.median(wall["hand-written"]), statistics.median(cpu["hand-written"]))
+
+    def added(per_round, name):
+        return statistics.median(
+            a - b for a, b in zip(per_round[name], per_round["hand-written"], strict=True))
+
+    return hand, {name: (added(wall, name), added(cpu, name))
+                  for name in rates if name != "hand-written"}
 
 
-def cases_for(devices, steps, loop_steps):
+def cases_for(devices, loop_steps):
     """(name, a function that builds the Case) for each case on this many devices."""
     if devices == 1:
         single = partition.SingleDevicePartitioner()
         return [
             ("MLP 784-256-10, batch 32", lambda name: Case(
-                name, MLP(), (784,), 32, single, steps, loop_steps,
+                name, MLP(), (784,), 32, single, loop_steps,
                 fused=(4, 8, 16, 32), auto=True, aligned=True)),
             # XLA:CPU runs convolutions inside a rolled loop on a slow kernel: unroll.
             ("guide CNN, batch 32", lambda name: Case(
-                name, GuideCNN(), (28, 28, 1), 32, single, steps // 5, loop_steps // 5,
+                name, GuideCNN(), (28, 28, 1), 32, single, loop_steps // 5,
                 fused=(2, 4, 8), unroll=True, auto=True)),
         ]
     mesh = Mesh(np.array(jax.devices()), ("data",))
     return [
         ("MLP batch 256, DataParallel x8", lambda name: Case(
             name, MLP(), (784,), 256, partition.DataParallelPartitioner(mesh, "data"),
-            steps // 4, loop_steps)),
-        ("MLP batch 256, FSDP x8", lambda name: Case(
-            name, MLP(), (784,), 256, partition.FSDPPartitioner(mesh, "data"), steps // 4,
             loop_steps)),
+        ("MLP batch 256, FSDP x8", lambda name: Case(
+            name, MLP(), (784,), 256, partition.FSDPPartitioner(mesh, "data"), loop_steps)),
     ]
 
 
-def run_group(devices, steps, loop_steps, repeats, only):
+def run_group(devices, loop_steps, rounds, only):
     assert jax.device_count() == devices, (jax.device_count(), devices)
-    print(f"-- {devices} device(s), {jax.devices()[0].platform}, median of {repeats} "
-          f"alternating runs; steps/s (ratio to hand-written); load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    for name, build in cases_for(devices, steps, loop_steps):
+    print(f"-- {devices} device(s), {jax.devices()[0].platform}, {rounds} rounds; median "
+          f"steps/s, and the median ratio to hand-written over the rounds [its 95% "
+          f"confidence interval]; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    for name, build in cases_for(devices, loop_steps):
         if only and only.lower() not in name.lower():
             continue
         case = build(name)
-        rates, _ = case.measure(repeats)
-        hand = rates["hand-written"]
-        print(f"{case.name} [{case.steps} steps, loops of {case.loop_steps}]")
-        print(f"    {'hand-written':22s} {hand:8.1f}")
-        for name, value in rates.items():
+        rates, _ = case.measure(rounds)
+        median = {n: statistics.median(v) for n, v in rates.items()}
+        print(f"{case.name} [loops of {case.loop_steps} steps, one loop per window]")
+        print(f"    {'hand-written':22s} {median['hand-written']:8.1f}")
+        for name in rates:
             if name != "hand-written":
-                spread = case.round_ratios[name]
-                print(f"    {case.label(name):22s} {value:8.1f} ({value / hand:.3f}; rounds "
-                      f"{min(spread):.2f}-{max(spread):.2f})")
-        fixed = {n: v for n, v in rates.items() if n.startswith(("p=2", "k=")) and "L=" not in n}
+                mid, lo, hi = median_ci(ratios(rates, name, "hand-written"))
+                print(f"    {case.label(name):22s} {median[name]:8.1f} ({mid:.3f} "
+                      f"[{lo:.3f}-{hi:.3f}])")
+        fixed = [n for n in rates if n.startswith(("p=2", "k=")) and "L=" not in n]
         if "auto" in rates and fixed:
-            best = max(fixed, key=fixed.get)
-            print(f"    auto / best fixed k ({best}): {rates['auto'] / fixed[best]:.3f}")
+            best = max(fixed, key=median.get)
+            mid, lo, hi = median_ci(ratios(rates, "auto", best))
+            print(f"    auto / best fixed k ({best}): {mid:.3f} [{lo:.3f}-{hi:.3f}]")
         sys.stdout.flush()
     if devices == 1 and (not only or only.lower() in "tiny"):
-        (hand_us, hand_cpu), extra = host_overhead_us(repeats)
-        print(f"host time per step on a tiny step (median of {repeats}): hand-written "
-              f"{hand_us:.1f} us wall, {hand_cpu:.1f} us CPU; jaxloop adds "
+        (hand_us, hand_cpu), extra = host_overhead_us(rounds)
+        print(f"host time per step on a tiny step (medians over {rounds} rounds): "
+              f"hand-written {hand_us:.1f} us wall, {hand_cpu:.1f} us loop-thread CPU; "
+              f"jaxloop adds "
               + ", ".join(f"{name}: {w:+.1f} us wall, {c:+.1f} us CPU"
                           for name, (w, c) in extra.items()
                           if name.startswith("p=")))
@@ -288,18 +320,17 @@ def run_group(devices, steps, loop_steps, repeats, only):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3000,
-                        help="steps per timed run (the CNN runs 1/5, the 8-device cases 1/4)")
     parser.add_argument("--loop-steps", type=int, default=200,
-                        help="steps per train loop (the CNN's loops are 1/5 as long)")
-    parser.add_argument("--repeats", type=int, default=5)
+                        help="steps per train loop and timed window (the CNN's are 1/5)")
+    parser.add_argument("--rounds", type=int, default=60,
+                        help="timed windows of each variant, taking turns")
     parser.add_argument("--only", default="",
                         help="run only the cases whose name contains this ('tiny': overhead)")
     parser.add_argument("--devices", type=int, choices=(1, 8),
                         help="run one device-count group in this process (used internally)")
     args = parser.parse_args()
     if args.devices is not None:
-        run_group(args.devices, args.steps, args.loop_steps, args.repeats, args.only)
+        run_group(args.devices, args.loop_steps, args.rounds, args.only)
         return
     for devices in (1, 8):
         env = dict(os.environ)
@@ -309,8 +340,8 @@ def main():
             flags.append(f"--xla_force_host_platform_device_count={devices}")
         env["XLA_FLAGS"] = " ".join(flags)
         subprocess.run(
-            [sys.executable, __file__, "--devices", str(devices), "--steps", str(args.steps),
-             "--loop-steps", str(args.loop_steps), "--repeats", str(args.repeats),
+            [sys.executable, __file__, "--devices", str(devices),
+             "--loop-steps", str(args.loop_steps), "--rounds", str(args.rounds),
              "--only", args.only],
             env=env, check=True,
         )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -275,10 +276,15 @@ class Partitioner(abc.ABC):
     def _host_batch_placement(self, batch: PyTree) -> _Placement | None:
         """The validated placement of a batch of numpy leaves, which a jitted call can then
         transfer itself; None for other batches (or several processes)."""
-        leaves, treedef = jax.tree_util.tree_flatten(batch)
-        if not self._single_process or not all(type(x) is np.ndarray for x in leaves):
+        if not self._single_process:
             return None
-        key = (False, treedef, tuple(x.shape for x in leaves))
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        shapes = []  # one pass, no generators: this runs once per step
+        for x in leaves:
+            if type(x) is not np.ndarray:
+                return None
+            shapes.append(x.shape)
+        key = (False, treedef, tuple(shapes))
         return self._placements.get(key) or self._placement(batch, leaves, key)
 
     def _place(self, batch: PyTree, stacked: bool) -> PyTree:
@@ -409,10 +415,11 @@ class Partitioner(abc.ABC):
         )
 
 
-def _frozen(state: Any) -> bool:
-    """Whether `state` is a frozen dataclass (a flax struct such as TrainState): an object
-    whose fields cannot be reassigned, so its arrays' placement cannot change."""
-    params = getattr(type(state), "__dataclass_params__", None)
+@functools.cache
+def _frozen(cls: type) -> bool:
+    """Whether `cls` is a frozen dataclass (a flax struct such as TrainState): its objects'
+    fields cannot be reassigned, so their arrays' placement cannot change."""
+    params = getattr(cls, "__dataclass_params__", None)
     return params is not None and params.frozen
 
 
@@ -524,7 +531,13 @@ class _PartitionedFn:
 
     def _remember(self, state: PyTree, result: Any) -> Any:
         out = result[0] if type(result) is tuple and len(result) == 2 else None
-        self._known = tuple(weakref.ref(x) for x in (state, out) if _frozen(x))
+        # The returned state first: a train loop passes it back next.
+        known: tuple[Callable[[], Any], ...] = ()
+        if _frozen(type(out)):
+            known = (weakref.ref(out),)
+        if _frozen(type(state)):
+            known += (weakref.ref(state),)
+        self._known = known
         return result
 
     def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, Any]:
