@@ -10,13 +10,17 @@ Its steps run as the loop always runs them, with steps in flight, and the wall c
 times the executions between its first and its last, in that steady state (see
 `loop._Segment`). A first, untimed execution of each size compiles it.
 
-Of the sizes measured (the median of 5 segments of each), the loop keeps the smallest
-whose predicted loop time is within 2.5% of the best: a larger k would buy almost nothing,
-and the host's dispatch left at that size is a few percent of an execution's time at most
-(with a fixed cost D per execution and u per step, a step costs ``D/k + u``). The median,
-not the best: a segment of a large size holds few executions, and one of them timed on a
-quiet machine made the best of 5 rank a slower size first (the MLP's k=32); the margin
-goes to the smaller size for the same reason. The prediction counts the steps that would
+Each size's time per step is estimated from 5 rounds: the median of the fastest size's
+segments, times the median over the rounds of the size's ratio to the fastest size's
+segment of the same round. The segments of a round run back to back, so a change in the
+machine's load between rounds cancels out of these ratios (medians of each size's own
+segments had the guide's CNN keep k=1 in one try of four, its k=2 being 5% faster). The
+median, not the best: a segment of a large size holds few executions, and one of them
+timed on a quiet machine made the best of 5 rank a slower size first (the MLP's k=32).
+Of the sizes measured, the loop keeps the smallest whose predicted loop time is within
+2.5% of the best: a larger k would buy almost nothing, and the host's dispatch left at
+that size is a few percent of an execution's time at most (with a fixed cost D per
+execution and u per step, a step costs ``D/k + u``). The prediction counts the steps that would
 run one by one (a loop's remainder, the steps up to a step action; see `loop.Loop`) at the
 single-step time, so a k that fits the loop length and the actions' intervals wins over
 one that does not, and a k whose fused program runs slower (XLA:CPU's rolled
@@ -69,7 +73,7 @@ class ExecutionSizeTuner:
     Args:
       max_size: the largest size tried (the loop also caps it at its length and at the
         smallest interval of the step's actions).
-      rounds: timed segments per size (their median counts).
+      rounds: timed segments per size.
       tolerance: the loop time, relative to the best size's, within which the smallest
         size is kept.
     """
@@ -84,7 +88,7 @@ class ExecutionSizeTuner:
         self.tolerance = tolerance
         self.sizes = [1 << i for i in range(max_size.bit_length()) if 1 << i <= max_size]
         self.per_step_secs: dict[int, float] = {}
-        self._samples: dict[int, list[float]] = {}
+        self._timed: list[dict[int, float]] = []  # per timed round: seconds per step, by size
         self.done = False
         self._round = 0  # round 0: one untimed execution of each size (compiles it)
         self._turn = 0
@@ -115,9 +119,10 @@ class ExecutionSizeTuner:
         if self.done or size != self.candidate:
             return
         if self._round > 0 and steps > 0:
-            samples = self._samples.setdefault(size, [])
-            samples.append(seconds / steps)
-            self.per_step_secs[size] = statistics.median(samples)
+            if len(self._timed) < self._round:
+                self._timed.append({})
+            self._timed[self._round - 1][size] = seconds / steps
+            self.per_step_secs.update(self._estimates())
         self._turn += 1
         if self._turn < len(self.sizes):
             return
@@ -130,6 +135,21 @@ class ExecutionSizeTuner:
         self.sizes = [k for k, t in zip(self.sizes, times, strict=True) if t <= 3 * min(times)]
         if self._round > self.rounds:
             self.done = True
+
+    def _estimates(self) -> dict[int, float]:
+        """Seconds per step of each size timed: the fastest size's median segment, times
+        the median of the size's per-round ratios to the fastest size's segment."""
+        segments: dict[int, list[float]] = {}
+        for timed in self._timed:
+            for size, secs in timed.items():
+                segments.setdefault(size, []).append(secs)
+        medians = {k: statistics.median(v) for k, v in segments.items()}
+        fastest = min(medians, key=medians.__getitem__)
+        estimates = {}
+        for size, median in medians.items():
+            ratios = [t[size] / t[fastest] for t in self._timed if size in t and fastest in t]
+            estimates[size] = medians[fastest] * statistics.median(ratios) if ratios else median
+        return estimates
 
     def choose(self, plan: Callable[[int], tuple[int, int]] | None = None) -> int:
         """The smallest measured size whose predicted loop time is within `tolerance` of

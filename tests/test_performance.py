@@ -316,6 +316,24 @@ def test_execution_size_tuner_is_not_swayed_by_one_fast_segment():
     assert tuner.choose() == 4
 
 
+def test_execution_size_tuner_compares_sizes_within_each_round():
+    from jaxloop import execution_size
+
+    # Size 2 is 5% faster than size 1 in every round, but the machine's load changes from
+    # round to round (x1.6 in rounds 2 and 4) and size 2 met some extra load in round 5:
+    # the medians of each size's own segments (1.3 against 1.42) would rank 1 first.
+    load = [1.0, 1.6, 1.0, 1.6, 1.3]
+    segments = {1: load, 2: [0.95 * x * e for x, e in zip(load, [1, 1, 1, 1, 1.15])]}
+    tuner = execution_size.ExecutionSizeTuner(max_size=2, rounds=5)
+    timed = {k: iter(v) for k, v in segments.items()}
+    while not tuner.done:
+        k, steps = tuner.candidate, tuner.segment_steps
+        per_step = next(timed[k]) if steps > k else 1.0  # the compiling round is untimed
+        tuner.record(k, steps, steps * per_step)
+    assert tuner.per_step_secs[2] / tuner.per_step_secs[1] == pytest.approx(0.95)
+    assert tuner.choose() == 2
+
+
 def test_fused_clu_metrics_are_merged():
     class MetricStep(ClassifierStep):
         def run(self, state, batch):
