@@ -1,7 +1,6 @@
 """jaxloop's loops against a hand-written `jax.jit` loop: same model, optimizer and data.
 
-Measures, side by side in one run (the median of --repeats runs, the variants taking turns
-so that load on the machine hits them alike), steps/s of
+Measures, side by side in one run, steps/s of
   hand-written    ``state, out = train_fn(state, batch)`` over in-memory numpy batches:
                   `jax.jit` with the state donated, no per-step sync, losses kept in a list
   p=0 / p=2       ``OuterLoop(train_loop=TrainLoop(step), prefetch=0 or 2)``, train loops
@@ -12,15 +11,26 @@ so that load on the machine hits them alike), steps/s of
                   run their last 8 steps one by one, compiling nothing new
   auto            ``steps_per_execution='auto'`` (its choice in brackets); measured once
                   the choice is made, as the fixed sizes are once compiled
-and prints the ratios to the hand-written loop, with the range of each round's ratio (the
-variants take turns in a rotating order). Goals: >= 0.97 for p=2; auto within 5%
-of the best fixed k. It also prints jaxloop's host time per step on a tiny step (16-8-10
-MLP, batch 8) whose device time is negligible, as wall time and as the process's CPU
-time (which other processes' load on a shared machine changes far less).
 
-Cases: MLP 784-256-10 and the guide's CNN at batch 32 on one device; MLP 784-256-10 at
-batch 256 on 8 (forced CPU) devices with DataParallel and with FSDP. Each device count
-runs in its own subprocess, since the device count is fixed when jax starts.
+How. Each variant trains its own state throughout; a round times one window of every
+variant (one train loop of steps: an ``OuterLoop`` call for jaxloop), the variants taking
+turns in an order that rotates from round to round, and --rounds rounds (default 60) are
+run. A variant's ratio to the hand-written loop is taken within each round, from windows
+that ran moments apart, and the median over the rounds is printed with its 95%
+confidence interval (distribution-free, from the ranks). Whole runs of 3000 steps (1 s)
+of one program moved by 10-40% from run to run on the 2-core machine, and windows of 20
+steps by +-20%, so a ratio of two separate runs says little; paired windows cancel what
+changes slowly, and many of them narrow what does not. Goals: >= 0.97 for p=2; auto
+within 5% of the best fixed k (the median of their per-round ratio).
+
+It also prints jaxloop's host time per step on a tiny step (16-8-10 MLP, batch 8) whose
+device time is negligible, as wall time and as the CPU time of the thread that runs the
+loop (its dispatch and bookkeeping, without XLA's threads: far steadier than wall time).
+
+Cases: MLP 784-256-10 and the guide's CNN at batch 32 on one device (the CNN in loops of
+1/5 the length); MLP 784-256-10 at batch 256 on 8 (forced CPU) devices with DataParallel
+and with FSDP (loops of 1/4 the length). Each device count runs in its own subprocess,
+since the device count is fixed when jax starts.
 
 On 8 CPU devices the hand-written loop waits for the step before the one it just
 dispatched (the policy of jaxloop's default there, ``max_steps_in_flight=2``): dispatching
@@ -28,12 +38,8 @@ hundreds of sharded steps without ever waiting crashes XLA's CPU collectives ("E
 threads to join the rendezvous"; see DESIGN.md, reproduced here). On one device it never
 waits (jaxloop lets 8 steps run ahead there).
 
-Each timed run is 3000 steps (0.5 s of the MLP) by default: runs of 600 steps (0.1 s)
-moved by up to 6% between identical programs on the 2-core machine, more than the
-differences measured.
-
-    python benchmarks/overhead.py                       # everything
-    python benchmarks/overhead.py --only mlp --steps 600 --repeats 3
+    python benchmarks/overhead.py                       # everything (about 7 minutes)
+    python benchmarks/overhead.py --only mlp --rounds 200
     python benchmarks/overhead.py --only tiny           # host time per step
 """
 
@@ -277,9 +283,10 @@ def cases_for(devices, loop_steps):
     return [
         ("MLP batch 256, DataParallel x8", lambda name: Case(
             name, MLP(), (784,), 256, partition.DataParallelPartitioner(mesh, "data"),
-            loop_steps)),
+            loop_steps // 4)),
         ("MLP batch 256, FSDP x8", lambda name: Case(
-            name, MLP(), (784,), 256, partition.FSDPPartitioner(mesh, "data"), loop_steps)),
+            name, MLP(), (784,), 256, partition.FSDPPartitioner(mesh, "data"),
+            loop_steps // 4)),
     ]
 
 
@@ -321,7 +328,8 @@ def run_group(devices, loop_steps, rounds, only):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loop-steps", type=int, default=200,
-                        help="steps per train loop and timed window (the CNN's are 1/5)")
+                        help="steps per train loop and timed window (the CNN's 1/5, "
+                        "the 8-device cases' 1/4)")
     parser.add_argument("--rounds", type=int, default=60,
                         help="timed windows of each variant, taking turns")
     parser.add_argument("--only", default="",

@@ -299,6 +299,16 @@ def test_execution_size_tuner_prefers_sizes_that_fit_the_loop():
         train_loop_lib.TrainLoop(make_step(), steps_per_execution="fast")
 
 
+def feed_segments(tuner, segments):
+    """Runs `tuner` to its choice on made-up segments: per size, its seconds per step in
+    each timed round."""
+    timed = {k: iter(v) for k, v in segments.items()}
+    while not tuner.done:
+        k, steps = tuner.candidate, tuner.segment_steps
+        per_step = next(timed[k]) if steps > k else 1.0  # the compiling round is untimed
+        tuner.record(k, steps, steps * per_step)
+
+
 def test_execution_size_tuner_is_not_swayed_by_one_fast_segment():
     from jaxloop import execution_size
 
@@ -307,11 +317,7 @@ def test_execution_size_tuner_is_not_swayed_by_one_fast_segment():
     segments = {1: [1.0, 1.0, 1.0], 2: [0.6, 0.6, 0.6], 4: [0.5, 0.51, 0.5],
                 8: [0.5, 0.3, 0.52]}
     tuner = execution_size.ExecutionSizeTuner(max_size=8, rounds=3)
-    timed = {k: iter(v) for k, v in segments.items()}
-    while not tuner.done:
-        k, steps = tuner.candidate, tuner.segment_steps
-        per_step = next(timed[k]) if steps > k else 1.0  # the compiling round is untimed
-        tuner.record(k, steps, steps * per_step)
+    feed_segments(tuner, segments)
     assert tuner.per_step_secs == pytest.approx({1: 1.0, 2: 0.6, 4: 0.5, 8: 0.5})
     assert tuner.choose() == 4
 
@@ -323,13 +329,10 @@ def test_execution_size_tuner_compares_sizes_within_each_round():
     # round to round (x1.6 in rounds 2 and 4) and size 2 met some extra load in round 5:
     # the medians of each size's own segments (1.3 against 1.42) would rank 1 first.
     load = [1.0, 1.6, 1.0, 1.6, 1.3]
-    segments = {1: load, 2: [0.95 * x * e for x, e in zip(load, [1, 1, 1, 1, 1.15])]}
+    extra = [1, 1, 1, 1, 1.15]
+    segments = {1: load, 2: [0.95 * x * e for x, e in zip(load, extra, strict=True)]}
     tuner = execution_size.ExecutionSizeTuner(max_size=2, rounds=5)
-    timed = {k: iter(v) for k, v in segments.items()}
-    while not tuner.done:
-        k, steps = tuner.candidate, tuner.segment_steps
-        per_step = next(timed[k]) if steps > k else 1.0  # the compiling round is untimed
-        tuner.record(k, steps, steps * per_step)
+    feed_segments(tuner, segments)
     assert tuner.per_step_secs[2] / tuner.per_step_secs[1] == pytest.approx(0.95)
     assert tuner.choose() == 2
 
