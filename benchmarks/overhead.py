@@ -41,7 +41,7 @@ hundreds of sharded steps without ever waiting crashes XLA's CPU collectives ("E
 threads to join the rendezvous"; see DESIGN.md, reproduced here). On one device it never
 waits (jaxloop lets 8 steps run ahead there).
 
-    python benchmarks/overhead.py                       # everything (about 9 minutes)
+    python benchmarks/overhead.py                       # everything (about 15 minutes)
     python benchmarks/overhead.py --only mlp --rounds 200
     python benchmarks/overhead.py --only tiny           # host time per step
 """
