@@ -46,6 +46,7 @@ from jaxloop import (
     writers,
 )
 from jaxloop import step as step_lib
+from jaxloop.examples import dry_run
 
 log = logging.getLogger("digits")
 
@@ -161,29 +162,18 @@ def fingerprint(params: Any) -> str:
     return digest.hexdigest()
 
 
-def dry_run(
+def memory_report(
     train_step: step_lib.Step, eval_step: step_lib.Step, train_data: dict[str, np.ndarray],
     batch_size: int, is_main: bool = True,
 ) -> dict[str, Any]:
-    """Compiles both steps for a global batch (from abstract states: nothing is allocated,
-    trained or written) and prints each one's per-device memory estimate.
-
-    The last line printed is ``dry-run train_total_bytes=<int> eval_total_bytes=<int>``.
-    """
+    """The ``--dry-run`` report (`dry_run.report`) for global batches of `batch_size`
+    images shaped like `train_data`'s."""
     image = (train_data["image"].shape[1:], train_data["image"].dtype)
     train_spec = {"image": ([batch_size, *image[0]], image[1]), "label": ([batch_size], "int32")}
     eval_spec = {**train_spec, "mask": ([batch_size], "bool")}
     state = train_step.abstract_state([1, *image[0]])
-    estimates = {
-        "train": train_step.memory_estimate(train_spec, state),
-        "eval": eval_step.memory_estimate(eval_spec, state),
-    }
-    if is_main:
-        for name, estimate in estimates.items():
-            print(f"{name} step, global batch {batch_size}: {estimate}", flush=True)
-        print(f"dry-run train_total_bytes={estimates['train'].total_bytes} "
-              f"eval_total_bytes={estimates['eval'].total_bytes}", flush=True)
-    return {"dry_run": True, **estimates}
+    return dry_run.report(train_step, eval_step, train_spec, eval_spec, state, batch_size,
+                          show=is_main)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -200,15 +190,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="start a new run from the parameters of another run's checkpoints")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
-    # Mixed precision and the memory estimate (jaxloop.precision, Step.memory_estimate).
-    parser.add_argument(
-        "--precision", default="float32", choices=["float32", "bfloat16"],
-        help="compute dtype (bfloat16: params, optimizer and loss stay float32)",
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true",
-        help="compile the train and eval steps, print their per-device memory, train nothing",
-    )
+    dry_run.add_flags(parser)  # --precision, --dry-run
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
@@ -283,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         jax.random.key(args.seed), CNN(), partitioner=partitioner, dtype_policy=policy
     )
     if args.dry_run:
-        return dry_run(train_step, eval_step, train_data, args.batch_size, is_main)
+        return memory_report(train_step, eval_step, train_data, args.batch_size, is_main)
     manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"), max_to_keep=3)
     # Per-step train scalars go to TensorBoard only (logging each step would flood stderr);
     # eval results are also logged, one line per loop. Only process 0 writes event files.

@@ -71,6 +71,7 @@ from jaxloop import (
 )
 from jaxloop import step as step_lib
 from jaxloop import telemetry as telemetry_lib
+from jaxloop.examples import dry_run
 
 log = logging.getLogger("transformer")
 
@@ -394,15 +395,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--learning-rate", type=float, default=1e-2, help="peak")
     parser.add_argument("--seed", type=int, default=0)
-    # Mixed precision and the memory estimate (jaxloop.precision, Step.memory_estimate).
-    parser.add_argument(
-        "--precision", default="float32", choices=["float32", "bfloat16"],
-        help="compute dtype (bfloat16: params, optimizer and loss stay float32)",
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true",
-        help="compile the train and eval steps, print their per-device memory, train nothing",
-    )
+    dry_run.add_flags(parser)  # --precision, --dry-run
     parser.add_argument(
         "--workdir", default=None,
         help="write TensorBoard summaries and checkpoints here (and resume from them)",
@@ -446,13 +439,11 @@ def make_optimizer(learning_rate: float, total_steps: int) -> optax.GradientTran
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
 
 
-def dry_run(
+def memory_report(
     train_step: step_lib.Step, eval_step: step_lib.Step, batch_size: int, seq_len: int
 ) -> dict[str, Any]:
-    """Compiles both steps for a global batch of windows (from abstract states: nothing is
-    allocated, trained or written) and prints each one's per-device memory estimate.
-
-    The last line printed is ``dry-run train_total_bytes=<int> eval_total_bytes=<int>``.
+    """The ``--dry-run`` report (`dry_run.report`) for global batches of `batch_size`
+    windows, with the model's parameter count.
 
     Example::
 
@@ -461,15 +452,8 @@ def dry_run(
     train_spec = {"tokens": ([batch_size, seq_len + 1], "int32")}
     eval_spec = {**train_spec, "mask": ([batch_size], "bool")}
     state = train_step.abstract_state(([1, seq_len], "int32"), log_num_params=True)
-    estimates = {
-        "train": train_step.memory_estimate(train_spec, state),
-        "eval": eval_step.memory_estimate(eval_spec, state),
-    }
-    for name, estimate in estimates.items():
-        print(f"{name} step, global batch {batch_size}: {estimate}", flush=True)
-    print(f"dry-run train_total_bytes={estimates['train'].total_bytes} "
-          f"eval_total_bytes={estimates['eval'].total_bytes}", flush=True)
-    return {"dry_run": True, "num_params": train_step.num_params, **estimates}
+    report = dry_run.report(train_step, eval_step, train_spec, eval_spec, state, batch_size)
+    return {**report, "num_params": train_step.num_params}
 
 
 class _KeepMetrics(actions.Action):
@@ -519,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     eval_step = LMStep(jax.random.key(args.seed), model, partitioner=partitioner,
                        dtype_policy=policy)
     if args.dry_run:
-        return dry_run(train_step, eval_step, args.batch_size, args.seq_len)
+        return memory_report(train_step, eval_step, args.batch_size, args.seq_len)
     train_metrics, eval_metrics = _KeepMetrics(), _KeepMetrics()
     train_actions: list[actions.Action] = [train_metrics]
     if train_step.nonfinite_guard is not None:
