@@ -464,6 +464,26 @@ def test_actions_with_per_example_outputs_across_processes(tmp_path):
     assert evals.Scalars("loss")[-1].value == pytest.approx(first["eval"]["12"]["loss"], 1e-6)
 
 
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_auto_steps_per_execution_agrees_across_processes(tmp_path):
+    """'auto' times on each host, but every process must run the same programs: they
+    choose one size from process 0's timings, and train exactly as k=1 does."""
+    first, second = run_job("auto", tmp_path)
+    assert first["tuner_done"] and second["tuner_done"]
+    assert first["auto"]["chosen"] == second["auto"]["chosen"]
+    assert first["auto"]["chosen"] in (1, 2)  # capped by the step action's interval
+    # The sizes still measured at the end hold process 0's timings on both processes.
+    assert first["sizes"] == second["sizes"]
+    for k in first["sizes"]:
+        assert first["per_step_secs"][str(k)] == second["per_step_secs"][str(k)]
+    for result in (first, second):
+        assert result["auto"]["step"] == result["1"]["step"] == 10 * 64
+        assert result["auto"]["fired"] == result["1"]["fired"] == list(range(2, 65, 2)) * 10
+        assert result["auto"]["fingerprint"] == result["1"]["fingerprint"]
+        np.testing.assert_array_equal(result["auto"]["losses"], result["1"]["losses"])
+    assert first["auto"]["fingerprint"] == second["auto"]["fingerprint"]
+
+
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 60)
 def test_rows_follow_the_mesh_data_coordinate(tmp_path):
     """data=4 x model=2 with 'model' across the processes: both processes hold every data
