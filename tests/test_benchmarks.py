@@ -1,0 +1,34 @@
+"""benchmarks/overhead.py runs end to end in its several processes and reports every
+variant (its figures belong to the README; none is asserted here: timings are noise)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RATIO = r"[0-9.]+ \([0-9.]+ \[[0-9.]+-[0-9.]+\]\)"
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_pools_processes_and_reports_every_variant():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/overhead.py", "--only", "mlp", "--rounds", "2",
+         "--processes", "2", "--loop-steps", "40"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "-- 1 device(s), 2 process(es) x 2 rounds" in out
+    assert "-- 8 device(s), 1 process(es) x 2 rounds" in out
+    for variant in ("p=0", "p=2", "k=4", "k=8", "k=16", "k=32", "k=16 L=192"):
+        assert re.search(rf"^    {re.escape(variant)} +{RATIO}$", out, re.M), variant
+    # 'auto' shows each process's choice, and each ratio its per-process medians.
+    assert re.search(rf"^    auto \[k=\d+,\d+\] +{RATIO}$", out, re.M)
+    assert len(re.findall(r"per process: [0-9.]+ [0-9.]+$", out, re.M)) == 8
+    assert re.search(r"auto / best fixed k \(k=\d+\): [0-9.]+ \[", out)
+    for case in ("MLP batch 256, DataParallel x8", "MLP batch 256, FSDP x8"):
+        assert f"{case} [loops of 10 steps" in out
