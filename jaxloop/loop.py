@@ -191,11 +191,13 @@ class Loop:
         `steps_per_execution` is 1) may be unfinished at once (>= 1); None: the step's
         `default_max_steps_in_flight(step)` (2 on several CPU devices, else 8).
       steps_per_execution: how many steps run in one compiled call (>= 1), or ``'auto'``:
-        the loop times its first executions with 1, 2, 4, ... steps and keeps the size
-        at which the host's dispatch is under 5% of an execution's time, never more than
+        the loop times its first executions with 1, 2, 4, ... steps, in turns, and keeps
+        the smallest size whose predicted loop time is within 2.5% of the best (so the
+        host's dispatch left is a few percent of an execution's time), never more than
         the loop's length or the smallest interval of the step's actions, preferring a
         size that divides them (see `execution_size`). The choice holds for the loop's
-        later runs; `steps_per_execution` reports it (1 until it is made).
+        later runs; `steps_per_execution` reports it (1 until it is made). With several
+        processes all take process 0's timings, so all run the same programs.
       unroll: with ``steps_per_execution > 1``, how many steps the compiled loop body
         holds (`jax.lax.scan`'s `unroll`; True: all of them). 1 compiles fastest and suits
         dense models; XLA:CPU runs convolutions inside a loop body on a slower kernel that
