@@ -29,6 +29,7 @@ def test_overhead_benchmark_pools_processes_and_reports_every_variant():
     # 'auto' shows each process's choice, and each ratio its per-process medians.
     assert re.search(rf"^    auto \[k=\d+,\d+\] +{RATIO}$", out, re.M)
     assert len(re.findall(r"per process: [0-9.]+ [0-9.]+$", out, re.M)) == 8
-    assert re.search(r"auto / best fixed k \(k=\d+\): [0-9.]+ \[", out)
+    # The best fixed size may be k=1 (p=2): unoptimised test programs gain little from fusing.
+    assert re.search(r"auto / best fixed k \((?:k=\d+|p=2)\): [0-9.]+ \[", out)
     for case in ("MLP batch 256, DataParallel x8", "MLP batch 256, FSDP x8"):
         assert f"{case} [loops of 10 steps" in out
