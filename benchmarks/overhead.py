@@ -132,9 +132,9 @@ class Case:
     ``steps_per_execution='auto'``; `aligned` adds k=16 on loops of 192 steps.
     """
 
-    def __init__(self, name, model, shape, batch_size, partitioner, loop_steps=200,
+    def __init__(self, model, shape, batch_size, partitioner, loop_steps=200,
                  fused=(), unroll=1, auto=False, aligned=False, per_step=(0, 2)):
-        self.name, self.shape, self.loop_steps = name, shape, loop_steps
+        self.shape, self.loop_steps = shape, loop_steps
         self.batches = make_batches(shape, batch_size)
         self.step = TrainStep(jax.random.key(0), model, optimizer=optax.sgd(0.005, 0.9),
                               partitioner=partitioner, train=True)
@@ -195,12 +195,6 @@ class Case:
 
         return run
 
-    def label(self, name):
-        loop = self.loops.get(name)
-        if name == "auto" and loop is not None:
-            return f"auto [k={loop.steps_per_execution}]"
-        return name
-
     def measure(self, rounds):
         """Each variant's steps/s, and CPU seconds per step of the thread that runs the loop
         (dispatch and the loop's own work, without XLA's threads), in every round.
@@ -255,7 +249,7 @@ def host_overhead_us(rounds, window=2000):
     """Host time per step on a step whose device time is negligible (a 16-8-10 MLP on 8
     examples), per round: each variant's wall time and CPU time of the thread that runs
     the loop, in microseconds per step."""
-    case = Case("tiny", MLP(hidden=8), (16,), 8, partition.SingleDevicePartitioner(),
+    case = Case(MLP(hidden=8), (16,), 8, partition.SingleDevicePartitioner(),
                 loop_steps=window)
     rates, cpu = case.measure(rounds)
     return {n: {"wall": [1e6 / r for r in rates[n]], "cpu": [1e6 * c for c in cpu[n]]}
@@ -263,25 +257,25 @@ def host_overhead_us(rounds, window=2000):
 
 
 def cases_for(devices, loop_steps):
-    """(name, a function that builds the Case) for each case on this many devices."""
+    """(name, a function that builds its Case) for each case on this many devices."""
     if devices == 1:
         single = partition.SingleDevicePartitioner()
         return [
-            ("MLP 784-256-10, batch 32", lambda name: Case(
-                name, MLP(), (784,), 32, single, loop_steps,
+            ("MLP 784-256-10, batch 32", lambda: Case(
+                MLP(), (784,), 32, single, loop_steps,
                 fused=(4, 8, 16, 32), auto=True, aligned=True)),
             # XLA:CPU runs convolutions inside a rolled loop on a slow kernel: unroll.
-            ("guide CNN, batch 32", lambda name: Case(
-                name, GuideCNN(), (28, 28, 1), 32, single, loop_steps // 5,
+            ("guide CNN, batch 32", lambda: Case(
+                GuideCNN(), (28, 28, 1), 32, single, loop_steps // 5,
                 fused=(2, 4, 8), unroll=True, auto=True)),
         ]
     mesh = Mesh(np.array(jax.devices()), ("data",))
     return [
-        ("MLP batch 256, DataParallel x8", lambda name: Case(
-            name, MLP(), (784,), 256, partition.DataParallelPartitioner(mesh, "data"),
+        ("MLP batch 256, DataParallel x8", lambda: Case(
+            MLP(), (784,), 256, partition.DataParallelPartitioner(mesh, "data"),
             loop_steps // 4)),
-        ("MLP batch 256, FSDP x8", lambda name: Case(
-            name, MLP(), (784,), 256, partition.FSDPPartitioner(mesh, "data"),
+        ("MLP batch 256, FSDP x8", lambda: Case(
+            MLP(), (784,), 256, partition.FSDPPartitioner(mesh, "data"),
             loop_steps // 4)),
     ]
 
@@ -294,7 +288,7 @@ def run_group(devices, loop_steps, rounds, only):
     for name, build in cases_for(devices, loop_steps):
         if only and only.lower() not in name.lower():
             continue
-        case = build(name)
+        case = build()
         rates, _ = case.measure(rounds)
         loop = case.loops.get("auto")
         results[name] = {"loop_steps": case.loop_steps, "rates": rates,
