@@ -1,8 +1,8 @@
 """Early stopping: watch one metric and decide when training has stopped improving.
 
-`MetricMonitoringStopHandler` needs only numpy (no jax import), so it can be used in any
-loop, fed with Python floats, numpy scalars or 0-d jax arrays. Its state is a small
-JSON-serialisable dict so it can be saved next to a checkpoint and resumed exactly.
+`MetricMonitoringStopHandler` can be used in any loop, fed with Python floats, numpy
+scalars or 0-d jax arrays. Its state is a small JSON-serialisable dict so it can be saved
+next to a checkpoint and resumed exactly.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
+import jax.numpy as jnp
 
 __all__ = [
     "MAXIMIZED_METRIC_TOKENS",
@@ -134,7 +134,7 @@ class MetricMonitoringStopHandler:
 
     - ``monitored_metric``, ``min_delta`` (stored as its absolute value), ``patience``,
       ``baseline``: the configuration.
-    - ``monitored_op``: ``np.less`` (``'min'`` mode) or ``np.greater`` (``'max'``);
+    - ``monitored_op``: ``jnp.less`` (``'min'`` mode) or ``jnp.greater`` (``'max'``);
       ``monitored_op(a, b)`` says whether ``a`` is better than ``b``.
     - ``best``: the best value so far; before any improvement the baseline, or ``+inf``
       (``'min'``) / ``-inf`` (``'max'``) without one.
@@ -146,11 +146,12 @@ class MetricMonitoringStopHandler:
     ``'min'`` mode, ``metric > best + min_delta`` in ``'max'`` mode. NaN never improves
     (the reference would take a first NaN as its best and then never improve again).
 
-    Stopping: ``wait`` counts consecutive non-improving updates and resets to 0 on each
-    improvement; ``patience - wait`` is the patience left (the reference's countdown).
-    `should_stop` is True once ``wait >= patience``: with ``patience=3`` the third
-    consecutive non-improving update stops. ``patience=0`` stops at the first
-    non-improving update (the reference stops after the first update, improving or not).
+    Stopping: ``_patience_left`` is the reference's countdown (code written for it reads
+    and sets it): ``patience`` after each improvement, one less after each non-improving
+    update; ``wait = patience - _patience_left`` counts those updates. `should_stop` is
+    True once ``wait >= patience``: with ``patience=3`` the third consecutive
+    non-improving update stops. ``patience=0`` stops at the first non-improving update
+    (the reference stops after the first update, improving or not).
 
     Example::
 
@@ -214,23 +215,23 @@ class MetricMonitoringStopHandler:
         self.patience = patience
         self.baseline = baseline
         resolved = infer_mode(monitored_metric) if mode == "auto" else mode
-        self.monitored_op = np.less if resolved == "min" else np.greater
+        self.monitored_op = jnp.less if resolved == "min" else jnp.greater
         self.reset()
 
     @property
     def mode(self) -> str:
         """Resolved direction: ``'min'`` or ``'max'`` (never ``'auto'``)."""
-        return "min" if self.monitored_op is np.less else "max"
+        return "min" if self.monitored_op is jnp.less else "max"
 
     @property
     def wait(self) -> int:
         """Number of consecutive non-improving updates since the last improvement."""
-        return self._wait
+        return self.patience - self._patience_left
 
     @property
     def patience_left(self) -> int:
-        """The reference's countdown: ``patience - wait`` (stops at 0 or below)."""
-        return self.patience - self._wait
+        """The reference's countdown, ``patience - wait`` (stops at 0 or below)."""
+        return self._patience_left
 
     def _initial_best(self) -> float:
         if self.baseline is not None:
@@ -241,7 +242,7 @@ class MetricMonitoringStopHandler:
         """Forgets every value seen: ``best`` back to its initial value, ``wait`` to 0."""
         self.best: float = self._initial_best()
         self.best_step: int = 0
-        self._wait = 0
+        self._patience_left = self.patience
         # Without a baseline the first value initialises `best` whatever it is.
         self._initialized = self.baseline is not None
 
@@ -269,15 +270,15 @@ class MetricMonitoringStopHandler:
         if self._is_improvement(metric):
             self.best = metric
             self.best_step = int(step)
-            self._wait = 0
+            self._patience_left = self.patience
             self._initialized = True
             return True
-        self._wait += 1
+        self._patience_left -= 1
         return False
 
     def should_stop(self) -> bool:
         """True once ``patience`` consecutive updates (at least one) failed to improve."""
-        return self._wait >= max(self.patience, 1)
+        return self.wait >= max(self.patience, 1)
 
     def get_best_info(self) -> tuple[float, int]:
         """Returns ``(best, best_step)``: before any improvement the initial ``best``
@@ -300,7 +301,7 @@ class MetricMonitoringStopHandler:
             "mode": self.mode,
             "best": _encode_float(self.best),
             "best_step": self.best_step,
-            "wait": self._wait,
+            "wait": self.wait,
             "initialized": self._initialized,
         }
 
@@ -336,7 +337,7 @@ class MetricMonitoringStopHandler:
             raise ValueError(f"state_dict['initialized'] must be a bool, got {initialized!r}")
         self.best = self._initial_best() if best is None else best
         self.best_step = 0 if best_step is None else best_step
-        self._wait = wait
+        self._patience_left = self.patience - wait
         self._initialized = initialized
 
     def __repr__(self) -> str:
@@ -344,5 +345,5 @@ class MetricMonitoringStopHandler:
             f"{type(self).__name__}(monitored_metric={self.monitored_metric!r}, "
             f"mode={self.mode!r}, min_delta={self.min_delta}, patience={self.patience}, "
             f"baseline={self.baseline}, best={self.best}, best_step={self.best_step}, "
-            f"wait={self._wait})"
+            f"wait={self.wait})"
         )

@@ -4,14 +4,19 @@ import json
 import math
 import pickle
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from jaxloop.action_loop import ActionLoop
+from jaxloop.actions import EarlyStoppingAction
 from jaxloop.stop_handler import (
     MetricMonitoringStopHandler,
     StopTrainingError,
     infer_mode,
 )
+from jaxloop.types import TrainState
 
 NAN = float("nan")
 INF = float("inf")
@@ -457,10 +462,10 @@ def test_reference_attributes_and_semantics():
     assert (loss.monitored_metric, loss.min_delta, loss.patience, loss.baseline) == (
         "val_loss", 1e-8, 2, None)
     assert MetricMonitoringStopHandler("x").patience == 10  # the reference's defaults
-    assert loss.monitored_op is np.less and loss.monitored_op(1.0, 2.0)
+    assert loss.monitored_op is jnp.less and loss.monitored_op(1.0, 2.0)
     assert loss.best == INF and loss.best_step == 0
     acc = MetricMonitoringStopHandler("top1acc")  # the reference's suffix rule
-    assert acc.monitored_op is np.greater and acc.best == -INF
+    assert acc.monitored_op is jnp.greater and acc.best == -INF
     assert MetricMonitoringStopHandler("x", baseline=0.3, mode="max").best == 0.3
     # The sequence of the reference's own ActionLoop test: 1.0, 0.5, 0.6, 0.7 stops with
     # patience 2 at the fourth value, best 0.5 at step 1.
@@ -475,3 +480,36 @@ def test_stop_training_error_without_best_metric_formats():
     # The reference formats best_metric with :.4f and raises TypeError when it is None.
     assert str(StopTrainingError("stop", best_step=3)) == (
         "stop Training stopped early. Best Step: 3, Best Metric: None")
+
+
+def test_code_written_against_the_reference_reads_and_sets_patience_left():
+    handler = MetricMonitoringStopHandler("val_loss", patience=3)
+    handler.update_state(1.0, 100)
+    assert handler._patience_left == 3
+    assert not handler.update_state(1.5, 200)
+    assert handler._patience_left == 2 and handler.wait == 1
+    handler._patience_left = 0  # e.g. forcing a stop
+    assert handler.should_stop() and handler.wait == 3
+    handler._patience_left = handler.patience
+    assert not handler.should_stop() and handler.wait == 0
+    assert handler.update_state(0.5, 300) and handler._patience_left == 3
+
+
+def test_early_stopping_in_an_action_loop_whose_step_is_a_plain_function():
+    # google/jaxloop's own ActionLoop test: the step is a function returning a fixed loss
+    # sequence; patience 2 stops at the fourth evaluation with the best 0.5 at step 1.
+    losses = iter([1.0, 0.5, 0.6, 0.7, 0.8])
+
+    def eval_step(state, batch, *args, **kwargs):
+        return state, {"val_loss": jnp.array(next(losses))}
+
+    handler = MetricMonitoringStopHandler("val_loss", patience=2)
+    loop = ActionLoop(step=eval_step, end_actions=[EarlyStoppingAction(handler)])
+    state = TrainState.create(apply_fn=None, params={}, tx=optax.identity())
+    evaluations = 0
+    with pytest.raises(StopTrainingError) as info:
+        for epoch in range(10):
+            evaluations += 1
+            loop(state.replace(step=epoch), iter([{"input_features": np.ones((2, 3))}]))
+    assert evaluations == 4
+    assert (info.value.best_metric, info.value.best_step) == (0.5, 1)

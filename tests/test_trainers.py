@@ -8,6 +8,8 @@ that advance the step.
 
 from __future__ import annotations
 
+import re
+
 import clu.metrics as clu_metrics
 import flax.linen as nn
 import jax
@@ -98,11 +100,21 @@ def test_trains_epochs_times_steps_and_returns_last_loop_outputs():
     initial = eval_loss()
     outputs = trainer.train(batches)
     assert int(trainer.model_state.step) == 12
-    assert isinstance(outputs["loss"], clu_metrics.Average)
-    assert int(outputs["loss"].count) == 3  # the last epoch's three steps
     assert eval_loss() < 0.5 * initial
     assert len(outputs["output_features_pred"]) == 3
     assert outputs["output_features_pred"][0].shape == (8, 1)
+
+
+def test_train_outputs_hold_one_loss_per_step_of_the_last_epoch():
+    # google/jaxloop users call len() on outputs['loss'] and index it: one clu Average per
+    # step of the last train loop.
+    trainer = SimpleTrainer(MLP(), epochs=2, steps_per_epoch=3, batch_spec=SPEC,
+                            optimizer=optax.adam(3e-2))
+    outputs = trainer.train(regression_batches(6))
+    assert len(outputs["loss"]) == 3
+    assert all(isinstance(loss, clu_metrics.Average) for loss in outputs["loss"])
+    assert [int(loss.count) for loss in outputs["loss"]] == [1, 1, 1]
+    assert np.isfinite(outputs["loss"][-1].compute())
 
 
 def test_initializes_from_the_input_features_only():
@@ -148,6 +160,23 @@ def test_eval_step_never_changes_the_state():
     assert int(new_state.step) == int(state.step) == 0
     assert params_close(new_state.params, state.params)
     assert outputs["output_features_pred"].shape == (8, 1)
+
+
+def test_step_with_an_optimizer_and_no_train_argument_trains():
+    # google/jaxloop's test_step_with_prng_list: a dict of keys, an optimizer, no train=.
+    step = SimpleStep({"params": jax.random.key(0), "others": jax.random.key(1)}, MLP(),
+                      optimizer=optax.adam(3e-2))
+    assert step.train
+    state = step.initialize_model(SPEC)
+    batch = regression_batches(1)[0]
+    state, first = step(state, batch)
+    assert int(state.step) == 1
+    for _ in range(3):
+        state, outputs = step(state, batch)
+    assert int(state.step) == 4
+    assert outputs["loss"].compute() < first["loss"].compute()
+    # Without an optimizer the step still evaluates (and leaves the state as it is).
+    assert not SimpleStep(jax.random.key(0), MLP()).train
 
 
 def test_second_trainer_on_the_same_directory_resumes(tmp_path):
@@ -314,7 +343,7 @@ def test_with_simple_data_loader():
     trainer = SimpleTrainer(MLP(), epochs=2, steps_per_epoch=3, batch_spec=spec)
     outputs = trainer.train(loader)
     assert int(trainer.model_state.step) == 6  # the peeked first batch was trained on too
-    assert int(outputs["loss"].count) == 3
+    assert len(outputs["loss"]) == 3
     with pytest.raises(StopIteration):
         next(loader)
 
@@ -360,11 +389,20 @@ def test_transformer_data_loader_collates_for_causal_lm():
         next(loader)
     custom = TransformerDataLoader(samples, batch_size=2, collate_fn=len)
     assert list(custom) == [2, 2]
-    for bad in (0, -1, None):
-        with pytest.raises(ValueError, match="batch_size"):
-            TransformerDataLoader(iter(samples), batch_size=bad)
     with pytest.raises(ValueError, match="sample 1"):
         next(TransformerDataLoader(iter([[1], [[2, 3]]]), batch_size=2))
+
+
+def test_transformer_data_loader_argument_errors_are_the_references():
+    samples = [[1, 2], [3]]
+    missing = re.escape("`dataset` and `batch_size` must be provided.")
+    with pytest.raises(ValueError, match=missing):
+        TransformerDataLoader(dataset=None, batch_size=2)
+    with pytest.raises(ValueError, match=missing):
+        TransformerDataLoader(dataset=iter(samples), batch_size=None)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="`batch_size` must be positive."):
+            TransformerDataLoader(dataset=iter(samples), batch_size=bad)
 
 
 def test_data_preprocessor_runs_stages_in_order_and_builds_are_independent():

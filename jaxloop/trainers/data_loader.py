@@ -167,10 +167,13 @@ class TransformerDataLoader(TrainerDataLoader):
         batch_size: int,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ):
+        # The first two messages are google/jaxloop's, which its users' tests match.
         if dataset is None or batch_size is None:
-            raise ValueError("TransformerDataLoader needs a `dataset` and a `batch_size`")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}")
+            raise ValueError("`dataset` and `batch_size` must be provided.")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise ValueError(f"`batch_size` must be an integer, got {batch_size!r}")
+        if batch_size <= 0:
+            raise ValueError(f"`batch_size` must be positive. Got {batch_size}.")
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable, got {collate_fn!r}")
         if not isinstance(dataset, Iterator):

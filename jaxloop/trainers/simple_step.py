@@ -7,7 +7,7 @@ another loss, or `_predict_and_compute_loss` for anything else.
 
 Example::
 
-    step = SimpleStep(jax.random.key(0), MLP(), optimizer=optax.adam(1e-3), train=True)
+    step = SimpleStep(jax.random.key(0), MLP(), optimizer=optax.adam(1e-3))  # trains
     state = step.initialize_model({'input_features': [8, 1], 'output_features': [8, 1]})
     state, outputs = step(state, {'input_features': x, 'output_features': y})
     outputs['loss'].compute()
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxloop import model as model_lib
+from jaxloop import partition, types
 from jaxloop import step as step_lib
-from jaxloop import types
 
 Batch = types.Batch
 Output = types.Output
@@ -40,8 +40,13 @@ log = logging.getLogger(__name__)
 class SimpleStep(step_lib.Step):
     """Trains (``train=True``) or evaluates a model on ``{'input_features', 'output_features'}``.
 
-    Outputs: ``loss`` (a `clu.metrics.Average`, so a loop reports the mean over its steps)
-    and ``output_features_pred`` (the model's predictions).
+    Takes `Step`'s arguments. Without ``train=``, a step given an ``optimizer`` trains and
+    one without evaluates: google/jaxloop's SimpleStep, given an optimizer and no
+    ``train=``, advanced ``state.step`` on every batch, so code written for it expects
+    such a step to move the state on.
+
+    Outputs: ``loss`` (the batch's mean loss as a `clu.metrics.Average`; a loop's outputs
+    hold one per step) and ``output_features_pred`` (the model's predictions).
 
     - Randomness: the model gets ``rngs=self.prng_key(state.step)`` (``{'dropout': key}``
       when `base_prng` is a single key), so dropout masks differ from step to step and a
@@ -51,6 +56,24 @@ class SimpleStep(step_lib.Step):
     - Evaluation never changes the state (google/jaxloop's SimpleStep advanced
       ``state.step`` on every eval batch).
     """
+
+    def __init__(
+        self,
+        base_prng: types.PRNGType,
+        model: Any,
+        optimizer: optax.GradientTransformation | None = None,
+        partitioner: partition.Partitioner | None = None,
+        train: bool | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(
+            base_prng,
+            model,
+            optimizer=optax.identity() if optimizer is None else optimizer,
+            partitioner=partitioner,
+            train=optimizer is not None if train is None else train,
+            **kwargs,
+        )
 
     # -- batch layout ---------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ Example::
         checkpointing_config=CheckpointingConfig(workdir),
     )
     outputs = trainer.train(train_batches, eval_specs=[EvalSpec(dataset=eval_batches)])
-    outputs['loss'].compute(), trainer.model_state.step
+    len(outputs['loss']), outputs['loss'][-1].compute()  # one clu Average per step
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ class SimpleTrainer:
         **kwargs: Any,
     ) -> Output | None:
         """Trains up to ``epochs * steps_per_epoch`` steps; returns the last train loop's
-        outputs.
+        outputs (every key a per-step list: ``outputs['loss'][i]`` is step i's loss).
 
         With a `CheckpointingConfig`, training resumes from the latest checkpoint in its
         directory. Each `EvalSpec` evaluates (by its own schedule, default every epoch)
