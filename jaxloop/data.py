@@ -15,9 +15,9 @@ imported TensorFlow already.
 from __future__ import annotations
 
 import collections.abc
-import hashlib
 import json
 import logging
+import math
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -26,7 +26,7 @@ from typing import Any
 import grain
 import jax
 import numpy as np
-from grain.experimental import index_shuffle
+from grain.experimental import ZipMapDataset, get_next_index, set_next_index
 
 __all__ = [
     "ArraySource",
@@ -44,10 +44,6 @@ __all__ = [
 
 Batch = Any
 Example = Any
-
-# Same number of rounds as grain's `MapDataset.shuffle`, so a permutation here equals
-# `grain.MapDataset.range(n).shuffle(seed=epoch_seed)`.
-_SHUFFLE_ROUNDS = 4
 
 
 # ----------------------------------------------------------------------------------------
@@ -251,16 +247,6 @@ class ArraySource(Sequence[Example]):
         return f"ArraySource({shapes})"
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
-    """A 32-bit shuffle seed for one epoch.
-
-    A hash rather than ``seed + epoch`` so that runs with nearby seeds do not share
-    epochs; blake2b is fixed by its spec, so every machine and version agrees.
-    """
-    digest = hashlib.blake2b(f"jaxloop:{int(seed)}:{int(epoch)}".encode(), digest_size=4)
-    return int.from_bytes(digest.digest(), "little")
-
-
 def batch_rows(
     mesh: jax.sharding.Mesh,
     data_axis: str | Sequence[str] | None,
@@ -324,18 +310,32 @@ def _stack(examples: Sequence[Example]) -> Batch:
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
 
 
+# Batches are read in the caller's thread: the loops' device prefetch overlaps reading with
+# the step, where grain's default read options would start 16 threads reading 500 ahead.
+_READ_IN_CALLER = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
 class GlobalBatchDataset(Iterable[Batch]):
     """Global batches of a random-access source, the same for any number of processes.
 
-    The examples are read in the order of the concatenation of per-epoch permutations of
-    the source; global batch ``k`` holds positions ``[k*G, (k+1)*G)`` of that order. Process
-    ``p`` of ``P`` reads only rows ``[p*G/P, (p+1)*G/P)`` of each global batch and yields them
-    stacked (leading dimension ``G/P``). Given a `partitioner`, a process reads instead the
-    rows of the data coordinates its devices hold in the partitioner's mesh (`batch_rows`),
-    so processes that share data coordinates (a model axis across processes) read the same
-    rows, as `Partitioner.shard_batch` expects. So the global batches depend only on the source,
-    `global_batch_size`, `seed`, `shuffle` and `num_epochs`, never on the process count, and
-    the iterator's state (the next global batch index) restores under any process count.
+    The order of the examples is grain's::
+
+        order = grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat(num_epochs)
+
+    (each epoch a new permutation), and global batch ``k`` holds the examples at
+    ``order[k*G:(k+1)*G]``. Process ``p`` of ``P`` reads only rows ``[p*G/P, (p+1)*G/P)`` of
+    each global batch and yields them stacked (leading dimension ``G/P``). Given a
+    `partitioner`, a process reads instead the rows of the data coordinates its devices
+    hold in the partitioner's mesh (`batch_rows`), so processes that share data coordinates
+    (a model axis across processes) read the same rows, as `Partitioner.shard_batch`
+    expects. So the global batches depend only on the source, `global_batch_size`, `seed`,
+    `shuffle` and `num_epochs`, never on the process count, and the iterator's state (the
+    next global batch) restores under any process count.
+
+    This process's batches are the grain ``MapDataset`` `batches` (batch ``k`` is
+    ``batches[k]``): the positions above, batched and sliced to this process's rows, then
+    read with one gather per array for an `ArraySource` (one read per example otherwise).
+    Iterating gives grain's iterator over it, whose next index is the next global batch.
 
     Args:
       source: anything with ``__len__`` and ``__getitem__(int)`` returning one example (a
@@ -343,7 +343,7 @@ class GlobalBatchDataset(Iterable[Batch]):
         ``tfds.data_source(...)`` split, a list of examples. A dict of arrays is wrapped in
         `ArraySource`. Every index must hold an example (no filtered-out ``None``).
       global_batch_size: the batch size summed over all processes (``G``).
-      seed: shuffle seed; epoch ``e`` is permuted with a seed derived from ``(seed, e)``.
+      seed: shuffle seed (grain's: epoch ``e`` is permuted with seed ``seed + e``).
       shuffle: permute each epoch; if False, examples are read in source order.
       num_epochs: number of passes over the source; None repeats forever.
       drop_remainder: with finite epochs, drop the last partial global batch. If False, the
@@ -408,13 +408,11 @@ class GlobalBatchDataset(Iterable[Batch]):
                 f"global_batch_size={global_batch_size} is not divisible by "
                 f"process_count={process_count}."
             )
-        if num_epochs is not None and num_epochs < 0:
-            raise ValueError(f"num_epochs must be None or >= 0, got {num_epochs}.")
+        if num_epochs is not None and num_epochs <= 0:
+            raise ValueError(f"num_epochs must be None or positive, got {num_epochs}.")
         num_examples = len(source)
         if num_examples == 0 and num_epochs is None:
             raise ValueError("Cannot repeat an empty source forever (num_epochs=None).")
-        if shuffle and num_examples >= 2**63:
-            raise ValueError(f"Source too large to shuffle ({num_examples} examples).")
 
         self.source = source
         self.global_batch_size = int(global_batch_size)
@@ -437,17 +435,31 @@ class GlobalBatchDataset(Iterable[Batch]):
             self.rows = (self.process_index * share, (self.process_index + 1) * share)
         self.local_batch_size = self.rows[1] - self.rows[0]
         self._pad = num_epochs is not None and not drop_remainder
-        self._zero_example: Example | None = None
+        self.batches = self._local_batches()
+
+    def _local_batches(self) -> grain.MapDataset:
+        g, (start, stop) = self.global_batch_size, self.rows
+        order = grain.MapDataset.range(self.num_examples)
+        if self.shuffle:
+            order = order.shuffle(seed=self.seed)
+        order = order.repeat(self.num_epochs)
+        if self._pad and len(order) % g:
+            padding = grain.MapDataset.range(g - len(order) % g).map(lambda _: -1)
+            order = grain.MapDataset.concatenate([order, padding])
+        order = order[: len(order) // g * g]  # whole global batches
+        # Global batch k is blocks [k*m, (k+1)*m) of `unit` positions and this process's
+        # rows are n of them, from block `first`: each is a strided slice, zipped.
+        unit = math.gcd(g, start, stop)
+        blocks, m, first, n = order.batch(unit), g // unit, start // unit, (stop - start) // unit
+        rows = ZipMapDataset([blocks[first + j :: m] for j in range(n)])
+        return rows.map(self._read)
 
     @property
     def num_batches(self) -> int | None:
         """Number of global batches, or None if the dataset repeats forever."""
         if self.num_epochs is None:
             return None
-        total = self.num_examples * self.num_epochs
-        if self.drop_remainder:
-            return total // self.global_batch_size
-        return -(-total // self.global_batch_size)
+        return len(self.batches)
 
     def __len__(self) -> int:
         if self.num_batches is None:
@@ -466,26 +478,7 @@ class GlobalBatchDataset(Iterable[Batch]):
             f"process={self.process_index}/{self.process_count}, rows={self.rows})"
         )
 
-    # Reading ------------------------------------------------------------------------------
-
-    def _source_indices(self, positions: np.ndarray) -> np.ndarray:
-        """Source index of each position of the concatenated epoch permutations."""
-        epochs, in_epoch = np.divmod(positions, self.num_examples)
-        if not self.shuffle:
-            return in_epoch
-        max_index = self.num_examples - 1
-        seeds = {int(e): _epoch_seed(self.seed, int(e)) for e in np.unique(epochs)}
-        return np.array(
-            [
-                index_shuffle(
-                    int(i), max_index=max_index, seed=seeds[int(e)], rounds=_SHUFFLE_ROUNDS
-                )
-                for e, i in zip(epochs, in_epoch, strict=True)
-            ],
-            dtype=np.int64,
-        )
-
-    def _read(self, index: int) -> Example:
+    def _example(self, index: int) -> Example:
         example = self.source[index]
         if example is None:
             raise ValueError(
@@ -496,78 +489,56 @@ class GlobalBatchDataset(Iterable[Batch]):
             example = self.transform(example)
         return example
 
-    def _zero(self) -> Example:
-        if self._zero_example is None:
-            # Padding rows copy the structure of a real example, so every process builds
-            # batches of the same shapes even when it holds no real row.
-            example = self._read(0)
-            self._zero_example = jax.tree.map(lambda x: np.zeros_like(np.asarray(x)), example)
-        return self._zero_example
-
-    def local_batch(self, batch_index: int) -> Batch:
-        """This process's rows of global batch `batch_index` (no bounds check)."""
-        start = batch_index * self.global_batch_size + self.rows[0]
-        positions = np.arange(start, start + self.local_batch_size, dtype=np.int64)
-        if self._pad:
-            total = self.num_examples * self.num_epochs
-            real = positions < total
-            positions = positions[real]
-        indices = self._source_indices(positions)
-
+    def _read(self, parts: tuple[np.ndarray, ...]) -> Batch:
+        """The examples at these source indices, stacked; -1 marks a padding row."""
+        indices = np.concatenate(parts)
+        real = indices >= 0
+        # Padding rows read example 0 and are zeroed: every process builds batches of the
+        # same structure and shapes, even one that holds no real row.
+        indices = np.where(real, indices, 0)
         if isinstance(self.source, ArraySource) and self.transform is None:
             batch = self.source.gather(indices)
-            if self._pad and len(indices) < self.local_batch_size:
-                zeros = self._zero()
-                fill = self.local_batch_size - len(indices)
-                batch = jax.tree.map(
-                    lambda b, z: np.concatenate([b, np.broadcast_to(z, (fill, *z.shape))]),
-                    batch,
-                    zeros,
-                )
         else:
             # One read per example: batched __getitems__ reads are not reliable across sources
             # (tfds.testing.mock_data breaks them).
-            examples = [self._read(int(i)) for i in indices]
-            if self._pad and len(examples) < self.local_batch_size:
-                examples += [self._zero()] * (self.local_batch_size - len(examples))
-            batch = _stack(examples)
-
-        if self._pad:
-            if not isinstance(batch, Mapping):
-                raise TypeError(
-                    "drop_remainder=False adds a mask to each batch, so examples must be "
-                    f"dicts; got {type(batch).__qualname__}."
-                )
-            if self.mask_key in batch:
-                raise ValueError(f"Examples already have a {self.mask_key!r} entry.")
-            batch = {**batch, self.mask_key: real}
-        return batch
+            batch = _stack([self._example(int(i)) for i in indices])
+        if not self._pad:
+            return batch
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                "drop_remainder=False adds a mask to each batch, so examples must be "
+                f"dicts; got {type(batch).__qualname__}."
+            )
+        if self.mask_key in batch:
+            raise ValueError(f"Examples already have a {self.mask_key!r} entry.")
+        if not real.all():
+            batch = jax.tree.map(
+                lambda x: np.where(real.reshape(-1, *[1] * (x.ndim - 1)), x, np.zeros_like(x)),
+                batch,
+            )
+        return {**batch, self.mask_key: real}
 
 
 class GlobalBatchIterator(Iterator[Batch]):
-    """Iterator of a `GlobalBatchDataset`; its state is the next global batch index.
+    """Iterator of a `GlobalBatchDataset`: grain's iterator over its `batches`.
 
     ``get_state()`` returns ``{'next_batch': k, 'global_batch_size': G, 'num_examples': N,
-    'seed': s, 'shuffle': b}`` (JSON-serialisable, no process count); ``set_state`` checks
-    that the recorded global batch size, dataset size, seed and shuffle flag match.
+    'seed': s, 'shuffle': b}``, where ``k`` is grain's next index (JSON-serialisable, no
+    process count); ``set_state`` checks that the recorded global batch size, dataset size,
+    seed and shuffle flag match.
     """
 
-    def __init__(self, dataset: GlobalBatchDataset, next_batch: int = 0):
+    def __init__(self, dataset: GlobalBatchDataset):
         self._dataset = dataset
-        self._next_batch = next_batch
+        self._iterator = iter(dataset.batches.to_iter_dataset(_READ_IN_CALLER))
 
     def __next__(self) -> Batch:
-        num_batches = self._dataset.num_batches
-        if num_batches is not None and self._next_batch >= num_batches:
-            raise StopIteration
-        batch = self._dataset.local_batch(self._next_batch)
-        self._next_batch += 1
-        return batch
+        return next(self._iterator)
 
     def get_state(self) -> dict[str, Any]:
         ds = self._dataset
         return {
-            "next_batch": self._next_batch,
+            "next_batch": get_next_index(self._iterator),
             "global_batch_size": ds.global_batch_size,
             "num_examples": ds.num_examples,
             "seed": ds.seed,
@@ -587,9 +558,12 @@ class GlobalBatchIterator(Iterator[Batch]):
                     f"{key}={expected[key]!r}; the saved position would not match."
                 )
         next_batch = int(state["next_batch"])
-        if next_batch < 0:
-            raise ValueError(f"next_batch must be >= 0, got {next_batch}.")
-        self._next_batch = next_batch
+        if not 0 <= next_batch <= len(self._dataset.batches):
+            raise ValueError(
+                f"next_batch={next_batch} is outside this dataset's "
+                f"{len(self._dataset.batches)} batches."
+            )
+        set_next_index(self._iterator, next_batch)
 
 
 def pad_to_global_batches(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import grain
 import jax
@@ -16,7 +17,6 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxloop import data
 from jaxloop.data import (
     ArraySource,
     GlobalBatchDataset,
@@ -384,6 +384,9 @@ def test_state_mismatch_is_rejected():
         other_seed.set_state(state)
     with pytest.raises(ValueError, match="next_batch"):
         it.set_state({"position": 3})
+    finite = iter(GlobalBatchDataset(source, 4, num_epochs=1, process_index=0, process_count=1))
+    with pytest.raises(ValueError, match=r"next_batch=4 is outside this dataset's 3 batches"):
+        finite.set_state({"next_batch": 4})
 
 
 def test_epochs_reshuffle_deterministically():
@@ -400,19 +403,37 @@ def test_epochs_reshuffle_deterministically():
     np.testing.assert_array_equal(a, order(seed=5))
     assert not np.array_equal(a[0], a[1]) and not np.array_equal(a[1], a[2])
     assert not np.array_equal(a, order(seed=6))
-    for e in range(3):
-        # Epoch e is grain's shuffle of range(n) with the seed derived from (seed, e).
-        perm = grain.MapDataset.range(n).shuffle(seed=data._epoch_seed(5, e))
-        assert a[e].tolist() == [perm[i] for i in range(n)]
+    # The order is grain's: a user's own grain pipeline over the source reads the same.
+    grain_order = grain.MapDataset.range(n).shuffle(seed=5).repeat(3)
+    assert a.reshape(-1).tolist() == list(grain_order)
     np.testing.assert_array_equal(order(seed=5, shuffle=False), np.tile(np.arange(n), (3, 1)))
 
 
-def test_epoch_seed_is_fixed():
-    # Pinned values: a change here would silently change every run's data order.
-    assert [data._epoch_seed(0, e) for e in range(3)] == [478230629, 3807063500, 1180583537]
-    assert data._epoch_seed(42, 7) == 3127312291
-    assert len({data._epoch_seed(s, e) for s in range(4) for e in range(4)}) == 16
-    assert data._epoch_seed(0, 1) != data._epoch_seed(1, 0)
+def test_rows_of_an_uneven_mesh_layout():
+    # A layout one process cannot build (jax.devices() are all its own): data=4 x model=2
+    # over 2 processes where process 0 holds data coordinates 0-2 and process 1 holds 1-3,
+    # so each reads 6 of 8 rows, not a whole block of the global batch.
+    process_of = {d: d // 4 for d in range(8)}
+    devices = np.array([[0, 1], [2, 4], [3, 5], [6, 7]])
+    mesh = types.SimpleNamespace(
+        axis_names=("data", "model"),
+        shape={"data": 4, "model": 2},
+        devices=np.vectorize(lambda d: types.SimpleNamespace(process_index=process_of[d]))(
+            devices
+        ),
+    )
+    partitioner = types.SimpleNamespace(mesh=mesh, data_axis="data")
+    source = ArraySource(example_arrays(40))
+    ref = list(GlobalBatchDataset(source, 8, seed=4, num_epochs=1, process_index=0,
+                                  process_count=1))
+    for p, rows in [(0, (0, 6)), (1, (2, 8))]:
+        ds = GlobalBatchDataset(source, 8, seed=4, num_epochs=1, process_index=p,
+                                process_count=2, partitioner=partitioner)
+        assert ds.rows == rows
+        got = list(ds)
+        assert len(got) == len(ref) == 5
+        for a, b in zip(got, ref, strict=True):
+            assert_tree_equal(a, jax.tree.map(lambda x: x[slice(*rows)], b))  # noqa: B023
 
 
 def test_batch_size_not_divisible_by_process_count():
@@ -435,6 +456,7 @@ def test_lengths_and_infinite_repeat():
         len(infinite)
     it = iter(infinite)
     order = np.concatenate([next(it)["x"] for _ in range(10)])  # 4 epochs' worth
+    np.testing.assert_array_equal(infinite.batches[7]["x"], order[28:32])  # random access
     for e in range(4):
         assert sorted(order[e * 10 : (e + 1) * 10].tolist()) == list(range(10))
 
@@ -457,6 +479,8 @@ def test_invalid_sources():
         GlobalBatchDataset(iter([1, 2]), 2, process_index=0, process_count=1)
     with pytest.raises(ValueError, match="empty"):
         GlobalBatchDataset([], 2, process_index=0, process_count=1)
+    with pytest.raises(ValueError, match="num_epochs must be None or positive"):
+        GlobalBatchDataset([1, 2], 2, num_epochs=0, process_index=0, process_count=1)
 
 
 # ----------------------------------------------------------------------------------------
