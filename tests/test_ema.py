@@ -1,6 +1,8 @@
 """EMA of the parameters: updated in the step, checkpointed, evaluated by an eval loop."""
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -8,6 +10,7 @@ from jax.sharding import Mesh
 from models import ClassifierStep, LinenMLP, toy_data
 
 from jaxloop import checkpoint, ema, eval_loop, partition, train_loop
+from jaxloop import step as step_lib
 
 
 class EmaStep(ClassifierStep):
@@ -80,3 +83,76 @@ def test_clear_errors_without_an_ema_state():
         ema.update(plain, 0.9)
     with pytest.raises(TypeError, match="no ema_params"):
         eval_loop.EvalLoop(step, use_ema=True)(plain, iter([toy_data(8)]))
+
+
+def test_abstract_state_resume_under_fsdp(tmp_path):
+    # The memory-safe resume: no state is built before the checkpoint is read into place.
+    def fsdp_step():
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        return EmaStep(jax.random.key(0), LinenMLP(hidden=64), optimizer=optax.adam(1e-2),
+                       train=True, partitioner=partition.FSDPPartitioner(mesh, min_weight_size=64))
+
+    step = fsdp_step()
+    state, _ = train_loop.TrainLoop(step)(
+        ema.init(step.initialize_model([1, 16])), iter([toy_data(64, seed=i) for i in range(2)]),
+        num_steps=2)
+    manager = checkpoint.make_manager(tmp_path / "ckpt")
+    checkpoint.save(manager, int(state.step), state)
+    manager.wait_until_finished()
+    manager.close()
+
+    resumed = fsdp_step()
+    abstract = ema.init(resumed.abstract_state([1, 16]))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+    assert jax.tree.map(lambda x: x.sharding, abstract.ema_params) == jax.tree.map(
+        lambda x: x.sharding, abstract.params)
+    restored = resumed.restore_model(abstract, tmp_path / "ckpt")
+    for a, b in zip(leaves(restored.ema_params), leaves(state.ema_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    kernel = restored.ema_params["dense1"]["kernel"]
+    assert kernel.sharding == state.params["dense1"]["kernel"].sharding
+    assert kernel.sharding.spec != jax.sharding.PartitionSpec()  # really split
+    restored, _ = train_loop.TrainLoop(resumed)(restored, iter([toy_data(64, seed=2)]),
+                                                num_steps=1)
+    assert int(restored.step) == 3
+
+
+class Bf16Param(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return self.param("w", nn.initializers.ones, (4,), jnp.bfloat16)
+
+
+class ClimbStep(step_lib.Step):
+    """Loss -sum(w): SGD moves every bf16 parameter up by the learning rate each step."""
+
+    def run(self, state, batch):
+        def loss_fn(params):
+            return -jnp.sum(state.apply_fn({"params": params}, batch).astype(jnp.float32))
+
+        if not self.train:
+            return state, {"loss": loss_fn(state.params)}
+        grads = jax.grad(loss_fn)(state.params)
+        state = ema.update(state.apply_gradients(grads=grads), 0.999)
+        return state, {"w": state.params["w"][0]}
+
+
+def test_bf16_parameters_are_averaged_in_float32():
+    step = ClimbStep(jax.random.key(0), Bf16Param(), optimizer=optax.sgd(0.01), train=True)
+    state = ema.init(step.initialize_model([1]))
+    assert state.params["w"].dtype == jnp.bfloat16
+    state, outputs = train_loop.TrainLoop(step)(state, iter([np.zeros(1, np.float32)] * 200),
+                                                num_steps=200)
+    # The average of the parameters each step had, in float64.
+    expected = 1.0
+    for w in outputs["w"]:
+        expected = 0.999 * expected + 0.001 * float(w)
+    assert expected > 1.15  # 0.1% of a step's climb is below bf16's resolution at 1.0
+    assert state.ema_params["w"].dtype == jnp.float32
+    # XLA may feed the update the sum before its rounding to bfloat16 (excess precision).
+    np.testing.assert_allclose(leaves(state.ema_params)[0], expected, rtol=1e-3)
+    # Evaluation swaps the average in as the model's bf16 parameters.
+    _, out = eval_loop.EvalLoop(ClimbStep(jax.random.key(0), Bf16Param()), use_ema=True)(
+        state, iter([np.zeros(1, np.float32)]))
+    bf16_average = np.asarray(state.ema_params["w"].astype(jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(float(out["loss"][0]), -bf16_average.sum())
