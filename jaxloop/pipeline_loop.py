@@ -1,0 +1,122 @@
+"""PipelineLoop: an EvalLoop whose results go through an ml_metrics pipeline.
+
+The step runs as in `EvalLoop` (compiled, sharded, ``steps_per_execution`` and actions
+included); at the end of the loop each step's outputs, fetched to the host as numpy, are fed
+one step at a time to an `ml_metrics` pipeline (``ml_metrics.chainable.Pipeline``), and the
+pipeline's aggregate result becomes the loop's outputs, which the end actions then see.
+This needs the optional extra: ``pip install 'jaxloop[pipeline]'`` (package
+``py-ml-metrics``).
+
+Example: accuracy over every example (a smaller last batch weighs by its size)::
+
+    import numpy as np
+    from ml_metrics import chainable
+    from ml_metrics.metrics import rolling_stats
+    from jaxloop import pipeline_loop
+
+    pipeline = (
+        chainable.Pipeline.new()
+        .assign('correct', fn=lambda logits, y: np.argmax(logits, -1) == y,
+                input_keys=('logits', 'labels'))
+        .aggregate(input_keys='correct', fn=rolling_stats.MeanAndVarianceAggFn(),
+                   output_keys='accuracy')
+    )
+    loop = pipeline_loop.PipelineLoop(eval_step, pipeline=pipeline)
+    _, outputs = loop(state, eval_batches)
+    outputs['accuracy'].mean
+
+Each pipeline input is a dict of one step's outputs (the keys the step returns, plus
+``actions.EXAMPLE_COUNTS``: the real examples of that step's batch). With no pipeline, the
+loop is an `EvalLoop`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxloop import actions, eval_loop, types
+
+try:
+    from ml_metrics import chainable
+except ImportError as e:  # an optional extra
+    raise ImportError(
+        "jaxloop.pipeline_loop needs ml_metrics: pip install 'jaxloop[pipeline]' (package "
+        "py-ml-metrics)."
+    ) from e
+
+Output = types.Output
+State = types.TrainState
+
+
+def _per_step(outputs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The loop's per-step lists, as one dict per step of host (numpy) values."""
+    columns = {k: v for k, v in outputs.items() if isinstance(v, list)}
+    lengths = {k: len(v) for k, v in columns.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(
+            f"Every step must return the same output keys; per-step lengths were {lengths}."
+        )
+    # Fetched whole: an array that spans other processes is gathered (a collective).
+    columns = jax.tree.map(lambda x: np.asarray(actions._fetch(x)), columns)
+    rows = zip(*columns.values(), strict=True)
+    return [dict(zip(columns, values, strict=True)) for values in rows]
+
+
+class PipelineLoop(eval_loop.EvalLoop):
+    """An `EvalLoop` whose outputs are the result of an ml_metrics pipeline over its steps.
+
+    Args:
+      step: the eval `Step`.
+      pipeline: an ``ml_metrics.chainable.Pipeline`` ending in an aggregate whose result is
+        a mapping (e.g. ``.aggregate(..., output_keys='accuracy')``); None: `make_pipeline`
+        decides (by default none: the outputs are `EvalLoop`'s).
+      **kwargs: `EvalLoop`'s arguments (actions, ``steps_per_execution``, ``mask_key``, ...).
+
+    The outputs are the pipeline's result, plus the loop's merged ``clu.metrics`` outputs
+    (not per-step values, so not fed to the pipeline) and its statistics.
+    """
+
+    def __init__(self, step: Any, pipeline: chainable.Pipeline | None = None, **kwargs: Any):
+        if pipeline is not None and not isinstance(pipeline, chainable.Pipeline):
+            raise TypeError(
+                "pipeline must be an ml_metrics.chainable.Pipeline, got "
+                f"{type(pipeline).__name__}."
+            )
+        super().__init__(step, **kwargs)
+        self._pipeline = pipeline
+
+    @property
+    def pipeline(self) -> chainable.Pipeline | None:
+        return self._pipeline
+
+    def make_pipeline(self, state: State) -> chainable.Pipeline | None:
+        """The pipeline for a loop over `state`; override to build one from the state."""
+        del state
+        return self._pipeline
+
+    def run(
+        self,
+        state: State,
+        dataset: Iterator[Any],
+        num_steps: int | None = None,
+        log_num_flops: bool = False,
+        **kwargs: Any,
+    ) -> tuple[State, Output | None]:
+        state, outputs = super().run(
+            state, dataset, num_steps, log_num_flops=log_num_flops, **kwargs
+        )
+        pipeline = self.make_pipeline(state)
+        if pipeline is None or outputs is None:
+            return state, outputs
+        result = pipeline.make()(input_iterator=_per_step(outputs))
+        if not isinstance(result, Mapping):
+            raise TypeError(
+                "The pipeline's result must be a mapping (end it with .aggregate(..., "
+                f"output_keys=...)), got {type(result).__name__}."
+            )
+        merged = {k: v for k, v in outputs.items() if not isinstance(v, list)}
+        return state, {**merged, **result}
