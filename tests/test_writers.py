@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import wave
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 from jaxloop import writers
 
 eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+from tensorboard.backend.event_processing import plugin_event_accumulator  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,12 +36,21 @@ def load(logdir: Path) -> eam.EventAccumulator:
     return accumulator
 
 
+def load_plugin_data(logdir: Path) -> plugin_event_accumulator.EventAccumulator:
+    """Reads ``logdir`` as TensorBoard's plugins see it: legacy image, audio and histogram
+    summaries migrated to their plugins' tensors, as the dashboards receive them."""
+    accumulator = plugin_event_accumulator.EventAccumulator(
+        str(logdir), tensor_size_guidance={plugin_event_accumulator.TENSORS: 0})
+    accumulator.Reload()
+    return accumulator
+
+
 def event_files(logdir: Path) -> list[Path]:
     return sorted(p for p in logdir.rglob("*") if "tfevents" in p.name)
 
 
 def async_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "jaxloop-AsyncWriter"]
+    return [t for t in threading.enumerate() if t.name.startswith("jaxloop-AsyncWriter")]
 
 
 class Recorder:
@@ -121,14 +132,17 @@ def test_non_scalar_value_raises_with_key_and_shape(tmp_path, kind):
 # ----------------------------------------------------------------------------- images
 
 
-def decode_images(ea, tag):
+def decode_image(acc, tag):
+    """The step, (width, height) and pixels of the one image the images plugin sees."""
     from PIL import Image
 
-    (event,) = ea.Tensors(tag)
-    blobs = event.tensor_proto.string_val
-    width, height = int(blobs[0]), int(blobs[1])
-    images = [np.asarray(Image.open(io.BytesIO(png))) for png in blobs[2:]]
-    return event.step, (width, height), images
+    (event,) = acc.Tensors(tag)
+    width, height, png = event.tensor_proto.string_val
+    return event.step, (int(width), int(height)), np.asarray(Image.open(io.BytesIO(png)))
+
+
+def grey_as_rgb(pixels):
+    return np.repeat(np.asarray(pixels)[..., None], 3, axis=-1)
 
 
 def test_images_shapes_and_pixels(tmp_path):
@@ -140,24 +154,26 @@ def test_images_shapes_and_pixels(tmp_path):
         w.write_images(5, {"gray": gray, "rgb": rgb, "rgba": jnp.asarray(rgba)})
         w.write_images(6, {"clipped": np.array([[-1.0, 0.5, 2.0]])})
 
-    ea = load(tmp_path)
-    assert ea.SummaryMetadata("rgb").plugin_data.plugin_name == "images"
+    acc = load_plugin_data(tmp_path)
+    assert acc.SummaryMetadata("rgb").plugin_data.plugin_name == "images"
 
-    step, size, (image,) = decode_images(ea, "gray")
-    assert step == 5 and size == (5, 6) and image.shape == (6, 5)
-    np.testing.assert_array_equal(image, np.round(gray * 255).astype(np.uint8))
+    step, size, image = decode_image(acc, "gray")  # stored as RGB
+    assert step == 5 and size == (5, 6)
+    np.testing.assert_array_equal(image, grey_as_rgb(np.round(gray * 255).astype(np.uint8)))
 
-    _, size, (image,) = decode_images(ea, "rgb")
-    assert size == (7, 4) and image.shape == (4, 7, 3)
+    _, size, image = decode_image(acc, "rgb")
+    assert size == (7, 4)
     np.testing.assert_array_equal(image, rgb)
 
-    _, size, images = decode_images(ea, "rgba")
-    assert size == (5, 2) and [i.shape for i in images] == [(2, 5, 4)] * 3
-    np.testing.assert_array_equal(np.stack(images), np.round(rgba * 255).astype(np.uint8))
+    # N images: one image of the N side by side (a grid of up to 8 columns).
+    _, size, image = decode_image(acc, "rgba")
+    assert size == (15, 2)
+    expected = np.concatenate(list(np.round(rgba * 255).astype(np.uint8)), axis=1)
+    np.testing.assert_array_equal(image, expected)
 
-    step, _, (image,) = decode_images(ea, "clipped")
+    step, _, image = decode_image(acc, "clipped")
     assert step == 6
-    np.testing.assert_array_equal(image, [[0, 128, 255]])
+    np.testing.assert_array_equal(image, grey_as_rgb([[0, 128, 255]]))
 
 
 @pytest.mark.parametrize("shape", [(4, 4, 2), (2, 4, 4, 5), (4,), (1, 2, 4, 4, 3)])
@@ -171,6 +187,7 @@ def test_images_bad_shape_raises(tmp_path, shape):
 
 
 def test_videos_as_gif(tmp_path):
+    pytest.importorskip("moviepy")
     from PIL import Image
 
     frames = np.zeros((5, 8, 6, 3), np.uint8)
@@ -179,26 +196,37 @@ def test_videos_as_gif(tmp_path):
     with writers.SummaryWriter(tmp_path) as w:
         w.write_videos(2, {"single": frames})
         w.write_videos(3, {"batch": np.stack([frames, frames, frames]) / 255.0})
+        w.write_videos(3, {"grey_alpha": np.zeros((2, 4, 4, 1)), "rgba": np.ones((2, 4, 4, 4))})
 
     ea = load(tmp_path)
     (event,) = ea.Images("single")
     gif = Image.open(io.BytesIO(event.encoded_image_string))
     assert (event.step, gif.format, gif.n_frames, gif.size) == (2, "GIF", 5, (6, 8))
+    gif.seek(3)
+    np.testing.assert_allclose(np.asarray(gif.convert("RGB")), frames[3], atol=2)
     (event,) = ea.Images("batch")
-    # Three videos tiled into a 2 x 2 grid.
-    assert (event.height, event.width) == (16, 12)
+    # Three videos tiled into one (tensorboardX's grid: a row of 4 places).
+    assert (event.height, event.width) == (8, 24)
     assert Image.open(io.BytesIO(event.encoded_image_string)).n_frames == 5
+    assert {"grey_alpha", "rgba"} <= set(ea.Tags()["images"])
 
 
-def test_videos_without_pillow_warn_once_and_skip(tmp_path, monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "PIL", None)  # makes `import PIL...` fail
+@pytest.mark.parametrize("shape", [(4, 4, 3), (2, 4, 4, 2), (1, 1, 2, 4, 4, 3)])
+def test_videos_bad_shape_raises(tmp_path, shape):
+    with writers.SummaryWriter(tmp_path) as w:
+        with pytest.raises(ValueError, match=r"Video 'bad'.*" + re.escape(str(shape))):
+            w.write_videos(0, {"bad": np.zeros(shape)})
+
+
+def test_videos_without_moviepy_warn_once_and_skip(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "moviepy", None)  # makes `import moviepy` fail
     with writers.SummaryWriter(tmp_path) as w:
         with caplog.at_level(logging.WARNING, logger="jaxloop.writers"):
             w.write_videos(0, {"v": np.zeros((2, 4, 4, 3))})
             w.write_videos(1, {"v": np.zeros((2, 4, 4, 3))})
         w.write_scalars(1, {"still_works": 1.0})
     assert [r.message for r in caplog.records].count(
-        "write_videos needs Pillow (pip install pillow); skipping videos."
+        "write_videos needs moviepy (pip install moviepy); skipping."
     ) == 1
     ea = load(tmp_path)
     assert ea.Tags()["images"] == [] and ea.Tags()["scalars"] == ["still_works"]
@@ -207,34 +235,50 @@ def test_videos_without_pillow_warn_once_and_skip(tmp_path, monkeypatch, caplog)
 # ----------------------------------------------------------------------------- audio
 
 
+def read_wav(acc, tag):
+    """The step, channels, rate and samples (scaled to [-1, 1]) of a clip the audio plugin
+    sees."""
+    (event,) = acc.Tensors(tag)
+    with wave.open(io.BytesIO(event.tensor_proto.string_val[0])) as wav:
+        channels, rate, frames = wav.getnchannels(), wav.getframerate(), wav.getnframes()
+        pcm = np.frombuffer(wav.readframes(frames), "<i2").reshape(frames, channels)
+    return event.step, channels, rate, pcm
+
+
 def test_audios_as_wav(tmp_path):
+    pytest.importorskip("soundfile")
     from tensorboard.plugins.audio import plugin_data_pb2
 
     t = np.arange(800) / 8000
     stereo = np.stack([np.sin(2 * np.pi * 440 * t), np.cos(2 * np.pi * 220 * t)], -1)
+    pcm16 = np.array([-32768, -1, 0, 1, 32767], np.int16)
     with writers.SummaryWriter(tmp_path) as w:
         w.write_audios(4, {"clips": np.stack([stereo, -stereo])}, sample_rate=8000)  # [N, T, C]
         w.write_audios(4, {"mono": jnp.asarray(t)}, sample_rate=16000)  # [T]
+        w.write_audios(5, {"int16": pcm16[None]}, sample_rate=8000)  # [N, T]
 
-    ea = load(tmp_path)
-    content = ea.SummaryMetadata("clips").plugin_data.content
+    acc = load_plugin_data(tmp_path)
+    content = acc.SummaryMetadata("clips/0").plugin_data.content
     assert (
         plugin_data_pb2.AudioPluginData.FromString(content).encoding
         == plugin_data_pb2.AudioPluginData.WAV
     )
-    (event,) = ea.Tensors("clips")
-    assert event.step == 4
-    assert [d.size for d in event.tensor_proto.tensor_shape.dim] == [2, 2]
-    wavs = event.tensor_proto.string_val[::2]
-    for wav_bytes, expected in zip(wavs, [stereo, -stereo], strict=True):
-        with wave.open(io.BytesIO(wav_bytes)) as wav:
-            assert (wav.getnchannels(), wav.getframerate(), wav.getnframes()) == (2, 8000, 800)
-            pcm = np.frombuffer(wav.readframes(800), "<i2").reshape(800, 2)
+    # N clips of one key: one tag each.
+    for tag, expected in [("clips/0", stereo), ("clips/1", -stereo)]:
+        step, channels, rate, pcm = read_wav(acc, tag)
+        assert (step, channels, rate, len(pcm)) == (4, 2, 8000, 800)
         np.testing.assert_allclose(pcm / 32767, expected, atol=1e-4)
+    assert read_wav(acc, "mono")[1:3] == (1, 16000)
+    np.testing.assert_array_equal(read_wav(acc, "int16")[3][:, 0], pcm16)
 
-    (event,) = ea.Tensors("mono")
-    with wave.open(io.BytesIO(event.tensor_proto.string_val[0])) as wav:
-        assert (wav.getnchannels(), wav.getframerate(), wav.getnframes()) == (1, 16000, 800)
+
+@pytest.mark.parametrize("shape", [(2, 10, 3), (1, 1, 10, 1)])
+def test_audios_bad_shape_raises(tmp_path, shape):
+    with writers.SummaryWriter(tmp_path) as w:
+        with pytest.raises(ValueError, match=r"Audio 'bad'.*" + re.escape(str(shape))):
+            w.write_audios(0, {"bad": np.zeros(shape)}, sample_rate=8000)
+        with pytest.raises(ValueError, match="sample_rate must be positive"):
+            w.write_audios(0, {"ok": np.zeros(4)}, sample_rate=0)
 
 
 # ----------------------------------------------------------------------------- text
@@ -246,10 +290,13 @@ def test_texts(tmp_path):
         w.write_texts(4, {"notes": "again"})
 
     ea = load(tmp_path)
-    assert ea.SummaryMetadata("notes").plugin_data.plugin_name == "text"
-    got = [(e.step, e.tensor_proto.string_val[0].decode()) for e in ea.Tensors("notes")]
-    assert got == [(3, "hello **world**"), (4, "again")]
-    assert ea.Tensors("unicode")[0].tensor_proto.string_val[0].decode() == "héllo ✓"
+    # tensorboardX's add_text names the tag key/text_summary.
+    assert ea.SummaryMetadata("notes/text_summary").plugin_data.plugin_name == "text"
+    notes = ea.Tensors("notes/text_summary")
+    assert [(e.step, e.tensor_proto.string_val[0].decode()) for e in notes] == [
+        (3, "hello **world**"), (4, "again")]
+    unicode = ea.Tensors("unicode/text_summary")
+    assert unicode[0].tensor_proto.string_val[0].decode() == "héllo ✓"
 
 
 # ----------------------------------------------------------------------------- histograms
@@ -280,7 +327,7 @@ def test_histograms(tmp_path):
 # ----------------------------------------------------------------------------- hparams
 
 
-def test_hparams_in_the_same_run(tmp_path):
+def test_hparams_in_a_sub_run(tmp_path):
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     with writers.SummaryWriter(tmp_path) as w:
@@ -297,10 +344,11 @@ def test_hparams_in_the_same_run(tmp_path):
         )
         w.write_scalars(0, {"loss": 1.0})
 
-    assert [p.parent for p in event_files(tmp_path)] == [tmp_path]  # no sub-run
-    ea = load(tmp_path)
-    contents = ea.PluginTagToContent("hparams")
-    assert list(contents) == ["_hparams_/session_start_info"]
+    # tensorboardX's add_hparams: a sub-run (a session of its own) beside the run's scalars.
+    (session,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert load(tmp_path).Scalars("loss")[0].value == 1.0
+    contents = load(session).PluginTagToContent("hparams")
+    assert "_hparams_/session_start_info" in contents
     data = plugin_data_pb2.HParamsPluginData.FromString(contents["_hparams_/session_start_info"])
     hp = data.session_start_info.hparams
     assert hp["lr"].number_value == pytest.approx(0.1)
@@ -320,14 +368,18 @@ def test_summary_writer_creates_logdir_closes_once_and_rejects_late_writes(tmp_p
     logdir = tmp_path / "a" / "b"
     w = writers.SummaryWriter(str(logdir))
     assert logdir.is_dir() and w.logdir == str(logdir)
-    w.write_scalars(0, {"x": 1.0})
-    w.flush()
-    assert [e.value for e in load(logdir).Scalars("x")] == [1.0]  # readable after flush
+    for step in range(20):
+        w.write_scalars(step, {"x": float(step)})
+        w.flush()
+        # Readable after each flush, in order (a flush starts a new file for later writes).
+        assert [(e.step, e.value) for e in load(logdir).Scalars("x")] == [
+            (s, float(s)) for s in range(step + 1)]
     w.close()
     w.close()
     w.flush()
     with pytest.raises(RuntimeError, match="closed"):
         w.write_scalars(1, {"x": 2.0})
+    assert [e.step for e in load(logdir).Scalars("x")] == list(range(20))
 
 
 def test_two_writers_in_one_logdir_get_separate_files(tmp_path):
@@ -417,7 +469,7 @@ def test_multi_writer_forwards_to_every_writer(tmp_path, caplog):
     for logdir in (a, b):
         ea = load(logdir)
         assert [(e.step, e.value) for e in ea.Scalars("loss")] == [(1, 0.5)]
-        assert ea.Tensors("t")[0].tensor_proto.string_val == [b"x"]
+        assert ea.Tensors("t/text_summary")[0].tensor_proto.string_val == [b"x"]
         assert ea.Histograms("h")[0].histogram_value.num == 4
     assert "1 | loss=0.5" in caplog.messages
     # Arguments were converted once: the other writers got an int step and numpy arrays.
@@ -461,7 +513,7 @@ def test_async_writer_keeps_order_and_flush_waits(tmp_path):
     w.flush()
     ea = load(tmp_path)
     assert [(e.step, e.value) for e in ea.Scalars("x")] == [(s, s / 2) for s in range(50)]
-    assert ea.Tensors("t")[0].step == 50
+    assert ea.Tensors("t/text_summary")[0].step == 50
 
     w.write_scalars(51, {"x": 0.0})
     w.close()
@@ -530,7 +582,9 @@ def test_async_writer_reraises_background_error_on_next_call():
     assert ("write_scalars", (1, {"x": 1.0}), {}) in recorder.calls
 
     w.write_texts(2, {"t": "y"})
-    w._queue.join()  # let the failure happen before the next call
+    deadline = time.monotonic() + 10
+    while not w._failed and time.monotonic() < deadline:  # the failure happens on the thread
+        time.sleep(0.01)
     with pytest.raises(RuntimeError, match="boom in write_texts"):
         w.write_scalars(3, {"x": 3.0})
     w.close()
@@ -553,8 +607,8 @@ def test_async_writer_error_in_close_is_raised_and_thread_ends():
 def test_async_writer_context_manager_leaves_no_thread(tmp_path):
     before = async_threads()
     with writers.AsyncWriter(writers.SummaryWriter(tmp_path)) as w:
-        assert len(async_threads()) == len(before) + 1
         w.write_scalars(0, {"x": 1.0})
+        assert len(async_threads()) == len(before) + 1
     assert async_threads() == before
     assert [e.value for e in load(tmp_path).Scalars("x")] == [1.0]
 
@@ -631,7 +685,9 @@ def test_import_and_writing_do_not_import_tensorflow(tmp_path):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert len(event_files(tmp_path / "c")) == 1
+    # One file for the run, one in the sub-run of the hparams.
+    assert sorted(p.parent.parent for p in event_files(tmp_path / "c")) == [
+        tmp_path, tmp_path / "c"]
 
 
 # ----------------------------------------------------------------------------- clu interop
