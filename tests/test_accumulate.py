@@ -1,6 +1,8 @@
 """Gradient accumulation: k microbatches give one optimizer update equal to one big batch."""
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -95,3 +97,69 @@ def test_accumulation_lowers_the_compiled_steps_temporary_memory():
         return step.compile().lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(4) < 0.8 * temp_bytes(1)
+
+
+class DropoutMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.Dropout(0.5, deterministic=False)(nn.Dense(32)(x)))
+
+
+def test_each_microbatch_draws_its_own_dropout_mask():
+    model = DropoutMLP()
+    params = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                        np.zeros((1, 16), np.float32))["params"]
+    # Rows 2i and 2i+1 are equal, so both strided microbatches of 2 hold the same examples.
+    x = np.repeat(np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32), 2, axis=0)
+
+    def loss_fn(params, micro, rngs):
+        loss = jnp.mean(model.apply({"params": params}, micro, rngs={"dropout": rngs}) ** 2)
+        return loss, loss
+
+    grad_fn = jax.jit(accumulate.value_and_grad(loss_fn, 2, has_aux=True, aux="stack"))
+    key = jax.random.key(2)
+    (_, per_micro), grads = grad_fn(params, x, rngs=key)
+    assert float(per_micro[0]) != float(per_micro[1])  # one key each: different masks
+    (_, again), grads_again = grad_fn(params, x, rngs=key)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(per_micro))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # One microbatch is plain jax.value_and_grad with the key as given.
+    (loss, _), _ = accumulate.value_and_grad(loss_fn, 1, has_aux=True)(params, x, rngs=key)
+    np.testing.assert_allclose(float(loss), float(loss_fn(params, x, key)[0]), rtol=1e-6)
+    with pytest.raises(TypeError, match=r"argument \[0\].*rngs="):
+        grad_fn(params, x, key)
+
+
+def test_accumulated_gradients_are_placed_as_the_parameters_under_fsdp():
+    # min_weight_size 128 splits both kernels and replicates both biases over 8 devices.
+    # Left to itself, XLA split the replicated dense1 bias's running sum 8 ways.
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    part = partition.FSDPPartitioner(mesh, "data", min_weight_size=128)
+    seen = {}
+
+    class InspectingStep(step_lib.Step):
+        def run(self, state, batch):
+            def loss_fn(params, micro):
+                logits = state.apply_fn({"params": params}, micro["x"])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, micro["y"]).mean()
+
+            loss, grads = accumulate.value_and_grad(
+                loss_fn, 4, sharding=self.partitioner.sharding.params)(state.params, batch)
+            # The sum the scan carried, divided by k: placed as the accumulator was.
+            for path, g in jax.tree_util.tree_leaves_with_path(grads):
+                name = jax.tree_util.keystr(path)
+                jax.debug.inspect_array_sharding(
+                    g, callback=lambda s, name=name: seen.update({name: s}))
+            return state.apply_gradients(grads=grads), {"loss": loss}
+
+    step = InspectingStep(jax.random.key(0), LinenMLP(hidden=64), optimizer=optax.sgd(0.1),
+                          partitioner=part, train=True)
+    state = step.initialize_model([1, 16])
+    specs = jax.tree.map(lambda x: x.sharding.spec, state.params)
+    assert specs["dense1"]["kernel"] == jax.sharding.PartitionSpec(None, "data")
+    assert specs["dense1"]["bias"] == jax.sharding.PartitionSpec()
+    state, _ = step(state, toy_data(64))
+    for path, x in jax.tree_util.tree_leaves_with_path(state.params):
+        name = jax.tree_util.keystr(path)
+        assert seen[name].is_equivalent_to(x.sharding, x.ndim), (name, seen[name], x.sharding)
