@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jaxloop import async_action_context, checkpoint, stop_handler, types
+from jaxloop import agreement, checkpoint, stop_handler, types
 from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
 
 Output = types.Output
@@ -276,13 +276,15 @@ class CheckpointAction(Action):
     """Saves the whole training state with the user's orbax `CheckpointManager`.
 
     The save is asynchronous when the manager is (orbax copies the arrays off the device
-    before `save` returns, so training continues while the files are written). The state's
-    `dataset_state` is filled from the train iterator when it can report its position, and
-    the loop count is saved too, so a resumed run reads the same batches and fires actions
-    on the same loops. An iterator that cannot report its position (a generator, a tf.data
-    iterator) is named in a warning at the first checkpoint: a resume replays its data from
-    the start. Scalar outputs are passed as metrics (for `best_fn` policies); per-example
-    outputs are recognised by shape and never copied to the host.
+    before `save` returns, so training continues while the files are written). A save that
+    fails in the background is raised on the loop's thread at this action's next call (or
+    by the next save, or `OuterLoop`'s final wait): orbax re-raises it from the manager's
+    `wait_until_finished`, once. The train iterator's position (when it can report one)
+    and the loop count are saved beside the state, so a resumed run reads the same batches
+    and fires actions on the same loops. An iterator that cannot report its position (a
+    generator, a tf.data iterator) is named in a warning at the first checkpoint: a resume
+    replays its data from the start. Scalar outputs are passed as metrics (for `best_fn`
+    policies); per-example outputs are recognised by shape and never copied to the host.
 
     Example::
 
@@ -335,13 +337,10 @@ class CheckpointAction(Action):
         return self._every_secs
 
     def _time_due(self) -> bool:
-        """Whether a time-based save is due: process 0 decides, every process agrees."""
-        due = self._clock() - self._last_save_time >= self._every_secs
-        if jax.process_count() > 1:
-            # Every process calls the action at the same loop boundaries, so each reaches
-            # this collective; process 1's clock may differ, process 0's answer wins.
-            due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
-        return due
+        """Whether a time-based save is due: process 0's clock decides for every process
+        (each calls the action at the same loop boundaries, so each reaches the agreement)."""
+        return bool(agreement.agreed(
+            lambda: self._clock() - self._last_save_time >= self._every_secs))
 
     @property
     def ckpt_manager(self) -> ocp.CheckpointManager:
@@ -363,6 +362,9 @@ class CheckpointAction(Action):
         """Saves `state` at its step; `force` saves even where the manager's policy would
         skip this step (preemption)."""
         step = int(state.step)
+        if not self._ckpt_manager.is_saving_in_progress():
+            # A finished background save that failed raises here, on the loop's thread.
+            self._ckpt_manager.wait_until_finished()
         if self._every_secs is not None and not force:
             if not self._time_due() or step in self._ckpt_manager.all_steps():
                 return False
@@ -376,9 +378,7 @@ class CheckpointAction(Action):
         dataset_state = (
             position(iterator) if callable(position) else data.iterator_state(iterator)
         )
-        if dataset_state is not None:
-            state = state.replace(dataset_state=dataset_state)
-        elif iterator is not None and not self._warned_no_position:
+        if dataset_state is None and iterator is not None and not self._warned_no_position:
             self._warned_no_position = True
             log.warning(
                 "The train iterator (%s) cannot report its position, so checkpoints hold no "
@@ -391,15 +391,10 @@ class CheckpointAction(Action):
         meta.update({name: provider() for name, provider in self._meta.items()})
         saved = checkpoint.save(
             self._ckpt_manager, step, state, meta=meta, metrics=scalar_metrics(outputs),
-            force=force,
+            force=force, dataset_state=dataset_state,
         )
         if saved:
             log.info("Saving checkpoint for step %d to %s.", step, self._ckpt_manager.directory)
-            # An asynchronous save fails off this thread: surface it at a loop boundary.
-            async_action_context.get_async_action_context().submit(
-                f"saving checkpoint {step} to {self._ckpt_manager.directory}",
-                self._ckpt_manager.wait_until_finished,
-            )
         return saved
 
 
@@ -423,7 +418,7 @@ class BestCheckpointAction(CheckpointAction):
     ) -> bool:
         if int(state.step) in self._ckpt_manager.all_steps():
             return False  # several evals after one train loop: the first one is offered
-        return super().__call__(state.replace(dataset_state=None), outputs, force=force)
+        return super().__call__(state, outputs, force=force)
 
 
 class EarlyStoppingAction(Action):

@@ -1,12 +1,14 @@
 """Errors of background work, surfaced at the next loop boundary.
 
 Work that jaxloop (or an action) does off the training thread -- an `AsyncWriter`'s file
-writes, an asynchronous orbax checkpoint save -- would otherwise fail silently: the thread
-logs the exception and training carries on. Such work registers a
-`concurrent.futures.Future` with the process-wide `AsyncActionContext`; every loop boundary
-(an `ActionLoop` firing its actions) calls `check_exceptions_and_raise(wait=False)`, which
-re-raises the exception of the first failed future, with a note naming the work, on the
-training thread. `OuterLoop` waits for all of it when training ends.
+writes, a user's upload -- would otherwise fail silently: the thread logs the exception and
+training carries on. Such work registers a `concurrent.futures.Future` with the
+process-wide `AsyncActionContext`; every loop boundary (an `ActionLoop` firing its actions)
+calls `check_exceptions_and_raise(wait=False)`, which re-raises the exception of the first
+failed future, with a note naming the work, on the training thread. `OuterLoop` waits for
+all of it when training ends. (Asynchronous orbax checkpoint saves need no future: orbax
+re-raises their errors from the manager's `save` and `wait_until_finished`, which
+`CheckpointAction` and `OuterLoop` call on the training thread.)
 
 Example, an action that uploads files in the background::
 
@@ -82,7 +84,7 @@ class AsyncActionContext:
 
         Example::
 
-            context.submit('wait for checkpoint 100', manager.wait_until_finished)
+            context.submit('upload step 100', upload, workdir, 100)
         """
         future: Future[Any] = Future()
 

@@ -2,12 +2,15 @@
 
 A checkpoint step directory holds two items: ``state`` (the TrainState's arrays: step, params,
 optimizer state, batch stats, written by orbax's PyTree handler, sharded and multi-process
-aware) and ``meta`` (JSON: the data iterator's position and loop counters). No pickle.
+aware) and ``meta`` (JSON host data: each process's data-iterator position, loop counters,
+early-stopping progress). The host data never enters the state, so it never enters jit. No
+pickle.
 
 Managers built the way the Jaxloop guide builds them (one unnamed `Checkpointer`) hold a
 single item; jaxloop saves the state arrays there and restores either layout, including
 checkpoints of a whole `TrainState` saved with ``args.PyTreeSave(state)`` by a user or by
-google/jaxloop (orbax stores tuples as lists there, and no data position).
+google/jaxloop (orbax stores tuples as lists there, and no data position), and those of
+jaxloop releases whose TrainState carried a ``dataset_state`` field.
 
 Step directories are found with orbax's own step naming: a manager's ``step_prefix`` and
 ``step_format_fixed_length`` (``ckpt_000100``) restore like plain ``100``.
@@ -15,19 +18,21 @@ Step directories are found with orbax's own step naming: a manager's ``step_pref
 With several processes, each process's data position is saved (gathered into the JSON
 item), so per-process pipelines resume where each of them stood.
 
-Example::
+Example, resume a loop called directly (`OuterLoop` does this itself)::
 
     manager = checkpoint.make_manager(workdir / 'checkpoints', max_to_keep=3)
-    checkpoint.save(manager, int(state.step), state)
-    state = checkpoint.restore_state(state, workdir / 'checkpoints', partitioner=partitioner)
+    checkpoint.save(manager, int(state.step), state, dataset_state=data.iterator_state(it))
+    ...
+    state, meta = checkpoint.restore(state, workdir / 'checkpoints', partitioner=partitioner,
+                                     dataset=it)  # `it` continues where the run stood
+    state, outputs = train_loop(state, it, num_steps=100)
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import flax.serialization
@@ -36,13 +41,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxloop import types
+from jaxloop import agreement, types
 
 State = types.TrainState
 log = logging.getLogger(__name__)
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
+# The field where jaxloop's TrainState held the data position before it moved to META_ITEM:
+# a whole state saved the guide's way may still hold it.
+_LEGACY_POSITION = "dataset_state"
 
 
 def make_manager(
@@ -109,9 +117,16 @@ def restore_best(
 
 def state_arrays(state: State) -> dict[str, Any]:
     """The array part of a TrainState as a plain nested dict (what goes into ``state``)."""
-    tree = flax.serialization.to_state_dict(state)
-    tree.pop("dataset_state", None)
-    return tree
+    return flax.serialization.to_state_dict(state)
+
+
+def _single_item(manager: ocp.CheckpointManager) -> bool | None:
+    """Whether `manager`'s checkpoints hold one unnamed item (the guide's way), from the
+    layout of its newest checkpoint; None when it has none yet."""
+    paths = _step_paths(epath.Path(manager.directory))
+    if not paths:
+        return None
+    return (paths[max(paths)] / ocp.checkpoint_manager.DEFAULT_ITEM_NAME).exists()
 
 
 def save(
@@ -121,52 +136,50 @@ def save(
     meta: dict[str, Any] | None = None,
     metrics: dict[str, float] | None = None,
     force: bool = False,
+    dataset_state: Any = None,
 ) -> bool:
-    """Saves `state` (and its data position) at `step`; asynchronous if the manager is.
+    """Saves `state` at `step`, with `dataset_state` (this process's data position, JSON)
+    and `meta` (JSON) beside it; asynchronous if the manager is.
 
     Returns whether a checkpoint was started (the manager may skip steps by its policy).
     A manager holding a single unnamed item (the guide's) gets the state arrays only.
 
     With several processes every process must call this (orbax's save is collective too):
-    each process's ``state.dataset_state`` is gathered, so that each one restores its own.
+    each process's `dataset_state` is gathered, so that each one restores its own.
+
+    Example::
+
+        checkpoint.save(manager, int(state.step), state,
+                        dataset_state=data.iterator_state(it), meta={'loop_count': 3})
     """
     if not force and not manager.should_save(step):
         return False  # (before the gather below: no collective for a skipped step)
-    positions = _gather_from_processes(state.dataset_state)
+    positions = agreement.gathered(dataset_state)
     meta = {
+        **(meta or {}),
         "dataset_state": positions[0],
         "dataset_states": positions,
         "process_count": len(positions),
-        **(meta or {}),
     }
     arrays = state_arrays(state)
+    single = ocp.args.PyTreeSave(arrays)
     composite = ocp.args.Composite(
-        **{STATE_ITEM: ocp.args.PyTreeSave(arrays), META_ITEM: ocp.args.JsonSave(meta)}
+        **{STATE_ITEM: single, META_ITEM: ocp.args.JsonSave(meta)}
     )
+    layout = _single_item(manager)
+    if layout is not None:
+        args = single if layout else composite
+        return manager.save(step, args=args, metrics=metrics, force=force)
+    # A manager without checkpoints: orbax's public API does not say how many items it was
+    # made for, but it validates the arguments before doing anything else, so the layout it
+    # refuses (a ValueError, whatever its words) is not the one it holds.
     try:
         return manager.save(step, args=composite, metrics=metrics, force=force)
-    except ValueError as e:
-        # orbax refuses a Composite, before doing anything, for a manager configured with
-        # one unnamed item; its public API offers no other way to ask.
-        if "single, unnamed" not in str(e):
-            raise
-    return manager.save(step, args=ocp.args.PyTreeSave(arrays), metrics=metrics, force=force)
-
-
-def _gather_from_processes(value: Any) -> list[Any]:
-    """`value` (JSON-serialisable) of every process, in process order."""
-    if jax.process_count() == 1:
-        return [value]
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    lengths = np.asarray(
-        multihost_utils.process_allgather(np.array([data.size], np.int32))
-    ).reshape(-1)
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[: data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(padded))
-    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, lengths, strict=True)]
+    except ValueError as refused:
+        try:
+            return manager.save(step, args=single, metrics=metrics, force=force)
+        except ValueError:
+            raise refused from None
 
 
 def _looks_process_independent(position: Any) -> bool:
@@ -245,10 +258,9 @@ def check_compatible(saved: Any, target: Any, where: str) -> None:
 
 def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> Any:
     """The state's arrays as ShapeDtypeStructs carrying the shardings to restore into."""
-    plain = state.replace(dataset_state=None)
-    arrays = {k: v for k, v in state_arrays(plain).items() if k not in skip}
+    arrays = {k: v for k, v in state_arrays(state).items() if k not in skip}
     if partitioner is not None:
-        shardings = state_arrays(partitioner.state_shardings(plain))
+        shardings = state_arrays(partitioner.state_shardings(state))
         shardings = {k: v for k, v in shardings.items() if k not in skip}
     else:
         default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -282,22 +294,22 @@ def _name_format(path: epath.Path, step: int) -> Any:
     )
 
 
-def _reader(directory: epath.Path, single: bool, name_format: Any) -> ocp.CheckpointManager:
+def _reader(directory: epath.Path, path: epath.Path, step: int,
+            handlers: Any) -> ocp.CheckpointManager:
+    """A read-only manager for the checkpoint at `path` (of `step`) with these item
+    handlers (one handler for a single unnamed item, else a dict by item name)."""
+    # Each process reads its own shards and answers for itself: no barrier across processes
+    # inside the restore, so a process whose read fails (a checkpoint deleted by the
+    # trainer's max_to_keep meanwhile) cannot leave the others waiting there. Callers that
+    # must act alike on a failure agree on it afterwards (see `OuterLoop`).
+    own = jax.process_index()
     options = ocp.CheckpointManagerOptions(
-        step_name_format=name_format, read_only=True, create=False
+        step_name_format=_name_format(path, step), read_only=True, create=False,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=own, active_processes={own}
+        ),
     )
-    if single:
-        return ocp.CheckpointManager(
-            directory, item_handlers=ocp.PyTreeCheckpointHandler(), options=options
-        )
-    return ocp.CheckpointManager(
-        directory,
-        item_handlers={
-            STATE_ITEM: ocp.PyTreeCheckpointHandler(),
-            META_ITEM: ocp.JsonCheckpointHandler(),
-        },
-        options=options,
-    )
+    return ocp.CheckpointManager(directory, item_handlers=handlers, options=options)
 
 
 def all_steps(directory: Any) -> list[int]:
@@ -308,20 +320,15 @@ def all_steps(directory: Any) -> list[int]:
 
 def read_meta(directory: Any, step: int) -> dict[str, Any]:
     """The JSON metadata saved with the checkpoint at `step` (loop count, data positions,
-    early-stopping progress); {} for a single-item checkpoint, which has none."""
+    early-stopping progress, a tracker's run id); {} for a single-item checkpoint, which
+    has none. Any step naming (``step_prefix``, fixed length) is found."""
     directory = epath.Path(directory)
     paths = _step_paths(directory)
     if step not in paths:
         raise ValueError(f"No checkpoint for step {step} in {directory}; have {sorted(paths)}")
     if not (paths[step] / META_ITEM).exists():
         return {}
-    manager = ocp.CheckpointManager(
-        directory,
-        item_handlers={META_ITEM: ocp.JsonCheckpointHandler()},
-        options=ocp.CheckpointManagerOptions(
-            step_name_format=_name_format(paths[step], step), read_only=True, create=False
-        ),
-    )
+    manager = _reader(directory, paths[step], step, {META_ITEM: ocp.JsonCheckpointHandler()})
     try:
         restored = manager.restore(
             step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
@@ -379,12 +386,13 @@ def restore_state(
     partitioner: Any = None,
     skip_optimizer: bool = False,
     transforms: Any = None,
+    dataset: Iterator[Any] | None = None,
 ) -> State:
     """Restores the checkpoint at `step` (latest if None) from `directory` into `state`.
 
     See `restore`, which also returns the checkpoint's metadata (loop counters).
     """
-    return restore(state, directory, step, partitioner, skip_optimizer, transforms)[0]
+    return restore(state, directory, step, partitioner, skip_optimizer, transforms, dataset)[0]
 
 
 def restore(
@@ -394,6 +402,7 @@ def restore(
     partitioner: Any = None,
     skip_optimizer: bool = False,
     transforms: Any = None,
+    dataset: Iterator[Any] | None = None,
 ) -> tuple[State, dict[str, Any]]:
     """Restores the checkpoint at `step` (latest if None); returns (state, metadata).
 
@@ -401,10 +410,14 @@ def restore(
     evaluation state has no optimizer to restore into).
 
     Arrays are placed where `partitioner` places `state` (or where the given state's arrays
-    are); this process's data position comes back in `state.dataset_state`. With no
-    checkpoint in `directory`, logs "No checkpoint found in <dir>" and returns `state`
-    unchanged. A checkpoint whose structure or shapes differ from `state` is a ValueError
-    naming the leaf; an unreadable one raises, never a silent fresh start.
+    are). Given the train iterator as `dataset`, this also moves it to the data position
+    saved for this process (`restore_data_position`), so a loop called directly continues
+    where the run stood; the metadata holds the positions either way. A training restore
+    (no `skip_optimizer`) without `dataset` whose saved positions do not fit this job's
+    process count logs a warning: the data would start over. With no checkpoint in
+    `directory`, logs "No checkpoint found in <dir>" and returns `state` unchanged. A
+    checkpoint whose structure or shapes differ from `state` is a ValueError naming the
+    leaf; an unreadable one raises, never a silent fresh start.
 
     `transforms` are orbax restore transforms (``PyTreeRestore(transforms=...)``), keyed
     by '/'-joined paths of the state dict (regular expressions allowed), e.g. to start a
@@ -414,6 +427,16 @@ def restore(
             state, ckpt_dir, transforms={r'params/head/.*': ocp.Transform(use_fallback=True)})
 
     Keys the transforms do not name are restored from the checkpoint unchanged.
+
+    Example, resume a train loop called directly::
+
+        state, meta = checkpoint.restore(state, ckpt_dir, partitioner=partitioner, dataset=it)
+        state, outputs = train_loop(state, it, num_steps=100)
+
+    Raises:
+      ValueError: no checkpoint for `step`; a structure or shape mismatch; with `dataset`,
+        positions saved by another number of processes for a per-process pipeline, or an
+        iterator that cannot take a position.
     """
     directory = epath.Path(directory)
     paths = _step_paths(directory)
@@ -424,13 +447,21 @@ def restore(
     if step not in paths:
         raise ValueError(f"No checkpoint for step {step} in {directory}; have {sorted(paths)}")
     single = (paths[step] / ocp.checkpoint_manager.DEFAULT_ITEM_NAME).exists()
-    manager = _reader(directory, single, _name_format(paths[step], step))
+    handlers = (
+        ocp.PyTreeCheckpointHandler() if single
+        else {STATE_ITEM: ocp.PyTreeCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
+    )
+    manager = _reader(directory, paths[step], step, handlers)
+    arrays_now = state_arrays(state)
     try:
         skip = ("opt_state",) if skip_optimizer else ()
         target = _abstract_target(state, partitioner, skip)
         saved = manager.item_metadata(step)
         saved = saved if single else saved[STATE_ITEM]
-        saved = {k: v for k, v in getattr(saved, "tree", saved).items() if k not in skip}
+        saved = {
+            k: v for k, v in getattr(saved, "tree", saved).items()
+            if k not in skip and not (k == _LEGACY_POSITION and k not in target)
+        }
         if transforms is None:
             item = _conform(target, saved)
             check_compatible(saved, item, str(paths[step]))
@@ -441,10 +472,8 @@ def restore(
         else:
             # Values the transforms take from the given state ("use_fallback") must be
             # real arrays, not shapes.
-            plain = state.replace(dataset_state=None)
-            item = {k: v for k, v in state_arrays(plain).items() if k not in skip}
             restore = ocp.args.PyTreeRestore(
-                item=item,
+                item={k: v for k, v in arrays_now.items() if k not in skip},
                 restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                 transforms=transforms,
             )
@@ -461,17 +490,42 @@ def restore(
     finally:
         manager.close()
     arrays = _unconform(arrays, target) if transforms is None else arrays
-    plain = state.replace(dataset_state=None)
-    kept = {k: v for k, v in state_arrays(plain).items() if k in skip}
-    new_state = flax.serialization.from_state_dict(
-        plain, {**arrays, **kept, "dataset_state": None}
-    )
+    kept = {k: v for k, v in arrays_now.items() if k in skip}
+    new_state = flax.serialization.from_state_dict(state, {**arrays, **kept})
     log.info("Restored checkpoint step %d from %s.", step, directory)
-    try:
-        position = dataset_state_for_process(meta)
-    except ValueError:
-        position = None  # only a resume of the data needs it (see OuterLoop)
-    return new_state.replace(dataset_state=position), meta
+    if dataset is not None:
+        restore_data_position(dataset, meta)
+    elif not skip_optimizer:
+        try:
+            dataset_state_for_process(meta)
+        except ValueError as e:
+            log.warning(
+                "Checkpoint step %d in %s: its data positions are not restored, so a train "
+                "loop given this state reads its data from the start. %s", step, directory, e
+            )
+    return new_state, meta
+
+
+def restore_data_position(dataset: Iterator[Any], meta: Mapping[str, Any]) -> bool:
+    """Moves `dataset` (the train iterator) to this process's data position in a
+    checkpoint's metadata (`restore`, `read_meta`); returns whether one was saved.
+
+    Example::
+
+        state, meta = checkpoint.restore(state, ckpt_dir)
+        checkpoint.restore_data_position(it, meta)  # what restore(..., dataset=it) does
+
+    Raises:
+      ValueError: positions saved by another number of processes that only fit their own
+        process (see `dataset_state_for_process`), or an iterator without ``set_state``.
+    """
+    position = dataset_state_for_process(meta)
+    if position is None:
+        return False
+    from jaxloop import data  # noqa: PLC0415 (grain loads only when needed)
+
+    data.restore_iterator_state(dataset, position)
+    return True
 
 
 # Warm start: parameters only, from another run's checkpoint.
@@ -601,8 +655,7 @@ def warm_start(
 
     # The state's parameters as saved (the same names the checkpoint uses) and as targets:
     # shape, dtype and placement of each.
-    plain = state.replace(dataset_state=None)
-    arrays = state_arrays(plain)
+    arrays = state_arrays(state)
     if PARAMS_KEY not in arrays:
         raise ValueError(f"Warm start: the state has no {PARAMS_KEY!r}; it has {sorted(arrays)}")
     others = tuple(k for k in arrays if k != PARAMS_KEY)
@@ -683,8 +736,6 @@ def warm_start(
     ]
     treedef = jax.tree_util.tree_structure(arrays[PARAMS_KEY])
     params = jax.tree_util.tree_unflatten(treedef, leaves)
-    new_state = flax.serialization.from_state_dict(
-        plain, {**arrays, PARAMS_KEY: params, "dataset_state": None}
-    )
+    new_state = flax.serialization.from_state_dict(state, {**arrays, PARAMS_KEY: params})
     log.info("Warm start: loaded %d of %d parameters from %s.", len(loads), len(targets), where)
-    return new_state.replace(dataset_state=state.dataset_state)
+    return new_state

@@ -44,8 +44,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-import jax
-import numpy as np
+from jaxloop import agreement
 
 DEFAULT_MAX_SIZE = 32
 MIN_SEGMENT_STEPS = 32
@@ -55,11 +54,7 @@ MIN_SEGMENT_EXECUTIONS = 5
 def _agreed(values: list[float]) -> list[float]:
     """Process 0's values on every process: all processes must run the same programs in
     the same order, so measurements (which differ per host) decide nothing locally."""
-    if jax.process_count() == 1:
-        return values
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    return [float(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values))]
+    return [float(v) for v in agreement.agreed(lambda: values)]
 
 
 def segment_steps(size: int) -> int:

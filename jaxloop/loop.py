@@ -294,33 +294,14 @@ class Loop:
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         """Called before the first step of each loop; returns the state and iterator.
 
-        A state restored from a checkpoint carries the train data position
-        (``state.dataset_state``). A training loop moves its iterator there (so calling
-        it directly on a restored state resumes the data as `OuterLoop` does) and raises
-        a ValueError if the iterator cannot take a position; an eval loop's data is not
-        the train data, so there the position is dropped. Either way the state reaching
-        the jitted step holds no host data.
+        An iterable `dataset` is turned into an iterator. (A restored data position is
+        given to the iterator by `checkpoint.restore(..., dataset=it)` or `OuterLoop`,
+        never through the state.)
         """
         if not isinstance(dataset, Iterator):
             if not isinstance(dataset, Iterable):
                 raise TypeError(f"dataset must be an iterator or iterable, got {type(dataset)}")
             dataset = iter(dataset)
-        position = getattr(state, "dataset_state", None)
-        if position is not None:
-            if getattr(self._step, "train", True):
-                from jaxloop import data  # noqa: PLC0415 (grain loads only when needed)
-
-                if not callable(getattr(dataset, "set_state", None)):
-                    raise ValueError(
-                        "The state carries a restored data position (state.dataset_state="
-                        f"{position!r}), but the dataset iterator "
-                        f"({data.describe_iterator(dataset)}) cannot be moved to it (no "
-                        "set_state). Pass a checkpointable iterator (grain, "
-                        "data.GlobalBatchDataset), or state.replace(dataset_state=None) to "
-                        "read the data from its start."
-                    )
-                data.restore_iterator_state(dataset, position)
-            state = state.replace(dataset_state=None)
         return state, dataset
 
     def update_outputs(self, loop_outputs: Output, step_outputs: Output | None) -> Output:

@@ -6,7 +6,13 @@ Modes:
 - eval only: no train loop. With a `CheckpointSpec` it evaluates every new checkpoint in the
   directory once, in step order (continuous eval), until the training job writes the
   ``STOPPED`` marker or ``iterate_stop_fn()`` says stop; without one it evaluates the given
-  state once. It returns the last eval loop's state and outputs.
+  state once. It returns the last eval loop's state and outputs. A checkpoint the trainer's
+  ``max_to_keep`` deletes before it is read is skipped with a warning.
+
+With several processes every decision that gates a collective is process 0's, taken by all
+(`agreement`): which checkpoint training resumes from, which checkpoints continuous eval
+reads, whether the marker or ``iterate_stop_fn()`` ends it, and whether a checkpoint that
+failed to restore on any process is skipped; so every process evaluates the same steps.
 
 Training ends at ``train_total_steps``, when the train iterator is exhausted (with a
 warning), when a train or eval loop puts a truthy ``STOP_LOOP`` in its outputs, or when an
@@ -40,7 +46,7 @@ import jax
 from etils import epath
 
 from jaxloop import actions as actions_lib
-from jaxloop import async_action_context, checkpoint, preemption, stop_handler, types
+from jaxloop import agreement, async_action_context, checkpoint, preemption, stop_handler, types
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import train_loop as train_loop_lib
 
@@ -268,18 +274,19 @@ class OuterLoop:
         # initialised by the step when there is nothing to restore.
         if spec is None:
             return step.materialize(state)
-        had_checkpoint = bool(checkpoint.all_steps(spec.checkpoint_dir))
-        restored = step.restore_model(state, spec.checkpoint_dir, transforms=spec.transforms)
-        if not had_checkpoint:
+        # Process 0's listing decides which checkpoint every process restores (a shared
+        # directory may show processes different contents at the same moment).
+        steps = agreement.agreed(lambda: checkpoint.all_steps(spec.checkpoint_dir))
+        latest = max(steps) if steps else None
+        restored = step.restore_model(
+            state, spec.checkpoint_dir, step=latest, transforms=spec.transforms
+        )
+        if latest is None:
             return restored
-        meta = checkpoint.read_meta(spec.checkpoint_dir, int(restored.step))
-        # The iterator holds the position; the state carries no host data into jit.
-        restored = restored.replace(dataset_state=None)
-        position = checkpoint.dataset_state_for_process(meta)
-        if position is not None:
-            from jaxloop import data  # noqa: PLC0415
-
-            data.restore_iterator_state(iterator, position)
+        # Host data lives beside the state: the iterator takes its position, the loop its
+        # count, early stopping its progress.
+        meta = checkpoint.read_meta(spec.checkpoint_dir, latest)
+        checkpoint.restore_data_position(iterator, meta)
         loop_count = meta.get("loop_count")
         if loop_count is not None:
             self._train_loop.loop_count = int(loop_count)
@@ -440,23 +447,16 @@ class OuterLoop:
         loop_count = 0
         outputs: Output | None = None
         while True:
-            # Read the marker before listing: a checkpoint finished before the marker was
-            # written is then always seen by the listing that follows.
-            marker = _marker_step(directory)
-            steps = sorted(set(checkpoint.all_steps(directory)) - seen)
-            for ckpt_step in steps:
+            # Process 0 lists (orbax's finalized steps) and every process evaluates what it
+            # found. The marker is read before listing: a checkpoint finished before the
+            # marker was written is then always in the listing that follows.
+            marker, steps = agreement.agreed(
+                lambda: (_marker_step(directory), checkpoint.all_steps(directory))
+            )
+            for ckpt_step in sorted(set(steps) - seen):
                 seen.add(ckpt_step)
-                try:
-                    restored = self._eval_loops[0].step.restore_model(
-                        state, directory, step=ckpt_step, transforms=spec.transforms
-                    )
-                except Exception:
-                    if ckpt_step in checkpoint.all_steps(directory):
-                        raise
-                    # The trainer's max_to_keep removed it between the listing and now.
-                    log.warning(
-                        "Checkpoint step %d in %s was deleted before it could be evaluated "
-                        "(max_to_keep?); skipping it.", ckpt_step, directory)
+                restored = self._restore_for_eval(state, directory, ckpt_step)
+                if restored is None:
                     continue
                 loop_count += 1
                 results, _ = self._run_evals(
@@ -465,12 +465,44 @@ class OuterLoop:
                 outputs = _last(results) or outputs
                 state = restored
             if spec.iterate_stop_fn is not None:
-                if spec.iterate_stop_fn():
+                if agreement.agreed(lambda: bool(spec.iterate_stop_fn())):
                     return state, outputs
             elif marker is not None and (marker < 0 or marker >= max(seen, default=-1)):
                 # (A marker older than a checkpoint was left by an earlier run.)
                 return state, outputs
             time.sleep(spec.iterate_interval_secs)
+
+    def _restore_for_eval(self, state: State, directory: epath.Path, step: int) -> State | None:
+        """The checkpoint at `step` restored into `state`, or None (on every process) when
+        the trainer's max_to_keep removed it meanwhile."""
+        restored, error = None, None
+        try:
+            restored = self._eval_loops[0].step.restore_model(
+                state, directory, step=step, transforms=self._checkpoint_spec.transforms
+            )
+        except Exception as e:  # every process must learn of it before deciding anything
+            error = e
+        failures = agreement.gathered(None if error is None else f"{type(error).__name__}: {error}")
+        if not any(failures):
+            return restored
+
+        def taken_away() -> bool:
+            # Gone, or older than the newest checkpoint (max_to_keep deletes older ones
+            # only, so it may be deleting this one); the newest failing is an error.
+            steps = checkpoint.all_steps(directory)
+            return step not in steps or max(steps) > step
+
+        if not agreement.agreed(taken_away):  # process 0 looks: all skip or raise alike
+            if error is not None:
+                raise error
+            failed = {i: text for i, text in enumerate(failures) if text}
+            raise RuntimeError(f"Checkpoint step {step} in {directory} failed to restore on "
+                               f"other processes: {failed}")
+        log.warning(
+            "Checkpoint step %d in %s was deleted before it could be evaluated "
+            "(max_to_keep?); skipping it. (%s)", step, directory,
+            "; ".join(f"process {i}: {text}" for i, text in enumerate(failures) if text))
+        return None
 
 
 def _last(results: Sequence[Output | None]) -> Output | None:

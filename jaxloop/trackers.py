@@ -66,26 +66,21 @@ def _is_main_process() -> bool:
 def saved_run_id(checkpoint_dir: str | os.PathLike[str], step: int | None = None) -> str | None:
     """The tracker run id saved in the metadata of the latest (or `step`'s) checkpoint.
 
-    Returns None when there is no checkpoint or it holds no run id (a fresh job).
+    Returns None when there is no checkpoint or it holds no run id (a fresh job). The
+    checkpoint is found whatever the manager's step naming (``step_prefix``,
+    ``step_format_fixed_length``), through `checkpoint.read_meta`.
 
     Example::
 
         writer = trackers.WandbWriter(project='digits', run_id=trackers.saved_run_id(ckpt))
     """
-    from etils import epath  # noqa: PLC0415
-
     from jaxloop import checkpoint  # noqa: PLC0415
 
     steps = checkpoint.all_steps(checkpoint_dir)
     if not steps:
         return None
     step = max(steps) if step is None else step
-    path = epath.Path(checkpoint_dir) / str(step) / checkpoint.META_ITEM / "metadata"
-    if not path.exists():
-        return None
-    import json  # noqa: PLC0415
-
-    return json.loads(path.read_text()).get(RUN_ID_KEY)
+    return checkpoint.read_meta(checkpoint_dir, step).get(RUN_ID_KEY)
 
 
 def _warn_once(self: Any, what: str) -> None:

@@ -31,17 +31,16 @@ Scalar = int | float | jax.Array
 
 
 class TrainState(train_state.TrainState):
-    """flax's TrainState plus the model's mutable collections and the data position.
+    """flax's TrainState plus the model's mutable collections: arrays only, since the whole
+    state enters jit. Host data (the data iterator's position, loop counters) is saved
+    beside it in each checkpoint (see `jaxloop.checkpoint`).
 
     Attributes:
       batch_stats: non-parameter model variables (linen ``batch_stats``, nnx ``BatchStat``
         and other non-``Param`` state), or None.
-      dataset_state: where the training data iterator stands, saved with checkpoints so a
-        resumed run reads the same batches; None when the iterator has no state.
     """
 
     batch_stats: Any = None
-    dataset_state: Any = None
 
 
 class MetricType(enum.Enum):

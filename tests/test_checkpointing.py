@@ -1,12 +1,20 @@
-"""Exact resume (model, optimizer, data position, loop count), preemption, best-k, errors."""
+"""Exact resume (model, optimizer, data position, loop count), preemption, best-k, errors;
+checkpoints of the previous release; restores that cannot use the saved data position."""
 
+import logging
 import os
+import shutil
+from pathlib import Path
+from typing import Any
 
+import flax.serialization
 import grain
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
+from flax.training import train_state
 from models import ClassifierStep, LinenMLP, toy_data
 
 from jaxloop import actions, checkpoint, data, outer_loop, preemption
@@ -178,10 +186,149 @@ def test_fsdp_resume_and_restored_state_in_loops(tmp_path):
         return state, step
 
     run(4)
-    state, step = run(8)  # resumes; the restored data position must not reach the step
-    assert int(state.step) == 8 and state.dataset_state is None
-    restored = step.restore_model(step.initialize_model([1, 16]), tmp_path / "ckpt")
-    assert restored.dataset_state is not None  # the position is there for the user
+    state, step = run(8)
+    assert int(state.step) == 8
+    restored, meta = checkpoint.restore(step.initialize_model([1, 16]), tmp_path / "ckpt",
+                                        partitioner=step.partitioner)
+    assert meta["dataset_state"]["next_batch"] == 8  # the position is there for the user
     evaluate = ClassifierStep(jax.random.key(0), LinenMLP(), partitioner=step.partitioner)
     _, outputs = eval_loop_lib.EvalLoop(evaluate)(restored, [toy_data(16)])
     assert len(outputs["loss"]) == 1
+
+
+# --- issue 22.3: host data beside the state ---------------------------------------------------
+
+
+def test_the_train_state_holds_arrays_only():
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    leaves = jax.tree.leaves(step.initialize_model([1, 16]))
+    assert leaves and all(isinstance(x, jax.Array) for x in leaves)
+    assert "dataset_state" not in flax.serialization.to_state_dict(step.initialize_model([1, 16]))
+
+
+@pytest.mark.parametrize("kind", ["global", "grain"])
+def test_a_train_loop_called_directly_resumes_through_restore(tmp_path, kind):
+    """The data position comes back through `checkpoint.restore(..., dataset=it)`: a
+    TrainLoop called by hand on the restored state continues exactly."""
+    def new_step():
+        return ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
+                              train=True)
+
+    step = new_step()
+    manager = checkpoint.make_manager(tmp_path / "ckpt")
+    loop = train_loop_lib.TrainLoop(step, end_actions=[actions.CheckpointAction(manager)])
+    it = iter(make_dataset(kind))
+    state, _ = loop(step.initialize_model([1, 16]), it, num_steps=4)
+    uninterrupted, _ = loop(state, it, num_steps=4)
+    manager.close()
+
+    step = new_step()
+    it = iter(make_dataset(kind))  # a fresh iterator: restore moves it
+    state, meta = checkpoint.restore(step.initialize_model([1, 16]), tmp_path / "ckpt",
+                                     step=4, dataset=it)
+    assert int(state.step) == 4 and meta["loop_count"] == 1
+    resumed, _ = train_loop_lib.TrainLoop(step)(state, it, num_steps=4)
+    assert_same_params(resumed, uninterrupted)
+    with pytest.raises(ValueError, match="no set_state"):
+        checkpoint.restore(step.initialize_model([1, 16]), tmp_path / "ckpt",
+                           dataset=iter([toy_data(16)]))
+
+
+FIXTURE = Path(__file__).resolve().parent / "data" / "digits-0d51892"
+
+
+def test_the_previous_releases_digits_checkpoint_restores_with_its_data_position(tmp_path):
+    """The digits job's step-50 checkpoint written by jaxloop 0d51892 (tests/data, see its
+    README): arrays into place, the loop count, and the position that release kept in
+    TrainState.dataset_state, now given to the iterator."""
+    from jaxloop import partition
+    from jaxloop.examples import digits
+
+    shutil.copytree(FIXTURE / "checkpoints", tmp_path / "ckpt")
+    part = partition.DataParallelPartitioner(
+        jax.sharding.Mesh(np.array(jax.devices()), ("data",)), "data")
+    step = digits.DigitsStep(jax.random.key(0), digits.CNN(), optimizer=optax.adam(3e-3),
+                             partitioner=part, train=True)
+    train_data, _ = digits.load_digits()
+    dataset = data.GlobalBatchDataset(data.ArraySource(train_data), 64, seed=0)
+    it = iter(dataset)
+    state, meta = checkpoint.restore(step.abstract_state([1, 8, 8, 1]), tmp_path / "ckpt",
+                                     partitioner=part, dataset=it)
+    assert int(state.step) == 50 and meta["loop_count"] == 1
+    assert step.compute_num_params(state) == 38282
+    assert data.iterator_state(it)["next_batch"] == 50
+    fresh = iter(dataset)
+    for _ in range(50):
+        next(fresh)
+    np.testing.assert_array_equal(next(it)["image"], next(fresh)["image"])
+    _, outputs = train_loop_lib.TrainLoop(step)(state, it, num_steps=2)
+    assert np.isfinite(actions.scalar_metrics(outputs)["loss"])
+
+
+class ReleaseTrainState(train_state.TrainState):
+    """jaxloop.types.TrainState as the previous release (0d51892) defined it."""
+
+    batch_stats: Any = None
+    dataset_state: Any = None
+
+
+def test_a_whole_state_of_the_previous_release_saved_the_guide_way_restores(tmp_path):
+    """A single-item `args.PyTreeSave(state)` of the old TrainState, with the data position
+    inside the state (where that release kept it), restores into today's state."""
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    state, _ = train_loop_lib.TrainLoop(step)(step.initialize_model([1, 16]),
+                                              iter(make_dataset("global")), num_steps=3)
+    old = ReleaseTrainState(
+        step=state.step, apply_fn=state.apply_fn, params=state.params, tx=state.tx,
+        opt_state=state.opt_state, batch_stats=None,
+        dataset_state={"next_batch": 3, "global_batch_size": 16, "seed": 3},
+    )
+    manager = ocp.CheckpointManager(tmp_path / "guide",
+                                    ocp.Checkpointer(ocp.PyTreeCheckpointHandler()))
+    manager.save(3, args=ocp.args.PyTreeSave(old))
+    manager.wait_until_finished()
+    manager.close()
+    fresh = ClassifierStep(jax.random.key(1), LinenMLP(), optimizer=optax.adam(1e-2),
+                           train=True)
+    restored = fresh.restore_model(fresh.initialize_model([1, 16]), tmp_path / "guide")
+    assert int(restored.step) == 3
+    assert_same_params(restored, state)
+
+
+# --- issue 23.13: a restore on another process count says so ---------------------------------
+
+
+def test_a_restore_on_another_process_count_does_not_drop_the_data_position_silently(
+        tmp_path, caplog):
+    """A checkpoint of a 2-process job with a per-process pipeline (grain): its positions
+    cannot serve this 1-process job. Given the iterator, restore raises; a training
+    restore without it (`Step.restore_model`) warns; an evaluation restore needs none."""
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    state = step.initialize_model([1, 16])
+    it = iter(make_dataset("grain"))
+    positions = []
+    for _ in range(2):  # what each process's own grain iterator reports
+        next(it)
+        positions.append(data.iterator_state(it))
+    # The layout a 2-process CheckpointAction writes: the arrays, and the JSON item with
+    # each process's position.
+    manager = ocp.CheckpointManager(tmp_path / "ckpt", item_names=("state", "meta"))
+    manager.save(2, args=ocp.args.Composite(
+        state=ocp.args.PyTreeSave(checkpoint.state_arrays(state.replace(step=2))),
+        meta=ocp.args.JsonSave({"dataset_state": positions[0], "dataset_states": positions,
+                                "process_count": 2, "loop_count": 1})))
+    manager.wait_until_finished()
+    manager.close()
+
+    with pytest.raises(ValueError, match="data positions of 2 process.*this job has 1"):
+        checkpoint.restore(state, tmp_path / "ckpt", dataset=iter(make_dataset("grain")))
+    with caplog.at_level(logging.WARNING, logger="jaxloop"):
+        restored = step.restore_model(state, tmp_path / "ckpt")
+    assert int(restored.step) == 2
+    assert "data positions are not restored" in caplog.text
+    assert "2 process(es), but this job has 1" in caplog.text
+    caplog.clear()
+    evaluate = ClassifierStep(jax.random.key(0), LinenMLP())
+    with caplog.at_level(logging.WARNING, logger="jaxloop"):
+        evaluate.restore_model(evaluate.initialize_model([1, 16]), tmp_path / "ckpt")
+    assert "data positions" not in caplog.text

@@ -33,6 +33,7 @@ from jax.experimental import multihost_utils
 from jaxloop import (
     accumulate,
     actions,
+    agreement,
     checkpoint,
     data,
     ema,
@@ -302,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         eval_loops=[evaluator],
         checkpoint_spec=outer_loop.CheckpointSpec(os.path.join(workdir, "checkpoints")),
     )
-    warm = args.warm_start and not checkpoint.all_steps(os.path.join(workdir, "checkpoints"))
+    # Process 0's listing decides for every process (the warm start reads collectively).
+    warm = args.warm_start and not agreement.agreed(
+        lambda: checkpoint.all_steps(os.path.join(workdir, "checkpoints")))
     if warm or args.ema_decay is not None:
         # A warm start and the EMA copy need real parameters, so such a run builds its
         # state first.

@@ -1,0 +1,67 @@
+"""Multi-process decisions: made once, on process 0, and taken by every process.
+
+In a multi-process job every process must run the same collectives in the same order
+(restores, saves, steps, evaluations). A decision that gates one (is a time-based save due,
+which checkpoints does continuous eval read, did every process restore a checkpoint, which
+steps per execution is fastest) may not be made from a process's own clock, listing or
+timings: they differ between hosts. `agreed` has process 0 decide and every process take its
+answer; `gathered` gives every process every process's value (to decide from all of them).
+Each is one collective: every process must call it at the same point.
+
+With one process both are plain calls with no communication.
+
+Example::
+
+    due = agreement.agreed(lambda: clock() - last_save >= every_secs)
+    positions = agreement.gathered(iterator_state(it))  # one per process, in process order
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+T = TypeVar("T")
+
+# Values travel as JSON bytes padded to a power of two at least this long: each padded
+# length is its own compiled gather, so a listing that grows by a step compiles none.
+_MIN_BYTES = 64
+
+
+def gathered(value: Any) -> list[Any]:
+    """Every process's `value` (JSON-serialisable), in process order, on every process.
+
+    Tuples come back as lists (JSON has no tuples).
+
+    Example::
+
+        failures = agreement.gathered(None if ok else str(error))
+        if any(failures): ...  # the same answer on every process
+    """
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(data.size))).reshape(-1)
+    width = max(_MIN_BYTES, 1 << int(sizes.max() - 1).bit_length())
+    padded = np.zeros(width, np.uint8)
+    padded[: data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes, strict=True)]
+
+
+def agreed(decide: Callable[[], T]) -> T:
+    """Process 0's ``decide()`` on every process (other processes do not call it).
+
+    The answer must be JSON-serialisable; tuples come back as lists.
+
+    Example::
+
+        steps = agreement.agreed(lambda: checkpoint.all_steps(directory))
+    """
+    return gathered(decide() if jax.process_index() == 0 else None)[0]
