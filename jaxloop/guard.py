@@ -27,6 +27,12 @@ Example::
             return state, {'loss': loss, **guard_outputs}
 
     train = train_loop.TrainLoop(step, end_actions=[guard.action(), checkpoint_action])
+
+Why not `optax.apply_if_finite`: it wraps the optimizer, so it changes the optimizer state's
+structure (checkpoints written without it no longer restore), checks only the updates (not
+the loss), still applies the step's other state changes (``batch_stats``), cannot say which
+leaf was not finite, and accepts the update after ``max_consecutive_errors`` bad steps. The
+guard keeps the user's optimizer as it is and decides on the whole state.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxloop import types
 
@@ -117,8 +124,7 @@ class NonFiniteGuard:
         flags = jnp.stack([_finite(x) for _, x in named])
         ok = jnp.all(flags)
         updated = state.apply_gradients(grads=grads, **updates)
-        kept = state.replace(step=updated.step)
-        new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, kept)
+        new_state = optax.tree.where(ok, updated, state.replace(step=updated.step))
         outputs = {SKIPPED: jnp.logical_not(ok).astype(jnp.int32)}
         if self.mode == "raise":
             outputs[FIRST_LEAF] = jnp.where(ok, -1, jnp.argmin(flags)).astype(jnp.int32)

@@ -48,39 +48,39 @@ UPDATE_NORM = "telemetry/update_norm"
 LEARNING_RATE = "telemetry/learning_rate"
 
 
+def _float32(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
 def global_norm(tree: Any) -> jax.Array:
-    """The L2 norm of all leaves of `tree` together, in float32.
+    """The L2 norm of all leaves of `tree` together, in float32 (`optax.tree.norm` of the
+    leaves cast to float32, so bfloat16 leaves are summed at float32 precision).
 
     Example::
 
         global_norm({'w': jnp.ones(4)})  # 2.0
     """
-    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)]
-    return optax.global_norm(leaves) if leaves else jnp.float32(0.0)
+    return optax.tree.norm(_float32(tree))
 
 
 def injected_hyperparam(opt_state: Any, name: str = "learning_rate") -> jax.Array | None:
     """The current value of a hyperparameter set by ``optax.inject_hyperparams``, or None.
 
-    Searches the optimizer state (also inside chains, `optax.MultiSteps` and the like) for
-    the first ``hyperparams`` dict holding `name`.
+    Finds the first ``hyperparams[name]`` in the optimizer state, also inside chains,
+    `optax.MultiSteps` and the like (`optax.tree_utils.tree_get_all_with_path`; unlike
+    `optax.tree_utils.tree_get`, two injected optimizers are not an error).
 
     Example::
 
         tx = optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
         injected_hyperparam(tx.init(params))  # schedule(0)
     """
-    found: list[Any] = []
+    def injected(path: tuple, _: Any) -> bool:
+        # hyperparams[name] holds the value; hyperparams_states[name] a schedule's state.
+        return len(path) > 1 and getattr(path[-2], "name", None) == "hyperparams"
 
-    def visit(node: Any) -> bool:
-        hyperparams = getattr(node, "hyperparams", None)
-        if isinstance(hyperparams, dict) and name in hyperparams and not found:
-            found.append(hyperparams[name])
-        return bool(found)
-
-    # is_leaf stops the walk at the first match; visit is called on every node on the way.
-    jax.tree_util.tree_flatten(opt_state, is_leaf=visit)
-    return jnp.asarray(found[0]) if found else None
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, name, filtering=injected)
+    return jnp.asarray(found[0][1]) if found else None
 
 
 def train_metrics(
@@ -108,12 +108,8 @@ def train_metrics(
     after = state if new_state is None else new_state
     out = {GRAD_NORM: global_norm(grads), PARAM_NORM: global_norm(after.params)}
     if new_state is not None:
-        delta = jax.tree.map(
-            lambda a, b: jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32),
-            new_state.params,
-            state.params,
-        )
-        out[UPDATE_NORM] = global_norm(delta)
+        delta = optax.tree.sub(_float32(new_state.params), _float32(state.params))
+        out[UPDATE_NORM] = optax.tree.norm(delta)
     if callable(learning_rate):
         lr = learning_rate(state.step)
     elif learning_rate is not None:

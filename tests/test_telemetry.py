@@ -83,3 +83,8 @@ def test_without_new_state_or_learning_rate():
     np.testing.assert_allclose(out[telemetry.GRAD_NORM], 1.0)
     np.testing.assert_allclose(out[telemetry.PARAM_NORM], 2.0)
     assert telemetry.injected_hyperparam(optax.sgd(0.1).init({"w": np.ones(2)})) is None
+    # Found inside chains and MultiSteps; the first of two injected optimizers wins.
+    inject = optax.inject_hyperparams(optax.sgd)
+    tx = optax.MultiSteps(optax.chain(optax.clip(1.0), inject(learning_rate=SCHEDULE),
+                                      inject(learning_rate=0.5)), 2)
+    np.testing.assert_allclose(telemetry.injected_hyperparam(tx.init({"w": np.ones(2)})), 0.1)
