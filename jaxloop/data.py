@@ -310,8 +310,8 @@ def _stack(examples: Sequence[Example]) -> Batch:
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
 
 
-# Batches are read in the caller's thread: the loops' device prefetch overlaps reading with
-# the step, where grain's default read options would start 16 threads reading 500 ahead.
+# Batches are read in the caller's thread: jaxloop's device prefetch decides what is read
+# ahead, where grain's default read options would start 16 threads reading 500 batches ahead.
 _READ_IN_CALLER = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
