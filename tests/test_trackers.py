@@ -18,10 +18,10 @@ class Losses(ClassifierStep):
         return state, {"loss": out["loss"], "accuracy": out["accuracy"]}
 
 
-def train(workdir, writer, total):
+def train(workdir, writer, total, **manager_options):
     """Trains to `total` steps (resuming from workdir/ckpt) with summaries and checkpoints."""
     step = Losses(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
-    manager = checkpoint.make_manager(workdir / "ckpt")
+    manager = checkpoint.make_manager(workdir / "ckpt", **manager_options)
     tl = train_loop.TrainLoop(step, end_actions=[
         actions.SummaryAction(writer),
         actions.CheckpointAction(manager, meta={trackers.RUN_ID_KEY: writer.run_id}),
@@ -153,6 +153,28 @@ def test_wandb_offline_files_read_back_and_resumed(tmp_path, monkeypatch):
     assert first in runs
     steps = [h["_step"] for run in runs for h in _history(run) if "loss" in h]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+class RunIdOnly:
+    """A tracker's part in resuming: its run id (the metrics go nowhere)."""
+
+    def __init__(self, run_id):
+        self.run_id = run_id
+
+    def write_scalars(self, step, scalars):
+        pass
+
+    def flush(self):
+        pass
+
+
+def test_the_run_id_comes_back_whatever_the_step_naming(tmp_path):
+    """Issue 23.13: a manager naming its steps ``ckpt_000004`` keeps the tracker's run."""
+    naming = {"step_prefix": "ckpt", "step_format_fixed_length": 6}
+    train(tmp_path, RunIdOnly("run-7f3a"), 4, **naming)
+    assert (tmp_path / "ckpt" / "ckpt_000004").exists()
+    assert trackers.saved_run_id(tmp_path / "ckpt") == "run-7f3a"
+    assert trackers.saved_run_id(tmp_path / "ckpt", step=2) == "run-7f3a"
 
 
 def test_missing_package_message(monkeypatch):
