@@ -1,9 +1,13 @@
-"""The main job: the digits example trains to >= 0.95 held-out accuracy and prints its line."""
+"""The main job: the digits example trains to >= 0.95 held-out accuracy and prints its line,
+and resumes the checkpoints of the previous release."""
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +50,25 @@ def test_digits_rejects_bad_flags(tmp_path):
         [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(tmp_path),
          "--train-steps", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--train-steps must be positive" in proc.stderr
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_digits_resumes_a_checkpoint_of_the_previous_release(tmp_path):
+    """tests/data/digits-0d51892 holds the step-50 checkpoint that jaxloop 0d51892 wrote for
+    this job (its data position inside the old layout's JSON item; see its README). The
+    same command with --train-steps 100 resumes it and finishes."""
+    shutil.copytree(TESTS / "data" / "digits-0d51892" / "checkpoints", tmp_path / "checkpoints")
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "multihost_job.py"), "digits", str(results),
+         "--workdir", str(tmp_path), "--train-steps", "100", "--train-loop-steps", "50",
+         "--batch-size", "64"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((results / "result-0.json").read_text())
+    assert result["restored_step"] == 50 and result["step"] == 100
+    assert result["eval_accuracy"] > 0.9
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["100", "50", "STOPPED"]
