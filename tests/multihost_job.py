@@ -15,6 +15,11 @@ Scenarios:
     reports the size chosen, the tuner's timings and both runs' parameters.
   digits ARGS...: the digits example with these flags; SIGUSR1 calls `preemption.request()`.
     Reports the final results, or the exit code and the step it stopped at if preempted.
+  trainer CKPT_DIR: trains 40 steps, one per loop, checkpointing each loop into CKPT_DIR
+    with max_to_keep=1 (each save deletes the one before), then writes the STOPPED marker.
+  continuous_eval CKPT_DIR: evaluates the checkpoints in CKPT_DIR as they come (OuterLoop
+    with a CheckpointSpec and no train loop) until the trainer's marker; reports the steps
+    it evaluated, their losses, and how many checkpoints it skipped as deleted.
 """
 
 from __future__ import annotations
@@ -195,6 +200,55 @@ def auto_job(workdir: Path) -> dict:
     return result
 
 
+CONTINUOUS_EVAL_STEPS = 40
+
+
+def trainer_job(ckpt_dir: Path) -> dict:
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    manager = checkpoint.make_manager(ckpt_dir, max_to_keep=1)
+    outer = outer_loop.OuterLoop(
+        train_loop.TrainLoop(step, end_actions=[actions.CheckpointAction(manager)]),
+        checkpoint_spec=outer_loop.CheckpointSpec(ckpt_dir))
+    state, _ = outer(step.initialize_model([1, 16]),
+                     iter(data.GlobalBatchDataset(toy_data(256), 32, seed=1)),
+                     train_total_steps=CONTINUOUS_EVAL_STEPS, train_loop_steps=1)
+    manager.close()
+    return {"step": int(state.step), "checkpoints": checkpoint.all_steps(ckpt_dir)}
+
+
+class _Skips(logging.Handler):
+    """Counts continuous eval's "deleted before it could be evaluated" warnings (from the
+    records, not from any output stream)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record):
+        self.count += "deleted before it could be evaluated" in record.getMessage()
+
+
+def continuous_eval_job(ckpt_dir: Path) -> dict:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    evaluate = ClassifierStep(jax.random.key(0), LinenMLP(),
+                              partitioner=partition.DataParallelPartitioner(mesh, "data"))
+    seen: list[tuple[int, float]] = []
+
+    class Keep(actions.Action):
+        def __call__(self, state, outputs, **kwargs):
+            seen.append((int(state.step), actions.scalar_metrics(outputs)["loss"]))
+
+    skips = _Skips()
+    logging.getLogger("jaxloop.outer_loop").addHandler(skips)
+    evaluator = outer_loop.OuterLoop(
+        eval_loops=[eval_loop.EvalLoop(evaluate, end_actions=[Keep()])],
+        checkpoint_spec=outer_loop.CheckpointSpec(ckpt_dir, iterate_interval_secs=0.05))
+    evaluator(evaluate.initialize_model([1, 16]), eval_specs=[outer_loop.EvalSpec(
+        dataset=data.pad_to_global_batches(toy_data(48, seed=3), 16))])
+    return {"steps": [s for s, _ in seen], "losses": [loss for _, loss in seen],
+            "skipped": skips.count}
+
+
 class _Steps(logging.Handler):
     """Catches the step of digits' "Preempted at step N" record and of jaxloop's "Restored
     checkpoint step N" record (from the records' arguments, not from any output stream)."""
@@ -233,6 +287,9 @@ def main() -> None:
     workdir = result_dir / "work"
     if scenario == "digits":
         result = digits_job(sys.argv[3:])
+    elif scenario in ("trainer", "continuous_eval"):
+        job = trainer_job if scenario == "trainer" else continuous_eval_job
+        result = job(Path(sys.argv[3]))
     else:
         jobs = {"actions": actions_job, "auto": auto_job, "cross_mesh": cross_mesh_job}
         result = jobs[scenario](workdir)

@@ -556,3 +556,33 @@ def test_preemption_reaching_one_process_stops_all_at_one_step(
     resumed = json.loads((result_dir / "result-0.json").read_text())
     assert resumed["step"] == 100
     assert resumed["fingerprint"] == uninterrupted.fingerprint
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_continuous_eval_on_two_processes_while_max_to_keep_deletes(tmp_path):
+    """Issue 22.4: a 2-process continuous evaluator reads the checkpoints a 1-process
+    trainer writes with max_to_keep=1 (each save deletes the one before, so checkpoints
+    vanish between listing and reading). Process 0 lists and decides; both processes
+    evaluate the same steps, end with the final one, and finish without a hang."""
+    ckpt = tmp_path / "ckpt"
+    evaluator = [sys.executable, str(JOB), "continuous_eval", str(tmp_path / "eval"), str(ckpt)]
+    trainer = [sys.executable, str(JOB), "trainer", str(tmp_path / "train"), str(ckpt)]
+    with started([evaluator, evaluator, trainer], [*job_envs(2), process_env(1)],
+                 tmp_path / "logs") as procs:
+        try:
+            codes = wait_all(procs, JOB_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"continuous eval: still running after {JOB_TIMEOUT} s (a hang)")
+        logs = read_logs(tmp_path / "logs", 3)
+    for i, (code, log) in enumerate(zip(codes, logs, strict=True)):
+        assert code == 0, f"process {i} exited {code}:\n{log.stderr[-4000:]}"
+    trained = json.loads((tmp_path / "train" / "result-0.json").read_text())
+    assert trained["step"] == 40 and trained["checkpoints"] == [40]
+    first, second = (json.loads((tmp_path / "eval" / f"result-{i}.json").read_text())
+                     for i in range(2))
+    assert first["steps"] == second["steps"] and first["losses"] == second["losses"]
+    assert first["skipped"] == second["skipped"]
+    steps = first["steps"]
+    assert steps == sorted(set(steps)) and set(steps) <= set(range(1, 41)) and steps[-1] == 40
+    print(f"evaluated {len(steps)} of 40 checkpoints: {steps}; skipped as deleted: "
+          f"{first['skipped']}")
