@@ -1,22 +1,9 @@
 """Metric writers that write TensorBoard event files without TensorFlow.
 
-The writers have the method names of clu's ``MetricWriter`` (``write_scalars``,
-``write_images``, ``write_videos``, ``write_audios``, ``write_texts``,
-``write_histograms``, ``write_hparams``, ``flush``, ``close``), so code written for clu's
-writers works with these unchanged, and clu's writers can be passed wherever a jaxloop
-writer is expected. ``clu.metric_writers`` is never imported here because it imports
-TensorFlow; `SummaryWriter` writes with tensorboardX's ``SummaryWriter`` instead, imported
-when the first writer is made so that ``import jaxloop.writers`` stays cheap.
-
-Example::
-
-    from jaxloop import writers
-
-    writer = writers.create_default_writer('/tmp/run', collection='train')
-    writer.write_hparams({'lr': 1e-3, 'model': {'depth': 4}})
-    for step in range(100):
-        writer.write_scalars(step, {'loss': loss})
-    writer.close()
+The writers have the method names of clu's ``MetricWriter``, so code written for clu's
+writers works with these and clu's writers go wherever a jaxloop writer does.
+``clu.metric_writers`` imports TensorFlow, so `SummaryWriter` writes with tensorboardX's
+``SummaryWriter``, imported when the first one is made (``import jaxloop.writers`` is cheap).
 """
 
 from __future__ import annotations
@@ -40,19 +27,15 @@ import numpy as np
 
 from jaxloop import async_action_context
 
-__all__ = [
-    "AsyncWriter",
-    "LoggingWriter",
-    "MetricWriter",
-    "MultiWriter",
-    "SummaryWriter",
-    "create_default_writer",
-]
+__all__ = ["AsyncWriter", "LoggingWriter", "MetricWriter", "MultiWriter", "SummaryWriter",
+           "create_default_writer"]
 
 _LOGGER = logging.getLogger(__name__)
 
 ArrayLike = Any
 """A numpy array, a jax array or a Python number."""
+Arrays = Mapping[str, ArrayLike]
+"""Names mapped to `ArrayLike` values, what the ``write_*`` methods take."""
 
 DEFAULT_HISTOGRAM_BUCKETS = 30
 """Buckets per histogram when ``num_buckets`` names none (``tf.summary.histogram``'s default)."""
@@ -60,26 +43,16 @@ DEFAULT_HISTOGRAM_BUCKETS = 30
 
 @runtime_checkable
 class MetricWriter(Protocol):
-    """What a metric writer provides: clu's ``MetricWriter`` method names.
+    """What a metric writer provides: clu's ``MetricWriter`` methods, which jaxloop's and
+    clu's writers have (``isinstance(writer, MetricWriter)`` checks the names)."""
 
-    jaxloop's writers and clu's writers both satisfy this protocol.
-
-    Example::
-
-        def log_loss(writer: MetricWriter, step: int, loss: float) -> None:
-            writer.write_scalars(step, {'loss': loss})
-    """
-
-    def write_scalars(self, step: int, scalars: Mapping[str, ArrayLike]) -> None: ...
-    def write_images(self, step: int, images: Mapping[str, ArrayLike]) -> None: ...
-    def write_videos(self, step: int, videos: Mapping[str, ArrayLike]) -> None: ...
-    def write_audios(
-        self, step: int, audios: Mapping[str, ArrayLike], *, sample_rate: int
-    ) -> None: ...
+    def write_scalars(self, step: int, scalars: Arrays) -> None: ...
+    def write_images(self, step: int, images: Arrays) -> None: ...
+    def write_videos(self, step: int, videos: Arrays) -> None: ...
+    def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None: ...
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None: ...
     def write_histograms(
-        self, step: int, arrays: Mapping[str, ArrayLike],
-        num_buckets: Mapping[str, int] | None = None,
+        self, step: int, arrays: Arrays, num_buckets: Mapping[str, int] | None = None
     ) -> None: ...
     def write_hparams(self, hparams: Mapping[str, Any]) -> None: ...
     def flush(self) -> None: ...
@@ -88,9 +61,6 @@ class MetricWriter(Protocol):
 
 class _ContextManagerMixin:
     """Makes a writer usable in a ``with`` block that closes it on exit."""
-
-    def close(self) -> None:
-        raise NotImplementedError
 
     def __enter__(self):
         return self
@@ -113,7 +83,7 @@ def _as_step(step: Any) -> int:
                     f"(dtype {arr.dtype}, shape {arr.shape}).")
 
 
-def _prepare_scalars(scalars: Mapping[str, ArrayLike]) -> dict[str, float]:
+def _prepare_scalars(scalars: Arrays) -> dict[str, float]:
     """Every value as a float, all checked before any is written."""
     out = {}
     for key, value in scalars.items():
@@ -129,17 +99,13 @@ def _prepare_scalars(scalars: Mapping[str, ArrayLike]) -> dict[str, float]:
     return out
 
 
-def _prepare_arrays(arrays: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:
+def _prepare_arrays(arrays: Arrays) -> dict[str, np.ndarray]:
     return {key: np.asarray(value) for key, value in arrays.items()}
 
 
 def _snapshot(value: ArrayLike) -> np.ndarray:
-    """A host copy of ``value`` that nothing else can change or free later.
-
-    numpy inputs are copied because the caller may reuse the buffer. ``np.asarray`` of a
-    jax array can be a view of a CPU device buffer that a later donation overwrites, so
-    views are copied too.
-    """
+    """A host copy of ``value`` that nothing else can change or free later: the caller may
+    reuse a numpy buffer, and a later donation may overwrite a CPU jax array's buffer."""
     if isinstance(value, np.ndarray):
         return value.copy()
     arr = np.asarray(value)
@@ -147,8 +113,7 @@ def _snapshot(value: ArrayLike) -> np.ndarray:
 
 
 def _is_array(value: Any) -> bool:
-    return isinstance(value, np.ndarray | np.generic) or (
-        hasattr(value, "__array__") and hasattr(value, "shape"))
+    return hasattr(value, "__array__") and hasattr(value, "shape")
 
 
 def _snapshot_tree(value: Any) -> Any:
@@ -176,41 +141,34 @@ def _flatten_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, 
 
 def _hparam_value(value: Any) -> bool | float | str:
     """Maps a value onto what the hparams plugin can store: bool, number or string."""
-    if isinstance(value, bool | np.bool_):
-        return bool(value)
-    if isinstance(value, str):
-        return value
+    if isinstance(value, bool | np.bool_ | str):
+        return value if isinstance(value, str) else bool(value)
     if isinstance(value, numbers.Real):
         return float(value)
     if _is_array(value) and np.size(value) == 1:
         arr = np.asarray(value).reshape(())
-        if arr.dtype.kind == "b":
-            return bool(arr)
         with contextlib.suppress(TypeError, ValueError):
-            return float(arr)
+            return bool(arr) if arr.dtype.kind == "b" else float(arr)
     return str(value)  # lists, None, objects: the plugin has no type for them
 
 
 def _pixels(kind: str, key: str, value: ArrayLike, layouts: Sequence[str]) -> np.ndarray:
-    """Checks an image or video batch and returns it as uint8 with every axis of
-    ``layouts[-1]``; floats are taken to lie in [0, 1], integers in [0, 255]."""
+    """Checks an image or video batch; returns it as uint8 with the axes of ``layouts[-1]``.
+    Floats are taken to lie in [0, 1], integers in [0, 255]."""
     arr = np.asarray(value)
     shape = arr.shape
     if arr.ndim not in {len(layout) for layout in layouts}:
         names = ", ".join(f"[{', '.join(layout)}]" for layout in layouts)
         raise ValueError(f"{kind} {key!r} must have shape {names}, got shape {shape}.")
-    if arr.ndim == 2:
-        arr = arr[..., None]  # [H, W]: one grey image
+    arr = arr[..., None] if arr.ndim == 2 else arr  # [H, W]: one grey image
     arr = arr.reshape((1,) * (len(layouts[-1]) - arr.ndim) + arr.shape)
     if arr.shape[-1] not in (1, 3, 4):
         raise ValueError(
             f"{kind} {key!r} must have 1, 3 or 4 channels in its last axis, got shape {shape}.")
     if arr.dtype == np.uint8:
         return arr
-    if arr.dtype == np.bool_:
-        arr = arr * 255
-    if arr.dtype.kind in "iu":
-        return np.clip(arr, 0, 255).astype(np.uint8)
+    if arr.dtype.kind in "biu":
+        return np.clip(arr * 255 if arr.dtype == np.bool_ else arr, 0, 255).astype(np.uint8)
     try:
         floats = np.clip(np.nan_to_num(arr.astype(np.float32)), 0.0, 1.0)
     except (TypeError, ValueError) as e:
@@ -229,8 +187,8 @@ def _videos_nthwc(key: str, value: ArrayLike) -> np.ndarray:
 
 
 def _audios_ntc(key: str, value: ArrayLike) -> np.ndarray:
-    """[T], [N, T] (mono) or [N, T, C] -> float64 [N, T, C] in [-1, 1]; int16 is rescaled
-    (by 2**15, as the WAV encoder scales back)."""
+    """[T], [N, T] (mono) or [N, T, C] -> float64 [N, T, C] in [-1, 1]; int16 is divided
+    by 2**15, which the WAV encoder multiplies back."""
     arr = np.asarray(value)
     if arr.ndim not in (1, 2, 3) or (arr.ndim == 3 and arr.shape[2] not in (1, 2)):
         raise ValueError(f"Audio {key!r} must have shape [N, T, C] with 1 or 2 channels, "
@@ -238,6 +196,9 @@ def _audios_ntc(key: str, value: ArrayLike) -> np.ndarray:
     arr = arr.reshape((1,) * (arr.ndim == 1) + arr.shape + (1,) * (arr.ndim < 3))
     floats = arr / 32768.0 if arr.dtype == np.int16 else np.nan_to_num(arr.astype(np.float64))
     return np.clip(floats, -1.0, 1.0)
+
+
+# GIF helpers of jaxloop.trackers (W&B videos).
 
 
 def _tile_videos(videos: np.ndarray) -> np.ndarray:
@@ -269,33 +230,28 @@ _EVENT_FILES = itertools.count()
 class SummaryWriter(_ContextManagerMixin):
     """Writes TensorBoard event files into ``logdir`` with tensorboardX, without TensorFlow.
 
-    What TensorBoard shows:
+    Where tensorboardX puts things:
 
-    * scalars: the Scalars tab. Tags are tensorboardX's: characters other than letters,
-      digits and ``_-/.`` become ``_``.
-    * images: one PNG per key and step (``add_images``); N images are tiled into one grid,
-      grey images are stored as RGB.
-    * videos: an animated GIF per key and step, N videos tiled (``add_video``). Needs
-      ``moviepy``; without it, warns once per writer and writes no videos.
-    * audios: one WAV clip per tag (``add_audio``), 1 or 2 channels; N clips of one key get
-      the tags ``key/0`` ... ``key/{N-1}``. Needs ``soundfile``; without it, warns once per
-      writer and writes no audio.
-    * texts: the Text tab (Markdown), under the tag ``key/text_summary`` (``add_text``).
-    * histograms: the Histograms and Distributions tabs (``add_histogram``).
-    * hparams: the HParams tab (``add_hparams``). tensorboardX writes them into a new
-      sub-run of ``logdir`` named by the time of the call (``train/1718000000.25``, a
-      session of its own), and lists no metrics with them, so the tab shows the
-      hyperparameters without metric columns; compare metrics in the Scalars tab.
+    * scalars (``add_scalar``): characters of a key other than letters, digits and ``_-/.``
+      become ``_``.
+    * images (``add_images``): one PNG per key and step, N images tiled into one grid.
+    * videos (``add_video``): one GIF per key and step, N videos tiled; needs ``moviepy``.
+    * audios (``add_audio``): one WAV per clip, 1 or 2 channels; N clips of a key are tagged
+      ``key/0`` ... ``key/{N-1}``; needs ``soundfile``.
+    * texts (``add_text``): tagged ``key/text_summary``, shown as Markdown.
+    * histograms (``add_histogram``).
+    * hparams (``add_hparams``): into a new sub-run named by the time of the call (e.g.
+      ``train/1718000000.25``) that lists no metrics: the HParams tab shows each such
+      session's hyperparameters, the Scalars tab the metrics.
 
-    Writes are encoded on the calling thread (wrap the writer in `AsyncWriter` to keep
-    that off the training loop); tensorboardX's thread writes the file and flushes it
-    every ``flush_secs``. tensorboardX's own flush does not wait for that thread, so
-    `flush` closes the file instead; the next write opens a new file in the same run.
+    Without ``moviepy`` or ``soundfile``, the writer warns once and skips videos or audios.
+    Encoding happens on the calling thread (see `AsyncWriter`); tensorboardX's thread
+    writes the file and flushes it every ``flush_secs``. tensorboardX's flush does not wait
+    for that thread, so `flush` closes the file and the next write opens a new one.
 
     Args:
-      logdir: directory for the event files, created if missing. A local path, an
-        ``etils.epath.Path``, or a ``gs://``/``s3://`` URL (tensorboardX's writers for these
-        need google-cloud-storage or boto3).
+      logdir: directory for the event files, created if missing (a path, an ``epath.Path``,
+        or a ``gs://``/``s3://`` URL with google-cloud-storage or boto3 installed).
       flush_secs: how often tensorboardX's thread flushes the file.
       video_fps: frame rate of the GIFs written by `write_videos`.
 
@@ -309,8 +265,7 @@ class SummaryWriter(_ContextManagerMixin):
     def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 120.0,
                  video_fps: float = 4.0) -> None:
         self._logdir = os.fspath(logdir)
-        self._flush_secs = flush_secs
-        self._video_fps = video_fps
+        self._flush_secs, self._video_fps = flush_secs, video_fps
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._closed = self._unflushed = False
@@ -319,8 +274,8 @@ class SummaryWriter(_ContextManagerMixin):
     def _open(self) -> Any:
         from tensorboardX import SummaryWriter as EventWriter
 
-        # File names hold the time in seconds; the pid and a zero-padded counter keep two
-        # files of one second apart, in the order they were opened.
+        # Files are named by the second they are opened in; the pid and a zero-padded
+        # counter keep two of one second apart and in the order they were opened.
         suffix = f".{os.getpid()}.{next(_EVENT_FILES):06d}"
         return EventWriter(self._logdir, flush_secs=self._flush_secs, filename_suffix=suffix)
 
@@ -340,77 +295,64 @@ class SummaryWriter(_ContextManagerMixin):
             self._unflushed = True
             yield self._events
 
+    def _add(self, adder: str, step: int, values: Mapping[str, Any], **kwargs: Any) -> None:
+        """Calls tensorboardX's ``adder(tag, value, step, **kwargs)`` for each value."""
+        with self._writing() as events:
+            for tag, value in values.items():
+                getattr(events, adder)(tag, value, step, **kwargs)
+
     def _can_import(self, package: str, method: str) -> bool:
         try:
             importlib.import_module(package)
+            return True
         except ImportError:
             if method not in self._warned:
                 self._warned.add(method)
                 _LOGGER.warning("%s needs %s (pip install %s); skipping.", method, package,
                                 package)
             return False
-        return True
 
-    def write_scalars(self, step: int, scalars: Mapping[str, ArrayLike]) -> None:
+    def write_scalars(self, step: int, scalars: Arrays) -> None:
         """Writes scalars (0-d or size-1 arrays, or numbers)."""
-        step, scalars = _as_step(step), _prepare_scalars(scalars)
-        with self._writing() as events:
-            for key, value in scalars.items():
-                events.add_scalar(key, value, step)
+        self._add("add_scalar", _as_step(step), _prepare_scalars(scalars))
 
-    def write_images(self, step: int, images: Mapping[str, ArrayLike]) -> None:
-        """Writes images of shape [H, W], [H, W, C] or [N, H, W, C], C in 1/3/4.
-
-        Float images are taken to lie in [0, 1] (and clipped), integers in [0, 255].
-        """
+    def write_images(self, step: int, images: Arrays) -> None:
+        """Writes images of shape [H, W], [H, W, C] or [N, H, W, C], C in 1/3/4: floats in
+        [0, 1] (clipped), integers in [0, 255]."""
         step = _as_step(step)
         batches = {key: _images_nhwc(key, value) for key, value in images.items()}
-        with self._writing() as events:
-            for key, batch in batches.items():
-                events.add_images(key, batch, step, dataformats="NHWC")
+        self._add("add_images", step, batches, dataformats="NHWC")
 
-    def write_videos(self, step: int, videos: Mapping[str, ArrayLike]) -> None:
+    def write_videos(self, step: int, videos: Arrays) -> None:
         """Writes videos of shape [T, H, W, C] or [N, T, H, W, C] as animated GIFs."""
         step = _as_step(step)
         batches = {key: _videos_nthwc(key, value)[..., :3] for key, value in videos.items()}
         if batches and self._can_import("moviepy", "write_videos"):
-            with self._writing() as events:
-                for key, batch in batches.items():
-                    events.add_video(key, batch, step, fps=self._video_fps, dataformats="NTHWC")
+            self._add("add_video", step, batches, fps=self._video_fps, dataformats="NTHWC")
 
-    def write_audios(self, step: int, audios: Mapping[str, ArrayLike], *, sample_rate: int) -> None:
-        """Writes audio clips, [N, T, C] (or [N, T] / [T] for mono), as 16-bit WAV.
-
-        Float samples are taken to lie in [-1, 1] (and clipped); int16 covers its range.
-        """
-        step = _as_step(step)
-        sample_rate = operator.index(sample_rate)
+    def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None:
+        """Writes clips, [N, T, C] (or [N, T] / [T] for mono), as 16-bit WAV: floats in
+        [-1, 1] (clipped), or int16."""
+        step, sample_rate = _as_step(step), operator.index(sample_rate)
         if sample_rate <= 0:
             raise ValueError(f"sample_rate must be positive, got {sample_rate}.")
-        batches = {key: _audios_ntc(key, value) for key, value in audios.items()}
-        if batches and self._can_import("soundfile", "write_audios"):
-            with self._writing() as events:
-                for key, clips in batches.items():
-                    for i, clip in enumerate(clips):
-                        tag = key if len(clips) == 1 else f"{key}/{i}"
-                        events.add_audio(tag, clip, step, sample_rate=sample_rate)
+        clips = {}
+        for key, value in audios.items():
+            batch = _audios_ntc(key, value)
+            clips.update({key if len(batch) == 1 else f"{key}/{i}": c for i, c in enumerate(batch)})
+        if clips and self._can_import("soundfile", "write_audios"):
+            self._add("add_audio", step, clips, sample_rate=sample_rate)
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         """Writes strings, shown as Markdown in the Text tab."""
-        step = _as_step(step)
-        with self._writing() as events:
-            for key, text in texts.items():
-                events.add_text(key, str(text), step)
+        self._add("add_text", _as_step(step), {key: str(text) for key, text in texts.items()})
 
-    def write_histograms(self, step: int, arrays: Mapping[str, ArrayLike],
+    def write_histograms(self, step: int, arrays: Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
-        """Writes a histogram of each array's values.
-
-        ``num_buckets`` maps keys to bucket counts (default `DEFAULT_HISTOGRAM_BUCKETS`).
-        Non-finite values are left out (with a warning), since the buckets cannot hold
-        them; an array with no finite values is skipped.
-        """
-        step = _as_step(step)
+        """Writes a histogram of each array, with ``num_buckets[key]`` buckets (default
+        `DEFAULT_HISTOGRAM_BUCKETS`). Non-finite values are left out with a warning (the
+        buckets cannot hold them); an array with no finite values is skipped."""
+        step, buckets = _as_step(step), num_buckets or {}
         finite = {}
         for key, value in arrays.items():
             flat = np.asarray(value, np.float64).reshape(-1)
@@ -418,7 +360,6 @@ class SummaryWriter(_ContextManagerMixin):
             if finite[key].size < flat.size:
                 _LOGGER.warning("Histogram %r at step %d: left out %d non-finite of %d values.",
                                 key, step, flat.size - finite[key].size, flat.size)
-        buckets = num_buckets or {}
         with self._writing() as events:
             for key, values in finite.items():
                 if values.size:
@@ -426,12 +367,9 @@ class SummaryWriter(_ContextManagerMixin):
                     events.add_histogram(key, values, step, bins=bins)
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-        """Writes hyperparameters for the HParams tab, into a sub-run (see above).
-
-        Nested mappings are flattened to dotted names (``{'opt': {'lr': 1e-3}}`` becomes
-        ``opt.lr``). Bools, numbers and strings keep their type (numbers become floats, the
-        plugin's only numeric type); anything else is written as its ``str()``.
-        """
+        """Writes hyperparameters, into a sub-run (see above). Nested mappings become dotted
+        names (``opt.lr``); bools, numbers (as floats) and strings keep their type, anything
+        else is written as its ``str()``."""
         flat = {key: _hparam_value(v) for key, v in _flatten_hparams(hparams).items()}
         with self._writing() as events:
             events.add_hparams(flat, {})
@@ -454,31 +392,31 @@ class SummaryWriter(_ContextManagerMixin):
 class _Forwarder(_ContextManagerMixin):
     """Checks and converts a call's arguments once, then hands the call to `_forward`."""
 
-    _to_host: Any = staticmethod(np.asarray)  # how array values are passed on
+    _to_host: Any = staticmethod(np.asarray)  # what array values are passed on as
 
     def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError
 
-    def _arrays(self, arrays: Mapping[str, ArrayLike]) -> dict[str, Any]:
+    def _arrays(self, arrays: Arrays) -> dict[str, Any]:
         return {key: self._to_host(value) for key, value in arrays.items()}
 
-    def write_scalars(self, step: int, scalars: Mapping[str, ArrayLike]) -> None:
+    def write_scalars(self, step: int, scalars: Arrays) -> None:
         self._forward("write_scalars", _as_step(step), _prepare_scalars(scalars))
 
-    def write_images(self, step: int, images: Mapping[str, ArrayLike]) -> None:
+    def write_images(self, step: int, images: Arrays) -> None:
         self._forward("write_images", _as_step(step), self._arrays(images))
 
-    def write_videos(self, step: int, videos: Mapping[str, ArrayLike]) -> None:
+    def write_videos(self, step: int, videos: Arrays) -> None:
         self._forward("write_videos", _as_step(step), self._arrays(videos))
 
-    def write_audios(self, step: int, audios: Mapping[str, ArrayLike], *, sample_rate: int) -> None:
+    def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None:
         self._forward("write_audios", _as_step(step), self._arrays(audios),
                       sample_rate=sample_rate)
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         self._forward("write_texts", _as_step(step), dict(texts))
 
-    def write_histograms(self, step: int, arrays: Mapping[str, ArrayLike],
+    def write_histograms(self, step: int, arrays: Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
         buckets = dict(num_buckets) if num_buckets is not None else None
         self._forward("write_histograms", _as_step(step), self._arrays(arrays), buckets)
@@ -488,17 +426,9 @@ class _Forwarder(_ContextManagerMixin):
 
 
 class LoggingWriter(_Forwarder):
-    """Writes metrics as human-readable lines with Python `logging`.
-
-    Scalars are logged as ``[prefix] step | key=value, ...``; for images, videos, audios and
-    histograms only the shapes are logged. Records go to the ``jaxloop.writers`` logger at
-    INFO unless ``logger``/``level`` say otherwise, so a logging set-up that shows INFO
-    (``logging.basicConfig(level=logging.INFO)``, or absl's) is needed to see them.
-
-    Args:
-      prefix: put in brackets before every line, e.g. the collection name.
-      logger: the logger to write to.
-      level: the level of the records.
+    """Writes metrics as lines of Python `logging`: ``[prefix] step | key=value, ...`` for
+    scalars, only the shapes of images, videos, audios and histograms. Records go to the
+    ``jaxloop.writers`` logger at INFO unless ``logger``/``level`` say otherwise.
 
     Example::
 
@@ -546,7 +476,8 @@ class MultiWriter(_Forwarder):
     """Forwards every call to each of ``writers``, in order.
 
     Steps and values are converted (and checked) once, before any writer is called, so a
-    bad value never leaves one writer with the data and another without.
+    bad value never leaves one writer with the data and another without. A writer that
+    raises does not keep the others from the call; the first error is raised after.
 
     Example::
 
@@ -563,26 +494,20 @@ class MultiWriter(_Forwarder):
         return self._writers
 
     def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
-        for writer in self._writers:
-            getattr(writer, method)(*args, **kwargs)
-
-    def _call_all(self, method: str) -> None:
-        # One broken writer must not keep the others' files unflushed or open: every writer
-        # gets the call, then the first error is raised.
         errors = []
         for writer in self._writers:
             try:
-                getattr(writer, method)()
+                getattr(writer, method)(*args, **kwargs)
             except Exception as e:
                 errors.append(e)
         if errors:
             raise errors[0]
 
     def flush(self) -> None:
-        self._call_all("flush")
+        self._forward("flush")
 
     def close(self) -> None:
-        self._call_all("close")
+        self._forward("close")
 
 
 def _call(writer: MetricWriter, method: str, args: tuple, kwargs: dict,
@@ -600,8 +525,8 @@ def _call(writer: MetricWriter, method: str, args: tuple, kwargs: dict,
 
 
 def _close_abandoned(pool: ThreadPoolExecutor, close: Any) -> None:
-    # Runs when an unclosed AsyncWriter is collected (maybe on its own thread, which must
-    # not wait for itself) or at exit, when the pool has already finished its queue.
+    # An unclosed AsyncWriter was collected (maybe on its own thread, which must not wait
+    # for itself), or the interpreter exits (the pool has then finished its queue).
     try:
         pool.submit(close)
     except RuntimeError:
@@ -610,21 +535,13 @@ def _close_abandoned(pool: ThreadPoolExecutor, close: Any) -> None:
 
 
 class AsyncWriter(_Forwarder):
-    """Does another writer's writing on one background thread.
+    """Does another writer's writing on one background thread, in the order of the calls.
 
-    A call returns once its arguments are host numpy copies (for jax arrays, once they are
-    computed), so buffers donated or deleted afterwards are never read; encoding and file
-    I/O happen on the thread, in the order of the calls. When ``max_queue`` calls are
-    waiting, the next call blocks until the thread catches up.
-
-    An exception raised by the wrapped writer on the thread is raised again by the next
-    call to this writer (write, `flush` or `close`), or at the next loop boundary
-    (`jaxloop.async_action_context`), whichever comes first. An abandoned writer is closed
-    when it is garbage-collected or at exit; call `close` (or use ``with``) to see errors.
-
-    Args:
-      writer: the writer to call, e.g. a `SummaryWriter`, a `MultiWriter`, or a clu writer.
-      max_queue: how many calls may wait for the thread.
+    A call returns once its arguments are host numpy copies (buffers donated or deleted
+    afterwards are never read); encoding and file I/O happen on the thread. When
+    ``max_queue`` calls wait, the next one blocks. An error of the wrapped writer is raised
+    by the next call here, or at the next loop boundary (`jaxloop.async_action_context`).
+    An abandoned writer is closed when collected or at exit; `close` it to see errors.
 
     Example::
 
@@ -642,6 +559,9 @@ class AsyncWriter(_Forwarder):
         self._room = threading.Semaphore(max_queue)
         self._failed: list[Future] = []
         self._closed = False
+        # Starts the thread now: started inside the first write, it would run that write
+        # while the caller waits for it to start.
+        self._pool.submit(int)
         # Holds the pool and the writer, never self, so an abandoned writer is collected.
         self._abandoned = weakref.finalize(self, _close_abandoned, self._pool, writer.close)
 
@@ -652,8 +572,8 @@ class AsyncWriter(_Forwarder):
 
     def _submit(self, method: str, *args: Any, **kwargs: Any) -> Future:
         self._room.acquire()
-        return self._pool.submit(
-            _call, self._writer, method, args, kwargs, self._failed, self._room)
+        return self._pool.submit(_call, self._writer, method, args, kwargs, self._failed,
+                                 self._room)
 
     def _raise_pending(self) -> None:
         failed = [self._failed.pop(0) for _ in range(len(self._failed))]
@@ -687,22 +607,15 @@ class AsyncWriter(_Forwarder):
         self._raise_pending()
 
 
-def create_default_writer(
-    logdir: str | os.PathLike[str] | None = None,
-    *,
-    just_logging: bool = False,
-    asynchronous: bool = True,
-    collection: str | None = None,
-) -> MetricWriter:
-    """The writer most training loops want; mirrors clu's function of the same name.
+def create_default_writer(logdir: str | os.PathLike[str] | None = None, *,
+                          just_logging: bool = False, asynchronous: bool = True,
+                          collection: str | None = None) -> MetricWriter:
+    """``MultiWriter([LoggingWriter, SummaryWriter])``, in an `AsyncWriter` when
+    ``asynchronous``, or only a `LoggingWriter` when ``just_logging`` or ``logdir`` is None;
+    as clu's function of that name.
 
-    Returns ``MultiWriter([LoggingWriter, SummaryWriter])``, wrapped in `AsyncWriter` when
-    ``asynchronous``; or only a `LoggingWriter` when ``just_logging`` or ``logdir`` is None.
-
-    With several JAX processes, only process 0 writes event files: elsewhere the
-    `SummaryWriter` is left out (no directory or file is created) and the writer only logs.
-    This calls ``jax.process_index()``, so in a multi-process job create the writer after
-    ``jax.distributed.initialize()``.
+    Only process 0 of a multi-process job writes event files (elsewhere the writer only
+    logs), so create the writer after ``jax.distributed.initialize()``.
 
     Args:
       logdir: the directory for event files, or None to only log.
@@ -714,9 +627,7 @@ def create_default_writer(
     Example::
 
         train_writer = create_default_writer(workdir, collection='train')
-        eval_writer = create_default_writer(workdir, collection='eval')
         train_writer.write_scalars(step, {'loss': loss})
-        train_writer.close(); eval_writer.close()
     """
     prefix = collection or ""
     if just_logging or logdir is None:

@@ -490,10 +490,12 @@ def test_multi_writer_forwards_to_every_writer(tmp_path, caplog):
     assert recorder.calls[4][2] == {"sample_rate": 100}
 
 
-def test_multi_writer_closes_every_writer_even_if_one_fails(tmp_path):
+def test_multi_writer_calls_every_writer_even_if_one_fails(tmp_path):
     summary = writers.SummaryWriter(tmp_path)
+    w = writers.MultiWriter([Recorder(fail="write_scalars"), summary])
+    with pytest.raises(RuntimeError, match="boom in write_scalars"):
+        w.write_scalars(0, {"x": 1.0})
     w = writers.MultiWriter([Recorder(fail="close"), summary])
-    w.write_scalars(0, {"x": 1.0})
     with pytest.raises(RuntimeError, match="boom in close"):
         w.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -607,8 +609,8 @@ def test_async_writer_error_in_close_is_raised_and_thread_ends():
 def test_async_writer_context_manager_leaves_no_thread(tmp_path):
     before = async_threads()
     with writers.AsyncWriter(writers.SummaryWriter(tmp_path)) as w:
-        w.write_scalars(0, {"x": 1.0})
         assert len(async_threads()) == len(before) + 1
+        w.write_scalars(0, {"x": 1.0})
     assert async_threads() == before
     assert [e.value for e in load(tmp_path).Scalars("x")] == [1.0]
 
