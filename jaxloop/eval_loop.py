@@ -50,36 +50,6 @@ def _is_local(batch: Any) -> bool:
     return not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
 
 
-class _CountingIterator(Iterator[Any]):
-    """Passes batches through and records each one's example count."""
-
-    def __init__(self, iterator: Iterator[Any], mask_key: str):
-        self._iterator = iterator
-        self._mask_key = mask_key
-        self.counts: list[Any] = []
-        self.local: list[bool] = []
-
-    def __next__(self) -> Any:
-        batch = next(self._iterator)
-        count = _example_count(batch, self._mask_key)
-        self.counts.append(count)
-        self.local.append(_is_local(batch))
-        return batch
-
-    def global_counts(self) -> list[Any]:
-        """Counts over all processes: host batches' local counts are summed across
-        processes (one small collective per loop, only in a multi-process job)."""
-        if jax.process_count() == 1 or not any(self.local):
-            return self.counts
-        from jax.experimental import multihost_utils  # noqa: PLC0415
-
-        local = np.array([c if lo else 0 for c, lo in zip(self.counts, self.local,
-                                                          strict=True)], np.int64)
-        summed = np.asarray(multihost_utils.process_allgather(local)).sum(axis=0)
-        return [int(s) if lo else c for s, c, lo in zip(summed, self.counts, self.local,
-                                                        strict=True)]
-
-
 class EvalLoop(action_loop.ActionLoop):
     """An ActionLoop that keeps the state fixed across its steps.
 
@@ -108,6 +78,28 @@ class EvalLoop(action_loop.ActionLoop):
         super().__init__(step, *args, **kwargs)
         self._mask_key = mask_key
         self.use_ema = use_ema
+        # Per batch read: its example count, and whether it held this process's rows only.
+        self._counts: list[Any] = []
+        self._local: list[bool] = []
+
+    def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
+        batch = super()._get_next_batch(dataset)
+        self._counts.append(_example_count(batch, self._mask_key))
+        self._local.append(_is_local(batch))
+        return batch
+
+    def _global_counts(self) -> list[Any]:
+        """Counts over all processes: host batches' local counts are summed across
+        processes (one small collective per loop, only in a multi-process job)."""
+        if jax.process_count() == 1 or not any(self._local):
+            return self._counts
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        local = np.array([c if lo else 0 for c, lo in zip(self._counts, self._local,
+                                                          strict=True)], np.int64)
+        summed = np.asarray(multihost_utils.process_allgather(local)).sum(axis=0)
+        return [int(s) if lo else c for s, c, lo in zip(summed, self._counts, self._local,
+                                                        strict=True)]
 
     def run(
         self,
@@ -118,15 +110,15 @@ class EvalLoop(action_loop.ActionLoop):
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
         kwargs.setdefault("return_state_from_step", False)
-        counting = _CountingIterator(dataset, self._mask_key)
+        self._counts, self._local = [], []
         evaluated = state
         if self.use_ema:
             from jaxloop import ema  # noqa: PLC0415
 
             evaluated = ema.swap_in(state)
         _, outputs = super().run(
-            evaluated, counting, num_steps, log_num_flops=log_num_flops, **kwargs
+            evaluated, dataset, num_steps, log_num_flops=log_num_flops, **kwargs
         )
-        if outputs is not None and counting.counts:
-            outputs[actions.EXAMPLE_COUNTS] = counting.global_counts()
+        if outputs is not None and self._counts:
+            outputs[actions.EXAMPLE_COUNTS] = self._global_counts()
         return state, outputs

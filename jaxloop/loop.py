@@ -29,7 +29,7 @@ from typing import Any
 import jax
 from clu import metrics as clu_metrics
 
-from jaxloop import execution_size, preemption, types
+from jaxloop import execution_size, preemption, staging, types
 from jaxloop import step as step_lib
 
 Output = types.Output
@@ -43,11 +43,10 @@ DEFAULT_MAX_STEPS_IN_FLIGHT = 2
 def default_max_steps_in_flight(step: Step) -> int:
     """How many dispatched executions a loop lets run ahead of the device by default.
 
-    2 on a mesh of several CPU devices: with hundreds of sharded steps queued, XLA's CPU
-    collectives deadlocked ("Expected 8 threads to join the rendezvous"). 8 elsewhere, so
-    that a host thread woken late (a loaded machine, a garbage collection) still finds
-    queued work for the device; with 2, a loaded 2-core machine lost up to 30% of the
-    throughput of 0.2 ms steps.
+    2 on a mesh of several CPU devices, for correctness: with hundreds of sharded steps
+    queued, XLA's CPU collectives deadlocked ("Expected 8 threads to join the
+    rendezvous"). 8 elsewhere, so the device finds queued work whenever the host thread
+    is late.
 
     Example::
 
@@ -60,61 +59,51 @@ def default_max_steps_in_flight(step: Step) -> int:
     return DEFAULT_MAX_STEPS_IN_FLIGHT if cpu and mesh.size > 1 else 8
 
 
-# A tuple: isinstance checks it faster than a union, once per output per step.
 _METRIC_TYPES = (clu_metrics.Metric, clu_metrics.Collection)
 
 
 @jax.jit
-def _merge_metrics(total: clu_metrics.Metric, new: clu_metrics.Metric) -> clu_metrics.Metric:
-    """One dispatch per step instead of one per array op; the result stays on device."""
-    return total.merge(new)
+def _merge_all(metrics: list[Any]) -> Any:
+    merged = metrics[0]
+    for metric in metrics[1:]:
+        merged = merged.merge(metric)
+    return merged
 
 
-def _split_steps(outputs: Output, num_steps: int) -> list[Output]:
-    per_step: list[Output] = [{} for _ in range(num_steps)]
-    for key, value in outputs.items():
-        if isinstance(value, _METRIC_TYPES):
-            # Merged here in step order, so the loop merges once per execution.
-            merged = jax.tree.map(lambda x: x[0], value)
-            for i in range(1, num_steps):
-                merged = merged.merge(jax.tree.map(lambda x, i=i: x[i], value))
-            per_step[-1][key] = merged
-        else:
-            for i in range(num_steps):
-                per_step[i][key] = jax.tree.map(lambda x, i=i: x[i], value)
-    return per_step
+class MetricList(list):
+    """A loop output's per-step `clu.metrics` values: a list (``len``, indexing) whose
+    `merged` metric over all steps is one jitted reduction.
 
+    Example::
 
-# Splits an execution's stacked outputs into per-step outputs in one dispatch.
-_split_steps_jit = jax.jit(_split_steps, static_argnums=1)
+        outputs['accuracy'][3]          # step 4's metric
+        outputs['accuracy'].compute()   # over the whole loop
+    """
+
+    def merged(self) -> Any:
+        """All steps' metrics merged (one dispatch; stays on the device)."""
+        if not self:
+            raise ValueError("No metric to merge: the loop ran no step")
+        return _merge_all(list(self))
+
+    def compute(self) -> Any:
+        """The metric over all steps: ``merged().compute()``."""
+        return self.merged().compute()
 
 
 def _sync_token(outputs: Any) -> jax.Array | None:
     """An array that is ready once its step has finished and that no later step donates."""
-    if isinstance(outputs, dict) and outputs:
-        first = next(iter(outputs.values()))
-        if isinstance(first, jax.Array):  # the usual case, without flattening every output
-            return first
-    for leaf in jax.tree.leaves(outputs):
-        if isinstance(leaf, jax.Array):
-            return leaf
-    return None
+    return next((x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)), None)
 
 
 class _Prefetch:
-    """A device prefetcher over `source`, started on the first batch asked of it.
-
-    None starts for a step whose batches stay on the host (`Step.batches_stay_on_host`):
-    there is nothing to place ahead, so they are read from `source` as needed, each while
-    the steps already dispatched run. A thread would only take CPU from those steps (on a
-    tiny step on 2 CPU cores it added about 26 us of wall time per step).
-    """
+    """A device prefetcher over `source` (`data.prefetch_to_device` with the step's
+    `prepare_batch`), started on the first batch asked of it."""
 
     def __init__(self, source: Iterator[Any], size: int):
         self.source = source
         self._size = size
         self._iterator: Any = None
-        self._on_host: bool | None = None
 
     @property
     def started(self) -> bool:
@@ -122,10 +111,6 @@ class _Prefetch:
 
     def batches(self, step: Step) -> Iterator[Any]:
         if self._iterator is None:
-            if self._on_host is None:
-                self._on_host = step.batches_stay_on_host()
-            if self._on_host:
-                return self.source
             from jaxloop import data  # noqa: PLC0415
 
             self._iterator = data.prefetch_to_device(self.source, step.prepare_batch, self._size)
@@ -204,23 +189,18 @@ class Loop:
         also rounds differently, so unroll conv nets there (see
         `Partitioner.partition_steps`).
 
-    With ``steps_per_execution=k > 1`` the loop reads k batches, stacks them and runs them
-    with `Step.call_steps`; each step's outputs still reach `update_outputs` one step at a
-    time (split on the device in one dispatch; clu metrics arrive merged over the
-    execution, with its last step). Executions are cut so that everything the host sees
-    stays exact:
+    With ``steps_per_execution=k > 1`` the loop reads up to k batches, stacks them and runs
+    them with `Step.call_steps` through one compiled program of k steps, whatever the
+    number of batches (a loop's remainder, the steps up to an action, the end of the data):
+    a run compiles one program per step kind whatever its loop lengths. Each step's outputs
+    still reach `update_outputs` one step at a time (split on the device in one dispatch).
+    Executions are cut so that everything the host sees stays exact:
 
-    - only two programs ever run: the k-step one and the single step. A loop of n steps
-      runs ``n // k`` executions of k and its last ``n % k`` steps one by one, so no loop
-      length compiles anything after the first loop;
     - a step-level action of the Step (see `step.action_fires`) fires exactly on its steps:
       an execution never spans a step a begin action fires on (except as its first step)
-      or an end action fires on (except as its last); the steps up to such a step run one
-      by one, so intervals that are multiples of k cost nothing;
-    - the Step's `begin` and `end` run once per execution, on the stacked batch (leading
-      axis k) and the stacked outputs;
-    - when the dataset ends inside an execution, the batches read run as single steps;
-      batches of different shapes (a smaller last batch) also run as single steps;
+      or an end action fires on (except as its last);
+    - the Step's `begin` and `end` run once per compiled call (see `Step.begin`);
+    - batches of another layout (a smaller last batch) start an execution of their own;
     - preemption is honoured at the end of the execution holding the requested step.
 
     Override `begin`, `run`, `end` or `update_outputs` to customise; `_get_next_batch`,
@@ -257,6 +237,8 @@ class Loop:
         self._unroll = unroll
         self._in_flight: collections.deque = collections.deque()
         self._prefetch: _Prefetch | None = None
+        # A batch read but left for the next execution (another layout than the one before).
+        self._pending: Any = None
         self.dataset_exhausted = False
         self.preempted = False
         self.num_steps_run = 0
@@ -307,19 +289,17 @@ class Loop:
     def update_outputs(self, loop_outputs: Output, step_outputs: Output | None) -> Output:
         """Appends each step output to the loop's per-key lists.
 
-        `clu.metrics` Metric and Collection outputs are merged instead (on the device, no
-        transfer), so the loop reports one metric over all its steps; call `.compute()` on
-        it, or let SummaryAction do so.
+        Every key holds one entry per step. `clu.metrics` values go to a `MetricList`,
+        whose `compute()` merges them over the loop (one jitted reduction).
         """
         if step_outputs is not None:
             for key, value in step_outputs.items():
-                if isinstance(value, _METRIC_TYPES):
-                    previous = loop_outputs.get(key)
-                    loop_outputs[key] = value if previous is None else _merge_metrics(
-                        previous, value
+                values = loop_outputs.get(key)
+                if values is None:
+                    values = loop_outputs[key] = (
+                        MetricList() if isinstance(value, _METRIC_TYPES) else []
                     )
-                else:
-                    loop_outputs[key].append(value)
+                values.append(value)
         return loop_outputs
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
@@ -342,10 +322,7 @@ class Loop:
         the default `_get_next_batch` takes each batch from the prefetcher, which starts
         on the first such read (a subclass that reads ``next(dataset)`` itself therefore
         never starts it). `data_position` reports the position after the batches
-        consumed, not after those read ahead. Batches the step leaves on the host
-        (`Step.batches_stay_on_host`: CPU devices in one process) are read as needed, with
-        no thread: there is nothing to place ahead, and the steps already dispatched run
-        while the next batch is read.
+        consumed, not after those read ahead.
 
         Example::
 
@@ -425,53 +402,45 @@ class Loop:
         return_state_from_step: bool = True,
         **kwargs: Any,
     ) -> tuple[State, Output, int]:
-        """Runs `num_steps` batches in one execution and records each step's outputs.
+        """Runs up to `num_steps` batches in one execution and records each step's outputs.
 
-        Returns the state, the loop outputs and how many steps ran: fewer (as single steps)
-        when the dataset ends first, which also sets `dataset_exhausted`.
+        Returns the state, the loop outputs and how many steps ran: fewer when the dataset
+        ends first (which also sets `dataset_exhausted`) or a batch of another layout
+        comes (it is kept for the next execution).
         """
-        batches = []
+        batches = [self._pending] if self._pending is not None else []
+        self._pending = None
         try:
-            for _ in range(num_steps):
-                batches.append(self._get_next_batch(dataset))
+            while len(batches) < num_steps:
+                batch = self._get_next_batch(dataset)
+                if batches and step_lib.batch_layout(batch) != step_lib.batch_layout(
+                    batches[0]
+                ):
+                    self._pending = batch
+                    break
+                batches.append(batch)
         except StopIteration:
             self.dataset_exhausted = True
             if not batches:
                 raise
-        prepared = None
-        if len(batches) == num_steps:
-            try:
-                prepared = self._step.prepare_batches(batches)
-            except step_lib.BatchLayoutError:
-                pass  # e.g. a smaller last batch: run these one by one
-        if prepared is None:
-            remaining = iter(batches)
-            for i in range(len(batches)):
-                state, loop_outputs = self._run_one_step(
-                    state, remaining, loop_outputs, per_loop_step_number + i,
-                    log_num_flops=log_num_flops and i == 0,
-                    return_state_from_step=return_state_from_step, **kwargs,
-                )
-            return state, loop_outputs, len(batches)
+        count = len(batches)
         new_state, outputs = self._step.call_steps(
-            state, prepared, per_loop_step_number, log_num_flops=log_num_flops,
-            carry_state=return_state_from_step, unroll=self._unroll, **kwargs,
+            state, batches, per_loop_step_number, log_num_flops=log_num_flops,
+            carry_state=return_state_from_step, unroll=self._unroll,
+            size=self._steps_per_execution, **kwargs,
         )
         if return_state_from_step:
             state = new_state
-        per_step = [None] * num_steps if outputs is None else _split_steps_jit(
-            outputs, num_steps)
+        per_step = [None] * count if outputs is None else staging.unstack(outputs)[:count]
         self._wait_for_room(per_step[-1], new_state)
         for step_outputs in per_step:
             loop_outputs = self.update_outputs(loop_outputs, step_outputs)
-        return state, loop_outputs, num_steps
+        return state, loop_outputs, count
 
-    def _execution_size(self, first: int, remaining: int | None) -> int:
-        """How many steps the execution starting at step `first` runs (see `Loop`)."""
-        return self._cut(first, remaining, self._steps_per_execution)
-
-    def _cut(self, first: int, remaining: int | None, size: int) -> int:
-        """`_execution_size` for executions of at most `size` steps."""
+    def _execution_size(self, first: int, remaining: int | None, size: int | None = None) -> int:
+        """How many steps the execution starting at step `first` runs, of at most `size`
+        (default: `steps_per_execution`; see `Loop`)."""
+        size = size or self._steps_per_execution
         if remaining is not None:
             size = min(size, remaining)
         begin_actions = self._step.begin_actions
@@ -488,8 +457,6 @@ class Loop:
 
     @staticmethod
     def _reached_sync_point(host_step: int, steps_done: int, size: int) -> bool:
-        if size == 1:
-            return preemption.reached_sync_point(host_step + steps_done)
         # Every step number is offered: with several processes the agreed sync step may
         # fall inside an execution, and all processes then stop at that execution's end.
         return any(
@@ -513,6 +480,7 @@ class Loop:
         self.dataset_exhausted = False
         self.preempted = False
         self._in_flight.clear()
+        self._pending = None
         # Preemption is checked between training steps against a host-side step count, read
         # once here (a loop boundary) so the per-step check never waits for the device.
         check_preemption = preemption.active() and return_state_from_step
@@ -520,59 +488,42 @@ class Loop:
         tuner = None if self._auto_chosen else self._tuner
         if tuner is not None and num_steps is not None:
             tuner.limit(num_steps)
-        fused = self._steps_per_execution > 1 or tuner is not None
         segment: _Segment | None = None  # the timed segment under way ('auto')
-        per_loop_step_number = 0
-        while num_steps is None or per_loop_step_number < num_steps:
-            size = 1
+        done = 0
+        while num_steps is None or done < num_steps:
             if tuner is not None:
                 if tuner.done:
                     self._choose_steps_per_execution(tuner, num_steps)
                     tuner = None
-                    fused = self._steps_per_execution > 1
                 else:
                     self._steps_per_execution = tuner.candidate
                     if segment is None:
-                        segment = _Segment(per_loop_step_number)
-            if fused:
-                remaining = None if num_steps is None else num_steps - per_loop_step_number
-                size = self._execution_size(per_loop_step_number + 1, remaining)
-                if size < self._steps_per_execution:
-                    # Fewer steps (a loop's remainder, the steps up to an action) run one
-                    # by one: a program of another size would compile anew.
-                    size = 1
+                        segment = _Segment(done)
+            first_flops = log_num_flops and done == 0
             try:
-                if size == 1:
+                if self._steps_per_execution == 1 and self._pending is None:
+                    size = 1
                     state, loop_outputs = self._run_one_step(
-                        state,
-                        dataset,
-                        loop_outputs,
-                        per_loop_step_number + 1,
-                        log_num_flops=log_num_flops and per_loop_step_number == 0,
-                        return_state_from_step=return_state_from_step,
-                        **kwargs,
+                        state, dataset, loop_outputs, done + 1, log_num_flops=first_flops,
+                        return_state_from_step=return_state_from_step, **kwargs,
                     )
                 else:
+                    remaining = None if num_steps is None else num_steps - done
                     state, loop_outputs, size = self._run_steps(
-                        state,
-                        dataset,
-                        loop_outputs,
-                        per_loop_step_number + 1,
-                        size,
-                        log_num_flops=log_num_flops and per_loop_step_number == 0,
-                        return_state_from_step=return_state_from_step,
-                        **kwargs,
+                        state, dataset, loop_outputs, done + 1,
+                        self._execution_size(done + 1, remaining), log_num_flops=first_flops,
+                        return_state_from_step=return_state_from_step, **kwargs,
                     )
             except StopIteration:
                 self.dataset_exhausted = True
                 break
-            per_loop_step_number += size
+            done += size
             if tuner is not None:
-                segment.executed(self._in_flight, per_loop_step_number)
-                if per_loop_step_number - segment.first_step >= tuner.segment_steps:
+                segment.executed(self._in_flight, done)
+                if done - segment.first_step >= tuner.segment_steps:
                     tuner.record(self._steps_per_execution, *segment.timed())
                     segment = None
-            if check_preemption and self._reached_sync_point(host_step, per_loop_step_number, size):
+            if check_preemption and self._reached_sync_point(host_step, done, size):
                 self.preempted = True
                 break
             if self.dataset_exhausted:
@@ -581,14 +532,14 @@ class Loop:
         if tuner is not None:
             if self.dataset_exhausted and num_steps is None:
                 # Now the loop's length is known (an eval loop over its whole dataset).
-                tuner.limit(per_loop_step_number)
+                tuner.limit(done)
             if tuner.done:
                 self._choose_steps_per_execution(tuner, num_steps)
             else:
                 # Still measuring (a segment cut by the loop's end does not count): the
                 # next loop goes on from the same segment.
                 self._steps_per_execution = 1
-        self.num_steps_run = per_loop_step_number
+        self.num_steps_run = done
         return state, dict(loop_outputs)
 
     def _choose_steps_per_execution(
@@ -599,17 +550,12 @@ class Loop:
         self._auto_chosen = True
 
     def _plan(self, size: int, num_steps: int) -> tuple[int, int]:
-        """(executions of `size` steps, single steps) of a loop of `num_steps` steps."""
-        executions = singles = 0
-        done = 0
+        """(executions, 0) of a loop of `num_steps` steps in executions of up to `size`."""
+        executions = done = 0
         while done < num_steps:
-            if self._cut(done + 1, num_steps - done, size) < size:
-                singles += 1
-                done += 1
-            else:
-                executions += 1
-                done += size
-        return executions, singles
+            done += self._execution_size(done + 1, num_steps - done, size)
+            executions += 1
+        return executions, 0
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         """Called after the last step of each loop."""

@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import functools
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 from flax.core import spmd as core_spmd
@@ -41,11 +38,9 @@ from flax.linen import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxloop import program as program_lib
+
 PyTree = Any
-
-# Distinct batch layouts remembered per partitioner before the cache starts over.
-_MAX_PLACEMENTS = 64
-
 
 def _path_str(path: tuple) -> str:
     return jax.tree_util.keystr(path) or "<root>"
@@ -60,33 +55,6 @@ def _unboxed(tree: PyTree) -> PyTree:
     `meta.unbox` applies (it needs the annotation's axes in the mesh, which only the SPMD
     partitioner has; placement comes from the jit's out_shardings anyway)."""
     return jax.tree.map(lambda x: x.value if _is_box(x) else x, tree, is_leaf=_is_box)
-
-
-class _Placement:
-    """The shardings of one validated batch layout and the fastest way to apply them."""
-
-    def __init__(
-        self, treedef: Any, shardings: tuple[NamedSharding, ...], single_device: bool
-    ):
-        self.shardings = shardings
-        # The shardings as a tree like the batch: `in_shardings` for a jitted step that
-        # places host batches itself.
-        self.tree = jax.tree.unflatten(treedef, shardings)
-        self.key = (treedef, shardings)
-        self._sharding_list = list(shardings)
-        # On one device, a jitted identity places numpy leaves through jit's C++ argument
-        # path, several times faster than device_put's Python path. On a multi-device mesh
-        # it runs a real computation and is slower, so device_put places those.
-        self._put_numpy = (
-            jax.jit(lambda *xs: xs, in_shardings=shardings, out_shardings=shardings)
-            if single_device
-            else None
-        )
-
-    def put(self, leaves: list) -> Sequence[jax.Array]:
-        if self._put_numpy is not None and all(type(x) is np.ndarray for x in leaves):
-            return self._put_numpy(*leaves)
-        return jax.device_put(leaves, self._sharding_list)
 
 
 class Partitioner(abc.ABC):
@@ -114,11 +82,6 @@ class Partitioner(abc.ABC):
         # `sharding`, never read to place anything (placement is a pure function of the
         # state's arrays and the model's annotations).
         self._last_state_shardings: PyTree = None
-        # Batch layouts already validated, keyed by (stacked, treedef, leaf shapes): a
-        # training run sees one or two layouts, so the per-leaf checks run once per layout.
-        self._placements: dict[tuple, _Placement] = {}
-        self._stackers: dict[tuple, Callable] = {}
-        self._single_process = jax.process_count() == 1
 
     def _count_local_data_shards(self) -> int:
         if self._data_axis is None:
@@ -242,65 +205,50 @@ class Partitioner(abc.ABC):
 
         return sharded_init
 
-    def _check_batch_leaf(self, path: tuple, x: Any, stacked: bool) -> None:
-        shape = np.shape(x)
+    def batch_shardings(self, batch: PyTree, stacked: bool = False) -> PyTree:
+        """The sharding of each leaf of a process-local batch, checked against the mesh.
+
+        Leaves are split along the data axis on their leading dimension (with `stacked`, on
+        their second: ``stacked[i]`` is placed as batch i); leaves without that dimension are
+        replicated.
+
+        Raises:
+          ValueError: a leaf's batch dimension does not divide by this process's devices
+            along the data axis (the message names the leaf path and shape).
+        """
         axis = 1 if stacked else 0
-        if len(shape) <= axis:
-            return
-        if shape[axis] % self._local_data_shards:
-            what = "batch dimension" if stacked else "leading dimension"
-            raise ValueError(
-                f"Batch leaf {_path_str(path)} has shape {tuple(shape)}"
-                f"{f' ({shape[0]} stacked batches)' if stacked else ''}: its {what} "
-                f"{shape[axis]} does not divide by the {self._local_data_shards} local devices "
-                f"along mesh axis {self._data_axis!r} of process {jax.process_index()}. Use a "
-                f"per-process batch size that is a multiple of {self._local_data_shards}."
-            )
-
-    def _placement(self, batch: PyTree, leaves: list, key: tuple) -> _Placement:
-        stacked = key[0]
-        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            self._check_batch_leaf(path, x, stacked)
         split = self._stacked_sharding if stacked else self._batch_sharding
-        min_ndim = 2 if stacked else 1
-        shardings = tuple(
-            split if np.ndim(x) >= min_ndim else self._replicated for x in leaves
-        )
-        if len(self._placements) >= _MAX_PLACEMENTS:
-            self._placements.clear()  # shapes vary without bound (e.g. sequence lengths)
-        placement = self._placements[key] = _Placement(
-            key[1], shardings, self._mesh.size == 1 and self._single_process
-        )
-        return placement
 
-    def _host_batch_placement(self, batch: PyTree) -> _Placement | None:
-        """The validated placement of a batch of numpy leaves, which a jitted call can then
-        transfer itself; None for other batches (or several processes)."""
-        if not self._single_process:
-            return None
-        leaves, treedef = jax.tree_util.tree_flatten(batch)
-        shapes = []  # one pass, no generators: this runs once per step
-        for x in leaves:
-            if type(x) is not np.ndarray:
-                return None
-            shapes.append(x.shape)
-        key = (False, treedef, tuple(shapes))
-        return self._placements.get(key) or self._placement(batch, leaves, key)
+        def sharding(path: tuple, x: Any) -> NamedSharding:
+            shape = np.shape(x)
+            if len(shape) <= axis:
+                return self._replicated
+            if shape[axis] % self._local_data_shards:
+                what = "batch dimension" if stacked else "leading dimension"
+                raise ValueError(
+                    f"Batch leaf {_path_str(path)} has shape {tuple(shape)}"
+                    f"{f' ({shape[0]} stacked batches)' if stacked else ''}: its {what} "
+                    f"{shape[axis]} does not divide by the {self._local_data_shards} local "
+                    f"devices along mesh axis {self._data_axis!r} of process "
+                    f"{jax.process_index()}. Use a per-process batch size that is a multiple "
+                    f"of {self._local_data_shards}."
+                )
+            return split
+
+        return jax.tree_util.tree_map_with_path(sharding, batch)
 
     def _place(self, batch: PyTree, stacked: bool) -> PyTree:
-        leaves, treedef = jax.tree_util.tree_flatten(batch)
-        key = (stacked, treedef, tuple(map(np.shape, leaves)))
-        placement = self._placements.get(key) or self._placement(batch, leaves, key)
-        if self._single_process:
-            out = placement.put(leaves)
-        else:
-            out = [
-                x
-                if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, np.ndim(x))
-                else jax.make_array_from_process_local_data(s, np.asarray(x))
-                for x, s in zip(leaves, placement.shardings, strict=True)
-            ]
-        return jax.tree.unflatten(treedef, out)
+        shardings = self.batch_shardings(batch, stacked)
+        if jax.process_count() == 1:
+            # One process holds the whole global batch: a plain transfer (a no-op for leaves
+            # already placed so).
+            return jax.device_put(batch, shardings)
+        return jax.tree.map(
+            lambda x, s: x
+            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
+            else jax.make_array_from_process_local_data(s, np.asarray(x)),
+            batch, shardings,
+        )
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """Turns this process's local batch into global arrays split along the data axis.
@@ -308,8 +256,7 @@ class Partitioner(abc.ABC):
         Each leaf's leading dimension is this process's share of the global batch; with P
         processes the global leading dimension is P times larger. 0-d leaves are replicated.
         Leaves already placed with the batch sharding pass through untouched, so a
-        prefetcher may shard ahead of time. A batch layout (tree structure and shapes) is
-        validated the first time it is seen; later batches of that layout skip the checks.
+        prefetcher may shard ahead of time.
 
         Example::
 
@@ -339,232 +286,24 @@ class Partitioner(abc.ABC):
         """
         return self._place(batch, stacked=True)
 
-    def stack_batches(self, batches: Sequence[PyTree]) -> PyTree:
-        """Stacks batches already placed by `shard_batch` into one placed as
-        `shard_stacked_batch` places it, on the devices (one dispatch, no host copy).
-
-        Example::
-
-            stacked = partitioner.stack_batches([partitioner.shard_batch(b) for b in batches])
-        """
-        leaves, treedef = jax.tree_util.tree_flatten(batches[0])
-        key = (treedef, tuple(np.ndim(x) for x in leaves), len(batches))
-        stack = self._stackers.get(key)
-        if stack is None:
-            shardings = jax.tree.unflatten(
-                treedef,
-                [self._stacked_sharding if np.ndim(x) >= 1 else self._replicated
-                 for x in leaves],
-            )
-            stack = self._stackers[key] = jax.jit(
-                lambda bs: jax.tree.map(lambda *xs: jnp.stack(xs), *bs),
-                out_shardings=shardings,
-            )
-        return stack(list(batches))
-
-    def partition(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable:
+    def partition(self, fn: Callable[..., Any], **jit_kwargs: Any) -> program_lib.Program:
         """Jits `fn(state, batch, ...)` for this placement, whatever pytree it returns.
 
-        `fn` is traced under this partitioner's mesh (`trace_context`). When it returns
-        ``(state, outputs)``, the output state is pinned to the input state's shardings (so
-        donated buffers are reused in place and FSDP state stays split); outputs follow
-        XLA's propagation, which
-        keeps per-example outputs split like the batch. `jit_kwargs` go to `jax.jit`; an
-        unknown one raises TypeError here, not at the first call.
-
-        The returned function also has ``call_placing_batch(state, host_batch)``, which
-        places a numpy batch as `shard_batch` would within the call itself.
+        One `jax.jit` with the state's shardings as its input shardings (taken from the
+        first state passed: placement is a property of the state's arrays), traced under
+        this partitioner's mesh (`trace_context`). When `fn` returns ``(state, outputs)``
+        the new state is placed as the old one, so donated buffers are reused in place and
+        FSDP state stays split; outputs follow XLA's propagation. A state placed
+        differently on this mesh is an error naming both shardings, never a second
+        program. `jit_kwargs` go to `jax.jit`; an unknown one raises TypeError here.
 
         Example::
 
             train_fn = partitioner.partition(step_fn, donate_argnums=(0,))
             state, outputs = train_fn(state, partitioner.shard_batch(batch))
-            state, outputs = train_fn.call_placing_batch(state, batch)  # the same, faster
         """
-        return _PartitionedFn(self, fn, jit_kwargs, _ONE_STEP)
+        return program_lib.Program(fn, self, **jit_kwargs)
 
-    def partition_steps(
-        self,
-        fn: Callable[..., tuple[PyTree, Any]],
-        carry_state: bool = True,
-        unroll: int | bool = 1,
-        **jit_kwargs: Any,
-    ) -> Callable:
-        """Jits several steps of `fn` in one call: a `jax.lax.scan` over stacked batches.
-
-        The returned function takes ``(state, stacked_batch, ...)``, with batches stacked on
-        a leading axis (`shard_stacked_batch`), and returns the final state and the stacked
-        outputs. Each step's new state is pinned exactly as `partition` pins it, so every
-        step compiles to the same arithmetic as a `partition`-ed step and the results are
-        bit-identical to running the steps one by one, as far as XLA compiles the scan's
-        body like a top-level program (see `unroll`). With ``carry_state=False`` every step
-        sees the given state and the function returns it (evaluation).
-
-        `unroll` goes to `jax.lax.scan`: 1 keeps one compiled loop body (fast to compile),
-        True inlines every step. XLA:CPU compiles convolutions inside a loop body to a
-        slower kernel that also rounds differently (about 10x slower for the guide's CNN);
-        unrolled, they match single steps bit for bit at k times the compile time.
-
-        Example::
-
-            train_steps = partitioner.partition_steps(step_fn, donate_argnums=(0,))
-            state, outputs = train_steps(state, partitioner.shard_stacked_batch(stacked))
-        """
-        return _PartitionedFn(
-            self, fn, jit_kwargs, _CARRIED if carry_state else _FIXED, unroll=unroll
-        )
-
-
-@functools.cache
-def _frozen(cls: type) -> bool:
-    """Whether `cls` is a frozen dataclass (a flax struct such as TrainState): its objects'
-    fields cannot be reassigned, so their arrays' placement cannot change."""
-    params = getattr(cls, "__dataclass_params__", None)
-    return params is not None and params.frozen
-
-
-# What a _PartitionedFn compiles: one step, or a scan of steps with the state carried from
-# step to step or fixed.
-_ONE_STEP, _CARRIED, _FIXED = "one step", "carried", "fixed"
-
-
-class _PartitionedFn:
-    """A step function (or a scan of steps) jitted once, with the output state's shardings
-    taken from the input state's."""
-
-    def __init__(
-        self,
-        partitioner: Partitioner,
-        fn: Callable,
-        jit_kwargs: dict[str, Any],
-        mode: str,
-        unroll: int | bool = 1,
-    ):
-        self._partitioner = partitioner
-        self._fn = fn
-        self._unroll = unroll
-        self._jit_kwargs = jit_kwargs
-        self._traced = {
-            _ONE_STEP: self._one_step, _CARRIED: self._carried, _FIXED: self._fixed
-        }[mode]
-        # One compiled program per placement of the input state, each pinning its output
-        # state to that placement: a memo of a pure function of the arrays' shardings.
-        self._programs: dict[Any, tuple[PyTree, Callable, dict]] = {}
-        self._key: Any = object()
-        # Weak references to the states last passed in and returned, when immutable: the
-        # loop passes one of them back (the returned state to a train step, the same state
-        # to an eval step), placed as the current program expects, so their leaves need not
-        # be read again. Weak, so that a state the user drops is freed.
-        self._known: tuple[Callable[[], Any], ...] = ()
-        # The current program: its pin (read while tracing), the jitted function, and its
-        # variants whose batch argument has pinned shardings, so host batches are placed by
-        # the call itself (keyed by the batch placement).
-        self._state_shardings: PyTree = None
-        self._jitted: Callable = None  # type: ignore[assignment]
-        self._placing: dict[tuple, Callable] = {}
-        self._can_place = mode == _ONE_STEP and "in_shardings" not in jit_kwargs
-        jax.jit(self._traced, **jit_kwargs)  # an unknown jit flag is a TypeError here
-
-    def _pin(self, state: PyTree) -> PyTree:
-        # The pinned placement also fixes how XLA partitions the gradient reductions, so a
-        # scanned step must be pinned like a single one for their bits to agree.
-        if self._state_shardings is not None and jax.tree.structure(
-            state
-        ) == jax.tree.structure(self._state_shardings):
-            state = jax.lax.with_sharding_constraint(state, self._state_shardings)
-        return state
-
-    def _one_step(self, state: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, Any]:
-        with self._partitioner.trace_context():
-            result = self._fn(state, *args, **kwargs)
-        if isinstance(result, tuple) and len(result) == 2:
-            return self._pin(result[0]), result[1]
-        return result  # any other pytree (a dict of metrics, ...) as the function made it
-
-    def _carried(self, state: PyTree, batches: PyTree, *args: Any,
-                 **kwargs: Any) -> tuple[PyTree, Any]:
-        # Pinning the carry on entry too fixes the loop's carried placement, so the final
-        # state leaves the loop already where a single step would put it.
-        state, outputs = jax.lax.scan(
-            lambda s, batch: self._one_step(self._pin(s), batch, *args, **kwargs),
-            state,
-            batches,
-            unroll=self._unroll,
-        )
-        return self._pin(state), outputs
-
-    def _fixed(self, state: PyTree, batches: PyTree, *args: Any,
-               **kwargs: Any) -> tuple[PyTree, Any]:
-        _, outputs = jax.lax.scan(
-            lambda carry, batch: (carry, self._one_step(state, batch, *args, **kwargs)[1]),
-            None,
-            batches,
-            unroll=self._unroll,
-        )
-        return state, outputs
-
-    def _input_shardings(self, state: PyTree) -> PyTree:
-        leaves = jax.tree.leaves(state)
-        if leaves and all(isinstance(x, jax.Array) for x in leaves):
-            return jax.tree.map(lambda x: x.sharding, state)
-        return self._partitioner.state_shardings(state)
-
-    def _select(self, state: PyTree) -> None:
-        """Makes the program for this state's placement current (cheap when unchanged)."""
-        if state is not None:
-            for ref in self._known:
-                if ref() is state:
-                    return
-        key = None if state is None else tuple(
-            getattr(x, "sharding", None) for x in jax.tree.leaves(state)
-        )
-        if key == self._key:
-            return
-        self._known = ()
-        entry = self._programs.get(key)
-        if entry is None:
-            pin = None if state is None else self._input_shardings(state)
-            entry = (pin, jax.jit(self._traced, **self._jit_kwargs), {})
-            self._programs[key] = entry
-        self._key = key
-        self._state_shardings, self._jitted, self._placing = entry
-
-    def _remember(self, state: PyTree, result: Any) -> Any:
-        out = result[0] if type(result) is tuple and len(result) == 2 else None
-        # The returned state first: a train loop passes it back next.
-        known: tuple[Callable[[], Any], ...] = ()
-        if _frozen(type(out)):
-            known = (weakref.ref(out),)
-        if _frozen(type(state)):
-            known += (weakref.ref(state),)
-        self._known = known
-        return result
-
-    def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, Any]:
-        self._select(state)
-        return self._remember(state, self._jitted(state, *args, **kwargs))
-
-    def call_placing_batch(self, state: PyTree, batch: PyTree) -> tuple[PyTree, Any]:
-        """Calls the function on a host batch that the call places as
-        `Partitioner.shard_batch` would (validated alike), in jit's own argument transfer:
-        one dispatch instead of two, and no separate copy on CPU."""
-        placement = self._partitioner._host_batch_placement(batch) if self._can_place else None
-        if placement is None:
-            return self(state, self._partitioner.shard_batch(batch))
-        self._select(state)
-        jitted = self._placing.get(placement.key)
-        if jitted is None:
-            # None leaves the state's placement to its arguments, as in the plain variant.
-            jitted = jax.jit(
-                self._one_step, in_shardings=(None, placement.tree), **self._jit_kwargs
-            )
-            self._placing[placement.key] = jitted
-        return self._remember(state, jitted(state, batch))
-
-    def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
-        """Lowers the jitted function for these arguments (for cost analysis)."""
-        self._select(state)
-        return self._jitted.lower(state, *args, **kwargs)
 
 
 class DataParallelPartitioner(Partitioner):

@@ -137,7 +137,7 @@ class StatLoop(loop_lib.Loop):
     ) -> tuple[State, Output | None]:
         wants_flops = (
             STAT_NUM_FLOPS in self._stat_names or self._model_flops == "xla"
-        ) and self.step.num_flops is None
+        ) and getattr(self.step, "num_flops", None) is None
         state, outputs = super().run(
             state, dataset, num_steps, log_num_flops=log_num_flops or wants_flops, **kwargs
         )
@@ -156,10 +156,13 @@ class StatLoop(loop_lib.Loop):
         }
         if self._global_batch_size is not None:
             stats[STAT_EXAMPLES_PER_SEC] = steps_per_sec * self._global_batch_size
-        if self.step.num_params is not None:
-            stats[STAT_NUM_PARAMS] = float(self.step.num_params)
-        if self.step.num_flops is not None:
-            stats[STAT_NUM_FLOPS] = float(self.step.num_flops)
+        # A plain step object (the reference's loops accept any callable) has neither.
+        num_params = getattr(self.step, "num_params", None)
+        num_flops = getattr(self.step, "num_flops", None)
+        if num_params is not None:
+            stats[STAT_NUM_PARAMS] = float(num_params)
+        if num_flops is not None:
+            stats[STAT_NUM_FLOPS] = float(num_flops)
         stats = {k: v for k, v in stats.items() if k in self._stat_names}
         if self._model_flops is not None or self._recorder is not None:
             stats.update(self._goodput_stats(elapsed, steps_per_sec))
@@ -170,7 +173,7 @@ class StatLoop(loop_lib.Loop):
 
         stats: dict[str, float] = {}
         if self._model_flops == "xla" and self.step.num_flops:
-            # Cost analysis is of the compiled per-device program.
+            # `num_flops` is per device (the compiled program's), as `mfu`'s argument.
             value = goodput.mfu(self.step.num_flops * steps_per_sec)
             if value is not None:
                 stats[STAT_MFU_XLA] = value

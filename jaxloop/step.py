@@ -1,9 +1,9 @@
 """Step: what happens to one batch. Users subclass it and override `run`.
 
-`Step.__call__` runs ``preprocess_batch -> shard -> begin actions -> begin -> jitted run -> end
--> end actions``. `run` is compiled once through the partitioner and reused. `Step.call_steps`
-runs several batches in one compiled call (a `jax.lax.scan` of `run`), which is what a loop
-with ``steps_per_execution > 1`` does.
+`Step.__call__` runs ``preprocess_batch -> shard -> begin actions -> begin -> compiled run ->
+end -> end actions``. `run` is compiled once (`jaxloop.program`) and called directly every
+step. `Step.call_steps` runs up to k batches in one compiled call, which is what a loop with
+``steps_per_execution=k`` does.
 
 Example::
 
@@ -23,56 +23,35 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxloop import analysis, staging, types
 from jaxloop import memory as memory_lib
 from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
 from jaxloop import precision as precision_lib
-from jaxloop import types
+from jaxloop import program as program_lib
 
 Batch = types.Batch
 Output = types.Output
 State = types.TrainState
 
+# Names kept here for code that imports them from the step module.
+PreparedBatch = staging.PreparedBatch
+BatchLayoutError = staging.BatchLayoutError
+batch_layout = staging.batch_layout
+zeros_from_spec = staging.zeros_from_spec
+
 log = logging.getLogger(__name__)
 
 # Evaluation steps need no optimizer; one shared identity keeps the default immutable.
 _IDENTITY = optax.identity()
-
-_SPEC_HELP = (
-    "expected a shape such as [1, 28, 28, 1], a (shape, dtype) pair such as "
-    "([1, 28, 28, 1], 'float32'), or a dict/list/tuple of these"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class PreparedBatch:
-    """A batch already preprocessed (and placed on the devices) by `Step.prepare_batch`.
-
-    A device prefetcher hands these to the step, which then skips both stages.
-    `Step.prepare_batches` makes one of several batches stacked on a new leading axis, with
-    `num_steps` set to their number (None for a single batch). `on_host` marks a
-    preprocessed batch left on the host because the step's compiled call places it itself
-    (one process on CPU devices, where placing ahead saves nothing).
-    """
-
-    batch: Batch
-    num_steps: int | None = None
-    on_host: bool = False
-
-
-class BatchLayoutError(ValueError):
-    """Batches meant for one execution differ in tree structure or leaf shapes."""
 
 
 def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
@@ -92,66 +71,8 @@ def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
     return per_loop_step_number % action.interval == 0
 
 
-def batch_layout(batch: Batch | PreparedBatch) -> tuple:
-    """The tree structure and leaf shapes of a batch: batches of one layout can be stacked.
-
-    Example::
-
-        batch_layout({'x': np.ones((8, 2))}) == batch_layout({'x': np.zeros((8, 2))})  # True
-    """
-    if isinstance(batch, PreparedBatch):
-        batch = batch.batch
-    leaves, treedef = jax.tree_util.tree_flatten(batch)
-    return treedef, tuple(map(np.shape, leaves))
-
-
 def _index(tree: Any, i: int) -> Any:
     return jax.tree.map(lambda x: x[i], tree)
-
-
-@jax.jit
-def _stack_on_device(batches: list[Batch]) -> Batch:
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
-
-
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, list | tuple) and all(
-        isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in x
-    )
-
-
-def _as_dtype(x: Any) -> np.dtype | None:
-    if isinstance(x, str | np.dtype | type):
-        try:
-            return jnp.dtype(x)
-        except TypeError:
-            return None
-    return None
-
-
-def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
-    """Builds a zero batch (numpy arrays) from a batch spec.
-
-    Example::
-
-        zeros_from_spec({'image': [2, 8, 8, 1], 'label': ([2], 'int32')})
-    """
-    if isinstance(spec, jax.ShapeDtypeStruct | np.ndarray | jax.Array):
-        return np.zeros(spec.shape, spec.dtype)
-    if _is_shape(spec):
-        return np.zeros(tuple(int(d) for d in spec), np.float32)
-    is_pair = isinstance(spec, list | tuple) and not hasattr(spec, "_fields") and len(spec) == 2
-    if is_pair and _is_shape(spec[0]) and isinstance(spec[1], str | np.dtype | type):
-        dtype = _as_dtype(spec[1])
-        if dtype is None:
-            raise ValueError(f"{path}: {spec[1]!r} is not a dtype; {_SPEC_HELP}")
-        return np.zeros(tuple(int(d) for d in spec[0]), dtype)
-    if isinstance(spec, Mapping):
-        return {k: zeros_from_spec(v, f"{path}[{k!r}]") for k, v in spec.items()}
-    if isinstance(spec, list | tuple) and spec:
-        items = [zeros_from_spec(v, f"{path}[{i}]") for i, v in enumerate(spec)]
-        return type(spec)(*items) if hasattr(spec, "_fields") else type(spec)(items)
-    raise ValueError(f"{path} is {spec!r}: {_SPEC_HELP}")
 
 
 def is_abstract(state: Any) -> bool:
@@ -218,14 +139,11 @@ class Step:
         self._should_shard_batch = should_shard_batch
         self._begin_actions = list(begin_actions or [])
         self._end_actions = list(end_actions or [])
-        self._compiled: Callable | None = None
-        # The prefetch thread's `prepare_batch` and the loop's first call may both compile.
-        self._compile_lock = threading.Lock()
-        self._runs_host_batches = False
-        self._prepares_on_host = False
+        self._compiled: program_lib.Program | None = None
         self._jit_kwargs: dict[str, Any] = {}
-        # The multi-step programs of `call_steps`, keyed by (carry_state, unroll).
-        self._compiled_steps: dict[tuple[bool, int | bool], Callable] = {}
+        # The programs of executions of several steps (`call_steps`), one per
+        # (size, carry_state, unroll): a loop uses one ('auto' tries a few sizes first).
+        self._compiled_steps: dict[tuple[int, bool, int | bool], program_lib.Program] = {}
         self._num_params: int | None = None
         # The batch spec of the last `abstract_state`, to initialise it when nothing is
         # restored (host-side configuration, like the model itself).
@@ -272,8 +190,8 @@ class Step:
 
     @property
     def num_flops(self) -> float | None:
-        """Flops of one whole step (all devices), known after a call with
-        `log_num_flops=True` (see `compute_num_flops`)."""
+        """Flops of one step on one device, known after a call with `log_num_flops=True`
+        (see `compute_num_flops`)."""
         return self._num_flops
 
     # -- randomness -------------------------------------------------------------------------
@@ -314,7 +232,7 @@ class Step:
 
             state = step.initialize_model({'image': [1, 28, 28, 1], 'label': ([1], 'int32')})
         """
-        batch = zeros_from_spec(spec)
+        batch = staging.zeros_from_spec(spec)
         state = self._partitioner.shard_init_fn(self._create_state)(batch)
         self.compute_num_params(state)
         if log_num_params:
@@ -335,7 +253,7 @@ class Step:
 
             state = step.restore_model(step.abstract_state([1, 28, 28, 1]), ckpt_dir)
         """
-        batch = zeros_from_spec(spec)
+        batch = staging.zeros_from_spec(spec)
         abstract = self._partitioner.abstract_init_fn(self._create_state)(batch)
         self._abstract_spec = spec
         self.compute_num_params(abstract)
@@ -404,8 +322,9 @@ class Step:
 
     # -- compilation ----------------------------------------------------------------------------
 
-    def compile(self, **jit_kwargs: Any) -> Callable:
-        """Jits `run` through the partitioner; `jit_kwargs` go to `jax.jit`.
+    def compile(self, **jit_kwargs: Any) -> program_lib.Program:
+        """Jits `run` through the partitioner (`Partitioner.partition`); `jit_kwargs` go to
+        `jax.jit`.
 
         Training steps donate the state's buffers (argument 0) unless `donate_argnums` is
         given. An unknown jit flag raises TypeError here.
@@ -419,87 +338,37 @@ class Step:
         self._compiled = self._partitioner.partition(self._run_in_mode, **kwargs)
         self._jit_kwargs = kwargs
         self._compiled_steps = {}
-        # Whether `__call__` may let the compiled call place host batches: only where
-        # neither an overridden `prepare_batch` nor `begin` expects them on the devices.
-        cls = type(self)
-        self._runs_host_batches = (
-            self._should_shard_batch
-            and cls.prepare_batch is Step.prepare_batch
-            and cls.begin is Step.begin
-            and callable(getattr(self._compiled, "call_placing_batch", None))
-        )
-        # On CPU devices in one process, placing a batch ahead (a prefetch thread) is a
-        # copy in host memory that the compiled call would make anyway: leave it to the
-        # call.
-        self._prepares_on_host = (
-            self._runs_host_batches
-            and jax.process_count() == 1
-            and all(d.platform == "cpu" for d in self._partitioner.mesh.devices.flat)
-        )
         return self._compiled
 
-    def _program(self) -> Callable:
+    def _program(self) -> program_lib.Program:
         """The single-step program, made on first use (`compile` with default flags)."""
-        compiled = self._compiled
-        if compiled is None:
-            with self._compile_lock:
-                compiled = self._compiled or self.compile()
-        return compiled
+        return self._compiled or self.compile()
 
-    def _steps_program(self, carry_state: bool, unroll: int | bool) -> Callable:
-        program = self._compiled_steps.get((carry_state, unroll))
+    def _steps_program(self, size: int, carry_state: bool, unroll: int | bool
+                       ) -> program_lib.Program:
+        key = (size, carry_state, unroll)
+        program = self._compiled_steps.get(key)
         if program is None:
-            self._program()
-            program = self._partitioner.partition_steps(
-                self._run_in_mode, carry_state=carry_state, unroll=unroll, **self._jit_kwargs
+            self._program()  # the jit flags of `compile`
+            program = self._compiled_steps[key] = program_lib.Program(
+                self._run_in_mode, self._partitioner, steps=size, carry_state=carry_state,
+                unroll=unroll, **self._jit_kwargs,
             )
-            self._compiled_steps[(carry_state, unroll)] = program
         return program
 
-    def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float:
-        """Flops of one whole `run` on this batch (all devices together), from XLA's cost
-        analysis of the program before it is split across devices.
-
-        Nothing is compiled for it (the step is only lowered), and the figure does not
-        depend on the partitioner: single device, data parallel and SPMD agree.
+    def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float | None:
+        """Flops of one `run` on this (placed) batch on one device, from XLA's cost
+        analysis of the compiled step (`analysis.flops`): a data-parallel step over 8
+        devices reports about an eighth of the single-device figure. None where XLA gives
+        none. Compiles the step ahead of time once for the analysis.
         """
-        compiled = self._program()
-        analysis = compiled.lower(state, batch, **kwargs).cost_analysis()
-        if isinstance(analysis, list | tuple):
-            analysis = analysis[0] if analysis else {}
-        self._num_flops = float((analysis or {}).get("flops", 0.0))
+        self._num_flops = analysis.flops(self._program(), state, batch, kwargs)
         return self._num_flops
 
     def abstract_batch(self, spec: types.BatchSpec) -> Batch:
-        """The global batch of `spec` as `run` receives it, described but not built: each
-        leaf a `jax.ShapeDtypeStruct` placed as `Partitioner.shard_batch` places batches
-        (leading dimension split along the data axis, 0-d leaves replicated).
-
-        Raises:
-          ValueError: a leaf's leading dimension does not divide by the devices along the
-            data axis (the message names the leaf), or a malformed spec.
-        """
-        partitioner = self._partitioner
-        mesh = partitioner.mesh
-        axis = partitioner.data_axis
-        shards = mesh.shape[axis] if axis is not None else 1
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-        def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
-            if getattr(x, "sharding", None) is not None:
-                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-            if x.ndim and x.shape[0] % shards:
-                raise ValueError(
-                    f"Batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
-                    f"{tuple(x.shape)}: its leading dimension {x.shape[0]} (the global "
-                    f"batch) does not divide by the {shards} devices along mesh axis "
-                    f"{axis!r}"
-                )
-            sharding = partitioner.batch_sharding if x.ndim else replicated
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-        # np.zeros reserves pages lazily: describing a large batch this way costs no memory.
-        return jax.tree_util.tree_map_with_path(describe, zeros_from_spec(spec))
+        """The global batch of `spec` as `run` receives it, described but not built (see
+        `staging.abstract_batch`)."""
+        return staging.abstract_batch(self._partitioner, spec)
 
     def memory_estimate(
         self, spec: types.BatchSpec, state: State | None = None, **kwargs: Any
@@ -530,12 +399,12 @@ class Step:
             init_spec = self._abstract_spec if self._abstract_spec is not None else spec
             # Not `abstract_state`: an estimate leaves the step's bookkeeping as it was.
             state = self._partitioner.abstract_init_fn(self._create_state)(
-                zeros_from_spec(init_spec)
+                staging.zeros_from_spec(init_spec)
             )
-        batch = self.abstract_batch(spec)
-        compiled = self._program()
-        program = compiled.lower(state, batch, **kwargs).compile()
-        return memory_lib.MemoryEstimate.from_compiled(program, self._partitioner.mesh.devices)
+        return analysis.memory(
+            self._program(), state, self.abstract_batch(spec), kwargs,
+            self._partitioner.mesh.devices,
+        )
 
     # -- the parts users override ---------------------------------------------------------------
 
@@ -543,89 +412,32 @@ class Step:
         """Host-side transformation of the raw batch before sharding (numpy in, numpy out)."""
         return batch
 
-    def batches_stay_on_host(self) -> bool:
-        """Whether `prepare_batch` leaves batches on the host for the compiled call to place
-        (CPU devices in one process, the default `prepare_batch` and `begin`).
-
-        Such batches have nothing to be placed ahead of the step, so a prefetcher reads them
-        as they are needed instead of in a thread (see `Loop.prefetching`). Makes the step's
-        program if it is not made yet, as `prepare_batch` does.
-        """
-        self._program()
-        return self._prepares_on_host
-
     def prepare_batch(self, batch: Batch) -> PreparedBatch:
         """`preprocess_batch`, then sharding (if enabled): the host-side work for a batch,
-        which a prefetcher may do in the background ahead of the step.
-
-        On CPU devices in one process the batch stays on the host (``on_host=True``) when
-        the compiled call can place it itself: placing it ahead would copy it within host
-        memory for nothing. The choice is made here once for all batches (this makes the
-        step's program, as its first call would), so the batches a prefetcher prepares
-        before the first step run the same compiled program as all later ones.
-        """
-        self._program()
-        batch = self.preprocess_batch(batch)
-        if self._prepares_on_host:
-            return PreparedBatch(batch, on_host=True)
-        if self._should_shard_batch:
-            batch = self._partitioner.shard_batch(batch)
-        return PreparedBatch(batch)
-
-    def prepare_batches(self, batches: Sequence[Batch | PreparedBatch]) -> PreparedBatch:
-        """The host-side work for several batches run in one `call_steps` execution.
-
-        Each batch is preprocessed; host (numpy) batches are then stacked with `np.stack`
-        on a new leading axis and placed in one transfer with
-        `Partitioner.shard_stacked_batch`. Batches already on the devices (prefetched
-        `PreparedBatch`es, jax arrays) are stacked on the devices instead.
-
-        Raises:
-          BatchLayoutError: the batches differ in layout (`batch_layout`); raised before
-            any batch is preprocessed.
+        which a prefetcher does in the background ahead of the step.
 
         Example::
 
-            stacked = step.prepare_batches([batch1, batch2, batch3, batch4])
-            state, outputs = step.call_steps(state, stacked)  # outputs['loss'].shape == (4,)
+            prepared = step.prepare_batch(batch)
+            state, outputs = step(state, prepared)  # not preprocessed or placed again
         """
-        if not batches:
-            raise ValueError("prepare_batches needs at least one batch")
-        layouts = {batch_layout(b) for b in batches}
-        if len(layouts) > 1:
-            raise BatchLayoutError(
-                f"Batches run in one execution must share one layout (tree structure and "
-                f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}"
-            )
-        shard = self._should_shard_batch
-        if not any(isinstance(b, PreparedBatch) for b in batches):
-            host = [self.preprocess_batch(b) for b in batches]
-            if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(host)):
-                stacked = jax.tree.map(lambda *xs: np.stack(xs), *host)
-                if shard:
-                    stacked = self._partitioner.shard_stacked_batch(stacked)
-                return PreparedBatch(stacked, len(batches))
-            placed = [self._partitioner.shard_batch(b) if shard else b for b in host]
-        elif all(isinstance(b, PreparedBatch) and b.on_host for b in batches):
-            stacked = jax.tree.map(lambda *xs: np.stack(xs), *(b.batch for b in batches))
-            return PreparedBatch(self._partitioner.shard_stacked_batch(stacked), len(batches))
-        else:
-            placed = [self._placed(b) for b in batches]
-        stacked = self._partitioner.stack_batches(placed) if shard else _stack_on_device(placed)
-        return PreparedBatch(stacked, len(batches))
+        batch = self.preprocess_batch(batch)
+        if self._should_shard_batch:
+            batch = self._partitioner.shard_batch(batch)
+        return PreparedBatch(batch)
 
     def _placed(self, batch: Batch | PreparedBatch) -> Batch:
         """The batch preprocessed and on the devices."""
         if not isinstance(batch, PreparedBatch):
             batch = self.prepare_batch(batch)
-        if batch.on_host:
-            return self._partitioner.shard_batch(batch.batch)
         return batch.batch
 
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
-        """Runs before the compiled `run`, outside jit, on the sharded batch.
+        """Runs on the host before each compiled call, on the batch it is given (placed).
 
-        In `call_steps` it runs once per execution, on the stacked batch.
+        It runs once per compiled call: for one step on its batch; for an execution of
+        fused steps (`call_steps`, ``steps_per_execution=k``) once, on the execution's
+        batches stacked on a leading axis of k.
         """
         return state, batch
 
@@ -640,13 +452,23 @@ class Step:
             return self.run(state, batch, *args, **kwargs)
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
-        """Runs after the compiled `run`, outside jit.
+        """Runs on the host after each compiled call, on the outputs it returned.
 
-        In `call_steps` it runs once per execution, on the stacked outputs.
+        Once per compiled call, as `begin`: for fused steps on the outputs stacked on a
+        leading axis of k (the entries past the execution's real steps are zeros).
         """
         return state, outputs
 
     # -- driver ---------------------------------------------------------------------------------
+
+    def _fire(self, actions: list[Any], begin: bool, step_number: int, state: State,
+              outputs: Output | None = None, batch: Batch | None = None) -> None:
+        for action in actions:
+            if action_fires(action, step_number, begin):
+                if begin:
+                    action(state, None, batch=batch, per_loop_step_number=step_number)
+                else:
+                    action(state, outputs, per_loop_step_number=step_number)
 
     def __call__(
         self,
@@ -656,67 +478,37 @@ class Step:
         log_num_flops: bool = False,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
-        """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions.
-
-        When nothing looks at the sharded batch before `run` (`prepare_batch` and `begin`
-        not overridden), the compiled call places the host batch itself, exactly as
-        `Partitioner.shard_batch` would: one dispatch instead of two. A begin action firing
-        on this step is given a placed copy, and `log_num_flops` only lowers the step, so
-        every step runs the one compiled program.
-        """
-        compiled = self._program()
-        prepared = isinstance(batch, PreparedBatch)
-        if prepared and not batch.on_host:
-            batch = batch.batch
-        elif self._runs_host_batches and not kwargs:
-            host = batch.batch if prepared else self.preprocess_batch(batch)
-            if log_num_flops:
-                self.compute_num_flops(state, host)
-            if self._begin_actions:
-                for action in self._begin_actions:
-                    if action_fires(action, per_loop_step_number, begin=True):
-                        # Actions see the batch on the devices; the step still gets the host
-                        # batch, so every step runs the one compiled program.
-                        placed = self._partitioner.shard_batch(host)
-                        action(state, None, batch=placed,
-                               per_loop_step_number=per_loop_step_number)
-            state, outputs = compiled.call_placing_batch(state, host)
-            return self._end_step(state, outputs, per_loop_step_number)
-        else:
-            batch = self._placed(batch)
-        for action in self._begin_actions:
-            if action_fires(action, per_loop_step_number, begin=True):
-                action(state, None, batch=batch, per_loop_step_number=per_loop_step_number)
+        """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions."""
+        program = self._program()
+        batch = self._placed(batch)
+        self._fire(self._begin_actions, True, per_loop_step_number, state, batch=batch)
         state, batch = self.begin(state, batch)
         if log_num_flops:
             self.compute_num_flops(state, batch, **kwargs)
-        state, outputs = compiled(state, batch, **kwargs)
-        return self._end_step(state, outputs, per_loop_step_number)
-
-    def _end_step(
-        self, state: State, outputs: Output | None, per_loop_step_number: int
-    ) -> tuple[State, Output | None]:
+        state, outputs = program(state, batch, **kwargs)
         state, outputs = self.end(state, outputs)
-        for action in self._end_actions:
-            if action_fires(action, per_loop_step_number, begin=False):
-                action(state, outputs, per_loop_step_number=per_loop_step_number)
+        self._fire(self._end_actions, False, per_loop_step_number, state, outputs)
         return state, outputs
 
     def call_steps(
         self,
         state: State,
-        batches: Sequence[Batch | PreparedBatch] | PreparedBatch,
+        batches: Sequence[Batch | PreparedBatch],
         per_loop_step_number: int = 1,
         log_num_flops: bool = False,
         carry_state: bool = True,
         unroll: int | bool = 1,
+        size: int | None = None,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
-        """Runs several batches as consecutive steps in one compiled call.
+        """Runs batches as consecutive steps in one compiled call.
 
-        The steps are a `jax.lax.scan` of `run` over the stacked batches, so the host
-        dispatches once for all of them, and the results equal those of calling the step on
-        each batch in turn. Outputs come back stacked: ``outputs['loss'][i]`` is step i's.
+        The steps are a `jax.lax.scan` of `run` over the batches stacked on a leading axis
+        of `size` (default: their number), so the host dispatches once for all of them, and
+        the results equal those of calling the step on each batch in turn. One program
+        serves every number of batches up to `size`: the stack is padded and the program
+        runs only the real steps. Outputs come back stacked: ``outputs['loss'][i]`` is step
+        i's (entries past the real steps are zeros).
 
         `begin` and `end` run once for the whole execution, on the stacked batch and the
         stacked outputs. Step actions fire as in `__call__`, for step numbers
@@ -726,45 +518,43 @@ class Step:
 
         Args:
           state: the state before the first step.
-          batches: a sequence of batches, or their `prepare_batches` result.
+          batches: the batches (raw, or prepared by `prepare_batch`), of one layout.
           per_loop_step_number: the number of the first step in its loop.
           log_num_flops: compute `num_flops` of one step first.
           carry_state: False runs every step on the given `state` (as eval loops do) and
             returns it unchanged.
           unroll: how many steps the compiled loop body holds (`jax.lax.scan`'s `unroll`;
-            True: all). See `Partitioner.partition_steps`: on XLA:CPU, unroll conv nets.
+            True: all).
+          size: the most steps the program runs (>= the number of batches).
           **kwargs: passed to every `run`.
 
         Raises:
           ValueError: a step action would fire on a step inside the execution.
+          BatchLayoutError: the batches differ in layout.
 
         Example::
 
             state, outputs = step.call_steps(state, [batch1, batch2, batch3, batch4])
         """
-        if not isinstance(batches, PreparedBatch):
-            batches = self.prepare_batches(batches)
-        if batches.num_steps is None:
-            raise ValueError(
-                "call_steps needs stacked batches: a sequence of batches or the result of "
-                "prepare_batches, not a single PreparedBatch"
-            )
-        num_steps = batches.num_steps
-        first = per_loop_step_number
-        last = first + num_steps - 1
+        if not batches:
+            raise ValueError("call_steps needs at least one batch")
+        count = len(batches)
+        size = count if size is None else size
+        first, last = per_loop_step_number, per_loop_step_number + count - 1
         self._check_no_inner_actions(first, last)
-        stacked = batches.batch
-        for action in self._begin_actions:
-            if action_fires(action, first, begin=True):
-                action(state, None, batch=_index(stacked, 0), per_loop_step_number=first)
+        staging.check_layouts(batches)
+        placed = [self._placed(b) for b in batches]
+        stacked = staging.stack(placed, size, self._partitioner, shard=self._should_shard_batch)
+        self._fire(self._begin_actions, True, first, state, batch=placed[0])
         state, stacked = self.begin(state, stacked)
         if log_num_flops:
             self.compute_num_flops(state, _index(stacked, 0), **kwargs)
-        state, outputs = self._steps_program(carry_state, unroll)(state, stacked, **kwargs)
+        program = self._steps_program(size, carry_state, unroll)
+        new_state, outputs = program(state, stacked, count, **kwargs)
+        state = new_state if carry_state else state
         state, outputs = self.end(state, outputs)
-        for action in self._end_actions:
-            if action_fires(action, last, begin=False):
-                action(state, _index(outputs, -1), per_loop_step_number=last)
+        if self._end_actions:
+            self._fire(self._end_actions, False, last, state, _index(outputs, count - 1))
         return state, outputs
 
     def _check_no_inner_actions(self, first: int, last: int) -> None:
@@ -780,4 +570,3 @@ class Step:
                         f"execution of steps {first}..{last}; run the steps around it "
                         "separately (loops with steps_per_execution do this)"
                     )
-

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import ClassifierStep, LinenMLP, PlacingClassifierStep, toy_data
+from models import ClassifierStep, LinenMLP, toy_data
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxloop import actions, checkpoint, loop, outer_loop, stat_loop, writers
@@ -397,26 +397,41 @@ def test_prefetch_gives_identical_results_and_leaks_no_thread():
     assert set(threading.enumerate()) <= before
 
 
-def test_prefetch_reads_host_batches_in_the_loop_and_placed_batches_in_a_thread():
-    # On CPU devices in one process the compiled call places host batches itself: there is
-    # nothing to do ahead, so the batches are read in the loop's thread. A step whose own
-    # prepare_batch places them gets the background thread.
-    readers = {}
-    params = {}
-    for name, cls in (("host", ClassifierStep), ("placed", PlacingClassifierStep)):
-        def reading(name=name):
-            for batch in forever():
-                readers.setdefault(name, set()).add(threading.current_thread().name)
-                yield batch
+def test_prefetch_places_train_and_eval_batches_ahead_in_a_thread():
+    # Eval batches used to be read and placed on the loop's thread: the eval loop wrapped
+    # its dataset, so the prefetcher never recognised it.
+    readers = {"train": set(), "eval": set()}
+    received = {"train": set(), "eval": set()}
 
-        step = cls(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
-        outer = outer_loop.OuterLoop(train_loop=train_loop_lib.TrainLoop(step), prefetch=2)
-        state, _ = outer(step.initialize_model([1, 16]), reading(), train_total_steps=12,
-                         train_loop_steps=4)
-        assert step.batches_stay_on_host() == (name == "host")
-        params[name] = jax.device_get(state.params)
-    assert readers == {"host": {"MainThread"}, "placed": {"jaxloop-device-prefetch"}}
-    jax.tree.map(np.testing.assert_array_equal, params["host"], params["placed"])
+    def reading(name, batches):
+        for batch in batches:
+            readers[name].add(threading.current_thread().name)
+            yield batch
+
+    def recording(cls, name):
+        class Recording(cls):
+            def _get_next_batch(self, dataset):
+                batch = super()._get_next_batch(dataset)
+                received[name].add(type(batch).__name__)
+                return batch
+        return Recording
+
+    class EvalData:
+        def __iter__(self):
+            return reading("eval", BATCHES[:3])
+
+    train = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
+                           train=True)
+    evaluate = ClassifierStep(jax.random.key(0), LinenMLP())
+    outer = outer_loop.OuterLoop(
+        train_loop=recording(train_loop_lib.TrainLoop, "train")(train),
+        eval_loops=[recording(eval_loop_lib.EvalLoop, "eval")(evaluate)], prefetch=2)
+    state, _ = outer(train.initialize_model([1, 16]), reading("train", forever()),
+                     train_total_steps=8, train_loop_steps=4,
+                     eval_specs=[outer_loop.EvalSpec(EvalData())])
+    assert int(state.step) == 8
+    assert readers == {"train": {"jaxloop-device-prefetch"}, "eval": {"jaxloop-device-prefetch"}}
+    assert received == {"train": {"PreparedBatch"}, "eval": {"PreparedBatch"}}
 
 
 def test_prefetch_surfaces_dataset_errors():

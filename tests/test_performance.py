@@ -1,5 +1,5 @@
-"""Performance features: fused multi-step execution (steps_per_execution), cached batch
-placement, no hidden per-step host sync, and the profile hook."""
+"""Performance features: fused multi-step execution (steps_per_execution), one compiled
+program per step kind, no hidden per-step host sync, and the profile hook."""
 
 import contextlib
 import gc
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from models import ClassifierStep, LinenMLP, toy_data
 
 from jaxloop import eval_loop as eval_loop_lib
-from jaxloop import loop, outer_loop, partition, preemption, profiling
+from jaxloop import loop, outer_loop, partition, preemption, profiling, staging
 from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
 
@@ -89,11 +89,11 @@ def test_fused_eval_loop_and_dataset_end(kind):
     evaluate = make_step(kind, train=False)
     _, plain = eval_loop_lib.EvalLoop(evaluate)(state, BATCHES)
     el = eval_loop_lib.EvalLoop(evaluate, steps_per_execution=5)
-    same, fused = el(state, BATCHES)  # 5+5+5, then one batch left: a single step
+    same, fused = el(state, BATCHES)  # 5+5+5, then one batch left: the same program
     assert same is state and el.dataset_exhausted and el.num_steps_run == 16
     assert_same_outputs(plain, fused)
     tl = train_loop_lib.TrainLoop(train, steps_per_execution=4)
-    state, outputs = tl(state, BATCHES[:7])  # 4, then 3 batches left: single steps
+    state, outputs = tl(state, BATCHES[:7])  # 4, then the 3 batches left
     assert int(state.step) == 7 and len(outputs["loss"]) == 7 and tl.dataset_exhausted
 
 
@@ -135,7 +135,7 @@ def test_fused_steps_with_ragged_last_batch():
     state, outputs = train_loop_lib.TrainLoop(step, steps_per_execution=3)(state, batches)
     assert int(state.step) == 6 and outputs["logits"][-1].shape == (8, 10)
     with pytest.raises(step_lib.BatchLayoutError, match="share one layout"):
-        step.prepare_batches(batches[4:])
+        step.call_steps(state, batches[4:])
 
 
 class Record:
@@ -188,8 +188,24 @@ def counting_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_no_compiles_after_the_first_loop_for_any_loop_length():
-    # 200 = 12 x 16 + 8: the last 8 steps of each loop run with the single-step program.
+def test_one_train_and_one_eval_program_for_any_loop_length():
+    # Loops of 200 (12 x 16 + 8), 37, 5 and 1 steps with k=16: every execution, remainders
+    # included, runs through the one k-step program of its kind.
+    train, evaluate = make_step(), make_step(train=False)
+    state = train.initialize_model([1, 16])
+    tl = train_loop_lib.TrainLoop(train, steps_per_execution=16)
+    el = eval_loop_lib.EvalLoop(evaluate, steps_per_execution=16)
+    data = forever()
+    with counting_compiles() as names:
+        for num_steps in (200, 37, 5, 1):
+            state, outputs = tl(state, data, num_steps=num_steps)
+            _, evaluated = el(state, data, num_steps=num_steps)
+            assert len(outputs["loss"]) == len(evaluated["loss"]) == num_steps
+    assert int(state.step) == 243
+    assert [n for n in names if "_run_in_mode" in n] == ["jit(_run_in_mode)"] * 2, names
+
+
+def test_fused_runs_equal_single_steps_and_compile_nothing_after_the_first_loop():
     results = {}
     for spe in (1, 16):
         step = make_step()
@@ -197,7 +213,7 @@ def test_no_compiles_after_the_first_loop_for_any_loop_length():
         tl = train_loop_lib.TrainLoop(step, steps_per_execution=spe)
         data = forever()
         with counting_compiles() as first:
-            state, _ = tl(state, data, num_steps=200)
+            state, _ = tl(state, data, num_steps=192)  # a multiple of 16, then others
         losses = []
         with counting_compiles() as later:
             for num_steps in (200, 200, 37, 5, 16, 1):
@@ -205,7 +221,7 @@ def test_no_compiles_after_the_first_loop_for_any_loop_length():
                 losses += outputs["loss"]
         assert first and later == [], (spe, later)
         results[spe] = (host(state), np.stack(host(losses)))
-    assert int(results[16][0].step) == 659
+    assert int(results[16][0].step) == 651
     jax.tree.map(np.testing.assert_array_equal, results[1][0].params, results[16][0].params)
     jax.tree.map(np.testing.assert_array_equal, results[1][0].opt_state,
                  results[16][0].opt_state)
@@ -213,8 +229,6 @@ def test_no_compiles_after_the_first_loop_for_any_loop_length():
 
 
 def test_prefetching_compiles_the_step_once():
-    # The batches prefetched before the first step used to be placed on the devices and
-    # the later ones left on the host, which compiled the step a second time on CPU.
     step = make_step()
     state = step.initialize_model([1, 16])
     outer = outer_loop.OuterLoop(train_loop=train_loop_lib.TrainLoop(step), prefetch=2,
@@ -222,12 +236,12 @@ def test_prefetching_compiles_the_step_once():
     with counting_compiles() as names:
         state, _ = outer(state, forever(), train_total_steps=20, train_loop_steps=10)
     assert int(state.step) == 20
-    assert names == ["jit(_one_step)"], names
+    assert names == ["jit(_run_in_mode)"], names
 
 
 def test_the_compiled_step_keeps_no_state_alive():
-    # The step remembers the last state it returned (to skip reading its placement when it
-    # comes back), but weakly: a state the user drops is freed with its device buffers.
+    # A state the user drops is freed with its device buffers: the program holds shardings,
+    # never a state.
     step = make_step()
     state, _ = train_loop_lib.TrainLoop(step)(step.initialize_model([1, 16]), forever(),
                                               num_steps=3)
@@ -391,47 +405,43 @@ def test_default_steps_in_flight_come_from_the_partitioner():
 def test_steps_per_execution_must_be_positive():
     with pytest.raises(ValueError, match="steps_per_execution"):
         train_loop_lib.TrainLoop(make_step(), steps_per_execution=0)
-    with pytest.raises(ValueError, match="stacked batches"):
-        make_step().call_steps(None, step_lib.PreparedBatch(BATCHES[0]))
+    with pytest.raises(ValueError, match="at least one batch"):
+        make_step().call_steps(None, [])
 
 
 # -- batch placement -----------------------------------------------------------------------
 
 
-def test_batch_layout_is_validated_once(monkeypatch):
+def test_a_bad_batch_is_a_clear_error_each_time():
     part = make_partitioner("dp")
-    checked = []
-    original = part._check_batch_leaf
-    monkeypatch.setattr(part, "_check_batch_leaf",
-                        lambda path, x, stacked: checked.append(path) or original(path, x, stacked))
     first = part.shard_batch(BATCHES[0])
-    assert len(checked) == 2
-    part.shard_batch(BATCHES[1])
-    assert len(checked) == 2  # same layout: no per-leaf checks
     np.testing.assert_array_equal(np.asarray(first["x"]), BATCHES[0]["x"])
-    for _ in range(2):  # a bad layout is never remembered
+    for _ in range(2):
         with pytest.raises(ValueError, match=r"\['x'\] has shape \(12, 16\).*8 local devices"):
             part.shard_batch(toy_data(12))
 
 
-@pytest.mark.parametrize("kind", ["single", "fsdp"])
-def test_call_placing_batch_equals_placing_first(kind):
-    results = []
-    for placing in (False, True):
-        step = make_step(kind)
-        state = step.initialize_model([1, 16])
-        fn = step.compile()
-        for batch in BATCHES[:3]:
-            if placing:
-                state, out = fn.call_placing_batch(state, batch)
-            else:
-                state, out = fn(state, step.partitioner.shard_batch(batch))
-        results.append((host(state.params), out["logits"]))
-    jax.tree.map(np.testing.assert_array_equal, results[0][0], results[1][0])
-    assert results[1][1].sharding.is_equivalent_to(results[0][1].sharding, 2)
-    if kind == "fsdp":
-        with pytest.raises(ValueError, match=r"\['x'\] has shape \(12, 16\)"):
-            fn.call_placing_batch(state, toy_data(12))
+@pytest.mark.parametrize("kind", ["single", "dp", "fsdp"])
+def test_one_program_for_states_of_one_policy_and_an_error_for_another_placement(kind):
+    step = make_step(kind)
+    state = step.initialize_model([1, 16])
+    with counting_compiles() as names:
+        state, _ = step(state, BATCHES[0])
+        # Placed alike through another mesh object, as another partitioner instance of the
+        # same policy places it.
+        state = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
+            Mesh(x.sharding.mesh.devices, x.sharding.mesh.axis_names), x.sharding.spec)),
+            state)
+        state, _ = step(state, BATCHES[1])
+    assert names == ["jit(_run_in_mode)"], names
+    if kind == "dp":
+        # The same arrays split along the data axis: jax's own check names both shardings.
+        split_rows = jax.sharding.NamedSharding(step.partitioner.mesh, P("data"))
+        split = jax.tree.map(
+            lambda x: jax.device_put(x, split_rows) if x.ndim and x.shape[0] % 8 == 0 else x,
+            state)
+        with pytest.raises(ValueError, match="does not match the sharding"):
+            step(split, BATCHES[2])
 
 
 def test_stacked_batches_are_placed_like_their_steps():
@@ -440,10 +450,11 @@ def test_stacked_batches_are_placed_like_their_steps():
     stacked = part.shard_stacked_batch(stacked_host)
     assert stacked["x"].sharding.spec == P(None, "data")
     assert {s.data.shape for s in stacked["x"].addressable_shards} == {(4, 2, 16)}
-    on_device = part.stack_batches([part.shard_batch(b) for b in BATCHES[:4]])
+    on_device = staging.stack([part.shard_batch(b) for b in BATCHES[:3]], 4, part)
     for key in stacked:
         assert on_device[key].sharding.is_equivalent_to(stacked[key].sharding, stacked[key].ndim)
-        np.testing.assert_array_equal(np.asarray(on_device[key]), stacked_host[key])
+        padded = np.concatenate([stacked_host[key][:3], stacked_host[key][2:3]])
+        np.testing.assert_array_equal(np.asarray(on_device[key]), padded)
     bad = {"x": np.zeros((4, 12, 16), np.float32)}
     with pytest.raises(ValueError, match=r"\['x'\] has shape \(4, 12, 16\) \(4 stacked"):
         part.shard_stacked_batch(bad)
@@ -579,7 +590,7 @@ def test_profile_action_cuts_fused_executions_at_its_range(tmp_path):
     lp._execution_size = lambda first, remaining, size=lp._execution_size: (
         sizes.append(size(first, remaining)) or sizes[-1])
     lp(step.initialize_model([1, 16]), forever(), num_steps=12)
-    # Executions cut at the traced range 3-8: 1-2 and 7-8 run one by one (size 1 each).
-    assert sizes == [2, 1, 4, 2, 1, 4]
+    # Executions cut at the traced range 3-8: steps 1-2, 3-6, 7-8, 9-12.
+    assert sizes == [2, 4, 2, 4]
     with pytest.raises(ValueError, match="start_step"):
         profiling.ProfileAction(tmp_path, start_step=0)

@@ -296,16 +296,17 @@ def _flops(partitioner):
     return step.num_flops
 
 
-def test_num_flops_describe_the_whole_global_step():
+def test_num_flops_are_the_compiled_per_device_figure():
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     single = _flops(partition.SingleDevicePartitioner())
     dp = _flops(partition.DataParallelPartitioner(mesh, "data"))
     spmd = _flops(partition.SPMDPartitioner(
         jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model")), "data"))
     # Forward and backward of a 16-64-10 MLP on 32 examples: 4 to 6 flops per weight per
-    # example (2 forward, 2 for weight gradients, 2 for the hidden layer's input gradient)
-    # for the whole batch, whatever the device count.
+    # example (2 forward, 2 for weight gradients, 2 for the hidden layer's input gradient).
     weights = 16 * 64 + 64 * 10
     assert 4 * weights * 32 <= single < 2 * 6 * weights * 32
-    np.testing.assert_allclose(dp, single, rtol=0.02)
-    np.testing.assert_allclose(spmd, single, rtol=0.02)
+    # One device's share: the batch split 8 (data parallel) or 4 ways (the 4x2 mesh's data
+    # axis), plus each device's copy of the optimizer update.
+    assert single / 8 <= dp < single / 8 + 4 * weights
+    assert single / 8 <= spmd < single / 4 + 4 * weights

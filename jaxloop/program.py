@@ -1,0 +1,170 @@
+"""The compiled program of a step: one `jax.jit` with the state's shardings, called directly.
+
+A `Program` jits ``fn(state, batch, ...)`` once, with the shardings of the state it is first
+given as its input shardings and the new state pinned to them (so donated buffers are reused
+in place and an FSDP state stays split). Every later call is a plain call of that `jax.jit`:
+jax's own dispatch checks the arguments. A state placed as the first one (by any
+partitioner instance of the same policy) runs the same program; a state placed differently
+on the mesh is jax's error naming both shardings, never a silent second program.
+
+With ``steps=k`` the program runs an execution of up to k steps: a `jax.lax.scan` over k
+stacked batches whose first ``count`` entries are real (``count`` is an argument, so one
+program serves every execution length from 1 to k). Each step's state is pinned as a single
+step's is, so the steps compute exactly what single steps do.
+
+Example::
+
+    train = Program(step_fn, partitioner, donate_argnums=(0,))
+    state, outputs = train(state, partitioner.shard_batch(batch))
+
+    train_k = Program(step_fn, partitioner, steps=16, donate_argnums=(0,))
+    state, stacked_outputs = train_k(state, stacked_batches, 5)  # the first 5 of 16
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+def _pinned(result: Any, state: PyTree, shardings: PyTree) -> Any:
+    """`result` with its new state (a ``(state, outputs)`` pair's first item shaped like
+    `state`) constrained to `shardings`; any other result as it is."""
+    if (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and jax.tree.structure(result[0]) == jax.tree.structure(state)
+    ):
+        return jax.lax.with_sharding_constraint(result[0], shardings), result[1]
+    return result
+
+
+class Program:
+    """`fn(state, batch, ...)` compiled once for the placement of the first state given.
+
+    Args:
+      fn: the step function; it may return anything, and a ``(state, outputs)`` pair has
+        its state placed as the input state.
+      partitioner: gives the state's shardings (`Partitioner.state_shardings`) and the
+        context `fn` is traced in (`Partitioner.trace_context`).
+      steps: None for one step; k for executions of up to k steps over batches stacked on
+        a leading axis of size k, called as ``program(state, stacked, count, **kwargs)``.
+        Outputs come back stacked (entries from `count` on are no real step's).
+      carry_state: with `steps`, False runs every step on the given state (evaluation)
+        and returns None in its place (the caller holds the state).
+      unroll: with `steps`, `jax.lax.scan`'s unroll. 1 (one compiled loop body) skips the
+        steps past `count` at run time; True inlines all k steps as straight-line code,
+        which XLA compiles exactly like single steps (XLA:CPU compiles convolutions inside
+        a loop body or branch to another kernel), and runs the steps past `count` too,
+        dropping their state.
+      **jit_kwargs: passed to `jax.jit` (``donate_argnums=(0,)`` donates the state).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        partitioner: Any,
+        *,
+        steps: int | None = None,
+        carry_state: bool = True,
+        unroll: int | bool = 1,
+        **jit_kwargs: Any,
+    ):
+        jax.jit(fn, **jit_kwargs)  # an unknown jit flag is a TypeError here, not at first use
+        self._fn = fn
+        self._partitioner = partitioner
+        self._steps = steps
+        self._carry_state = carry_state
+        self._unroll = unroll
+        donate = jit_kwargs.pop("donate_argnums", ())
+        donate = (donate,) if isinstance(donate, int) else tuple(donate)
+        # Called as jitted(state, args, kwargs): argument 0 stays the state, the others
+        # travel in argument 1.
+        self._donate = tuple(sorted({min(i, 1) for i in donate}))
+        self._jit_kwargs = jit_kwargs
+        self._jitted: Callable[..., Any] | None = None
+
+    @property
+    def steps(self) -> int | None:
+        """The most steps one call runs (None: a single step)."""
+        return self._steps
+
+    def _build(self, state: PyTree) -> Callable[..., Any]:
+        partitioner = self._partitioner
+        shardings = partitioner.state_shardings(state)
+        fn = self._fn
+
+        def one_step(state: PyTree, *args: Any, **kwargs: Any) -> Any:
+            with partitioner.trace_context():
+                return _pinned(fn(state, *args, **kwargs), state, shardings)
+
+        def pin(state: PyTree) -> PyTree:
+            return jax.lax.with_sharding_constraint(state, shardings)
+
+        def execution(state: PyTree, stacked: PyTree, count: jax.Array, **kwargs: Any) -> Any:
+            carry_state = self._carry_state
+
+            def body(carry: PyTree, xs: tuple[jax.Array, PyTree]) -> tuple[PyTree, Any]:
+                index, batch = xs
+                # The carry is pinned on entry too: that fixes the loop's carried placement,
+                # so every step partitions its arithmetic as a single step does.
+                current = pin(carry) if carry_state else state
+
+                def run(s: PyTree) -> tuple[PyTree, Any]:
+                    return one_step(s, batch, **kwargs)
+
+                if self._unroll is True:
+                    # Straight-line code (no branch), compiled exactly like single steps:
+                    # the steps past `count` run too and their state is dropped.
+                    new, outputs = run(current)
+                    keep = index < count
+                    new = jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, current)
+                else:
+                    zeros = jax.tree.map(
+                        lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run, current)[1]
+                    )
+                    new, outputs = jax.lax.cond(
+                        index < count, run, lambda s: (s, zeros), current
+                    )
+                return (new if carry_state else None), outputs
+
+            indices = jnp.arange(self._steps, dtype=jnp.int32)
+            carry, outputs = jax.lax.scan(
+                body, state if carry_state else None, (indices, stacked), unroll=self._unroll
+            )
+            return (pin(carry) if carry_state else None), outputs
+
+        if self._steps is None:
+            traced = lambda state, args, kwargs: one_step(state, *args, **kwargs)  # noqa: E731
+        else:
+            traced = lambda state, args, kwargs: execution(state, *args, **kwargs)  # noqa: E731
+        traced.__name__ = getattr(fn, "__name__", "step")
+        return jax.jit(
+            traced,
+            in_shardings=(shardings, None, None),
+            donate_argnums=self._donate,
+            **self._jit_kwargs,
+        )
+
+    def _args(self, args: tuple) -> tuple:
+        if self._steps is not None and len(args) == 2:
+            args = (args[0], np.int32(args[1]))
+        return args
+
+    def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
+        if self._jitted is None:
+            self._jitted = self._build(state)
+        return self._jitted(state, self._args(args), kwargs)
+
+    def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """Lowers the program for these arguments (abstract ones too), e.g. to compile it
+        ahead of time for XLA's cost and memory analyses."""
+        if self._jitted is None:
+            self._jitted = self._build(state)
+        return self._jitted.lower(state, self._args(args), kwargs)

@@ -1,0 +1,184 @@
+"""Batches made ready for a step's compiled program: built from specs, stacked, split.
+
+- `zeros_from_spec` / `abstract_batch`: a batch from a spec such as ``[1, 28, 28, 1]``, built
+  (numpy zeros) or only described (`jax.ShapeDtypeStruct`s placed as the partitioner would).
+- `stack`: up to k batches of one layout stacked on a new leading axis of k and placed for an
+  execution of fused steps; entries past the real batches repeat the last one.
+- `unstack`: an execution's stacked outputs as one output per step.
+
+Example::
+
+    stacked, count = staging.stack(batches[:5], 16, partitioner)  # 5 real of 16
+    state, outputs = program(state, stacked, count)
+    per_step = staging.unstack(outputs)[:count]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxloop import types
+
+Batch = types.Batch
+
+_SPEC_HELP = (
+    "expected a shape such as [1, 28, 28, 1], a (shape, dtype) pair such as "
+    "([1, 28, 28, 1], 'float32'), or a dict/list/tuple of these"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedBatch:
+    """A batch already preprocessed and placed on the devices (`Step.prepare_batch`), as a
+    device prefetcher hands them to the step, which then skips both stages."""
+
+    batch: Batch
+
+
+class BatchLayoutError(ValueError):
+    """Batches meant for one execution differ in tree structure or leaf shapes."""
+
+
+def batch_layout(batch: Batch | PreparedBatch) -> tuple:
+    """The tree structure and leaf shapes of a batch: batches of one layout can be stacked.
+
+    Example::
+
+        batch_layout({'x': np.ones((8, 2))}) == batch_layout({'x': np.zeros((8, 2))})  # True
+    """
+    if isinstance(batch, PreparedBatch):
+        batch = batch.batch
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    return treedef, tuple(map(np.shape, leaves))
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, list | tuple) and all(
+        isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in x
+    )
+
+
+def _as_dtype(x: Any) -> np.dtype | None:
+    if isinstance(x, str | np.dtype | type):
+        try:
+            return jnp.dtype(x)
+        except TypeError:
+            return None
+    return None
+
+
+def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
+    """Builds a zero batch (numpy arrays) from a batch spec.
+
+    Example::
+
+        zeros_from_spec({'image': [2, 8, 8, 1], 'label': ([2], 'int32')})
+    """
+    if isinstance(spec, jax.ShapeDtypeStruct | np.ndarray | jax.Array):
+        return np.zeros(spec.shape, spec.dtype)
+    if _is_shape(spec):
+        return np.zeros(tuple(int(d) for d in spec), np.float32)
+    is_pair = isinstance(spec, list | tuple) and not hasattr(spec, "_fields") and len(spec) == 2
+    if is_pair and _is_shape(spec[0]) and isinstance(spec[1], str | np.dtype | type):
+        dtype = _as_dtype(spec[1])
+        if dtype is None:
+            raise ValueError(f"{path}: {spec[1]!r} is not a dtype; {_SPEC_HELP}")
+        return np.zeros(tuple(int(d) for d in spec[0]), dtype)
+    if isinstance(spec, Mapping):
+        return {k: zeros_from_spec(v, f"{path}[{k!r}]") for k, v in spec.items()}
+    if isinstance(spec, list | tuple) and spec:
+        items = [zeros_from_spec(v, f"{path}[{i}]") for i, v in enumerate(spec)]
+        return type(spec)(*items) if hasattr(spec, "_fields") else type(spec)(items)
+    raise ValueError(f"{path} is {spec!r}: {_SPEC_HELP}")
+
+
+def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
+    """The global batch of `spec`, described but not built: each leaf a
+    `jax.ShapeDtypeStruct` placed as `Partitioner.shard_batch` places batches (leading
+    dimension split along the data axis, 0-d leaves replicated).
+
+    Raises:
+      ValueError: a leaf's leading dimension does not divide by the devices along the
+        data axis (the message names the leaf), or a malformed spec.
+
+    Example::
+
+        abstract_batch(partitioner, {'image': [256, 28, 28, 1], 'label': ([256], 'int32')})
+    """
+    mesh = partitioner.mesh
+    axis = partitioner.data_axis
+    shards = mesh.shape[axis] if axis is not None else 1
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
+        if x.ndim and x.shape[0] % shards:
+            raise ValueError(
+                f"Batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                f"{tuple(x.shape)}: its leading dimension {x.shape[0]} (the global "
+                f"batch) does not divide by the {shards} devices along mesh axis "
+                f"{axis!r}"
+            )
+        sharding = partitioner.batch_sharding if x.ndim else replicated
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    # np.zeros reserves pages lazily: describing a large batch this way costs no memory.
+    return jax.tree_util.tree_map_with_path(describe, zeros_from_spec(spec))
+
+
+@jax.jit
+def _stack_on_device(batches: list[Batch]) -> Batch:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+
+
+def check_layouts(batches: Sequence[Batch | PreparedBatch]) -> None:
+    """Raises `BatchLayoutError` unless all `batches` share one layout (`batch_layout`)."""
+    layouts = {batch_layout(b) for b in batches}
+    if len(layouts) > 1:
+        raise BatchLayoutError(
+            f"Batches run in one execution must share one layout (tree structure and "
+            f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}"
+        )
+
+
+def stack(
+    batches: Sequence[Batch], size: int, partitioner: Any, shard: bool = True
+) -> Batch:
+    """Stacks `batches` (preprocessed, one layout) on a new leading axis of `size`, placed
+    as `Partitioner.shard_stacked_batch` places it (with `shard`).
+
+    Entries past ``len(batches)`` repeat the last batch: an execution's program always
+    takes `size` batches and is told how many are real. Host (numpy) batches are stacked
+    on the host and placed in one transfer; batches on the devices are stacked there.
+
+    Example::
+
+        stacked = stack([b1, b2, b3], 4, partitioner)  # leading axis 4, 3 real
+    """
+    if not 0 < len(batches) <= size:
+        raise ValueError(f"stack needs 1 to {size} batches, got {len(batches)}")
+    check_layouts(batches)
+    padded = [*batches, *[batches[-1]] * (size - len(batches))]
+    if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(padded)):
+        stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)
+    else:
+        stacked = _stack_on_device(padded)
+    return partitioner.shard_stacked_batch(stacked) if shard else stacked
+
+
+@jax.jit
+def unstack(outputs: Any) -> list[Any]:
+    """An execution's stacked outputs (leading axis k) as k per-step outputs, split on the
+    devices in one dispatch.
+
+    Example::
+
+        per_step = unstack({'loss': jnp.arange(4.0)})  # [{'loss': 0.0}, ..., {'loss': 3.0}]
+    """
+    size = len(jax.tree.leaves(outputs)[0]) if jax.tree.leaves(outputs) else 0
+    return [jax.tree.map(lambda x, i=i: x[i], outputs) for i in range(size)]
