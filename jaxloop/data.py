@@ -446,11 +446,12 @@ class GlobalBatchDataset(Iterable[Batch]):
         if self._pad and len(order) % g:
             padding = grain.MapDataset.range(g - len(order) % g).map(lambda _: -1)
             order = grain.MapDataset.concatenate([order, padding])
-        order = order[: len(order) // g * g]  # whole global batches
-        # Global batch k is blocks [k*m, (k+1)*m) of `unit` positions and this process's
-        # rows are n of them, from block `first`: each is a strided slice, zipped.
+        # Global batch k is blocks [k*m, (k+1)*m) of `unit` positions (whole global batches
+        # only) and this process's rows are n of them from block `first`: strided slices,
+        # zipped. Slicing blocks, not positions, keeps grain's per-position work to a minimum.
         unit = math.gcd(g, start, stop)
-        blocks, m, first, n = order.batch(unit), g // unit, start // unit, (stop - start) // unit
+        m, first, n = g // unit, start // unit, (stop - start) // unit
+        blocks = order.batch(unit)[: len(order) // g * m]
         rows = ZipMapDataset([blocks[first + j :: m] for j in range(n)])
         return rows.map(self._read)
 
