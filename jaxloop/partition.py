@@ -46,6 +46,15 @@ def _path_str(path: tuple) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
+def _spec(axes: Sequence[Any]) -> P:
+    """The spec of these per-dimension axes without trailing Nones: a replicated leaf is
+    ``P()`` whatever its rank, which compares equal to the spec other code writes."""
+    axes = list(axes)
+    while axes and axes[-1] is None:
+        axes.pop()
+    return P(*axes)
+
+
 def _is_box(x: Any) -> bool:
     return isinstance(x, meta.AxisMetadata)
 
@@ -368,7 +377,7 @@ class FSDPPartitioner(Partitioner):
         if not candidates:
             return P()
         dim = max(candidates, key=lambda d: (shape[d], -d))
-        return P(*[self._data_axis if d == dim else None for d in range(len(shape))])
+        return _spec([self._data_axis if d == dim else None for d in range(len(shape))])
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         return jax.tree.map(lambda x: self.leaf_spec(np.shape(x)), _unboxed(abstract_state))
@@ -518,6 +527,6 @@ class SPMDPartitioner(Partitioner):
                             f"{tuple(x.names)} resolves to mesh axis {a!r}, which the mesh "
                             f"{dict(self._mesh.shape)} does not have"
                         )
-            return P(*self._fsdp(shape, axes))
+            return _spec(self._fsdp(shape, axes))
 
         return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=_is_box)

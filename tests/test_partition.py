@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import ClassifierStep, LinenMLP, toy_data
 
@@ -216,3 +216,17 @@ def test_annotated_linen_model_under_dp_and_fsdp(kind):
     assert shard_shapes(kernel) == ({(16, 8)} if kind == "fsdp" else {(16, 64)})
     _, out = step(state, toy_data(32))
     assert np.isfinite(float(out["loss"]))
+
+
+def test_replicated_leaves_report_the_plain_replicated_sharding():
+    # The reference's code compares shardings with NamedSharding(mesh, P()); P(None, None)
+    # does not compare equal to it.
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    part = partition.SPMDPartitioner(mesh, "data")
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
+                          partitioner=part, train=True)
+    state, _ = step(step.initialize_model([1, 16]), toy_data(16))
+    replicated = NamedSharding(mesh, P())
+    assert all(x.sharding == replicated for x in jax.tree.leaves(state))
+    fsdp = partition.FSDPPartitioner(mesh, "data", min_weight_size=1)
+    assert fsdp.leaf_spec((8, 3)) == P("data") and fsdp.leaf_spec((3, 5)) == P()
