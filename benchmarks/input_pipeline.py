@@ -8,9 +8,7 @@ Measures, side by side in one run (best of --repeats, alternating):
                   current step runs
 and prints steps/s and the ratios. The goal: prefetch >= 0.85 x the slower of the two alone.
 Without prefetch the loop overlaps them too, since JAX dispatches steps asynchronously and
-the loop reads the next batch while the dispatched steps run. On CPU devices in one process
-(this machine) the two rows run the same way: batches stay on the host there, so prefetch
-starts no thread (see `Step.batches_stay_on_host`).
+the loop reads the next batch while the dispatched steps run.
 
 The pipeline's cost is host work that releases the GIL (as decoding and file reads do),
 simulated with a sleep calibrated to the measured step time.

@@ -8,7 +8,7 @@ Measures, side by side in one run, steps/s of
   k=K             ``TrainLoop(step, steps_per_execution=K)``, prefetch 2: K steps per
                   compiled call (the CNN: with ``unroll=True``)
   k=16 L=192      k=16 on loops of 192 steps (a multiple of 16); the default 200-step loops
-                  run their last 8 steps one by one, compiling nothing new
+                  run their last 8 steps as a short execution of the same program
   auto            ``steps_per_execution='auto'`` (its choice in brackets); measured once
                   the choice is made, as the fixed sizes are once compiled
 
@@ -204,8 +204,8 @@ class Case:
         so a window is a stretch of one long run.
         """
         states, done = {}, {}
-        # Compiles every program a window uses (one loop: the k-step and the single step
-        # programs); 'auto' runs until it has chosen.
+        # Compiles every program a window uses (one per variant); 'auto' runs until it has
+        # chosen.
         for name, run in self.variants.items():
             states[name], done[name] = self.fresh_state(), 0
             for _ in range(50):

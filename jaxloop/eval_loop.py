@@ -8,7 +8,7 @@ Example::
     eval_loop = EvalLoop(eval_step, end_actions=[summary_action])
     _, outputs = eval_loop(state, eval_batches)
 
-    # 8 batches per compiled call; a last partial group runs as single steps.
+    # 8 batches per compiled call (a last partial group through the same program).
     eval_loop = EvalLoop(eval_step, steps_per_execution=8)
 
     # Evaluate the moving average of the parameters (see `jaxloop.ema`).

@@ -20,14 +20,13 @@ timed on a quiet machine made the best of 5 rank a slower size first (the MLP's 
 Of the sizes measured, the loop keeps the smallest whose predicted loop time is within
 2.5% of the best: a larger k would buy almost nothing, and the host's dispatch left at
 that size is a few percent of an execution's time at most (with a fixed cost D per
-execution and u per step, a step costs ``D/k + u``). The prediction counts the steps that would
-run one by one (a loop's remainder, the steps up to a step action; see `loop.Loop`) at the
-single-step time, so a k that fits the loop length and the actions' intervals wins over
-one that does not, and a k whose fused program runs slower (XLA:CPU's rolled
-convolutions) is never kept; sizes 3 times slower than the best after the first round are
-measured no further. Results do not depend on the choice: every k gives the same steps,
-bit for bit where XLA compiles the fused body like a single step (see
-`Partitioner.partition_steps`).
+execution and u per step, a step costs ``D/k + u``). The prediction counts a short
+execution (a loop's remainder, the steps up to a step action; see `loop.Loop`) as a full
+one, so a k that fits the loop length and the actions' intervals wins over one that does
+not, and a k whose fused program runs slower (XLA:CPU's rolled convolutions) is never
+kept; sizes 3 times slower than the best after the first round are measured no further.
+Results do not depend on the choice: every k gives the same steps, bit for bit where XLA
+compiles the fused body like a single step (see `jaxloop.program`).
 
 Example::
 
@@ -150,7 +149,7 @@ class ExecutionSizeTuner:
         """The smallest measured size whose predicted loop time is within `tolerance` of
         the best one's.
 
-        `plan(k)` gives (executions of k steps, steps run one by one) for a loop of the
+        `plan(k)` gives (executions of up to k steps, single steps) for a loop of the
         caller's length; None predicts from the per-step times alone.
         """
         measured = self.per_step_secs
