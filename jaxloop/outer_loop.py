@@ -124,9 +124,10 @@ class CheckpointSpec:
       iterate_interval_secs: continuous eval looks for new checkpoints every this many
         seconds (a pause between listings of a possibly remote directory).
       iterate_stop_fn: ``fn() -> bool``, asked by continuous eval whenever it has
-        evaluated every checkpoint there is; True ends it. By default it ends when the
-        training job has written its ``STOPPED`` marker. ``lambda: True`` evaluates the
-        checkpoints present once and returns.
+        evaluated every checkpoint there is; True ends it (with several processes, process
+        0 asks and every process follows). By default it ends when the training job has
+        written its ``STOPPED`` marker. ``lambda: True`` evaluates the checkpoints present
+        once and returns.
       transforms: orbax restore transforms, passed to `Step.restore_model` (see
         `checkpoint.restore`), e.g. ``{r'params/head/.*': ocp.Transform(use_fallback=True)}``.
     """
