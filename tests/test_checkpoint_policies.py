@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -104,12 +103,6 @@ def test_every_secs_must_be_positive(tmp_path, bad):
     manager.close()
 
 
-def _process_env(devices: int, **extra: str) -> dict[str, str]:
-    from test_multiprocess import process_env  # noqa: PLC0415
-
-    return process_env(devices, **extra)
-
-
 POLICY_JOB = REPO / "tests" / "checkpoint_policy_job.py"
 POLICY_JOB_TIMEOUT = 180
 
@@ -120,23 +113,11 @@ POLICY_JOB_TIMEOUT = 180
 def test_two_processes_follow_process_zeros_clock(tmp_path):
     """Process 1's clock says a save is due at every loop, process 0's only at loops 3 and
     6: both processes save exactly where process 0 says (no hang, same checkpoints)."""
-    from test_multiprocess import free_port, read_logs, started, wait_all  # noqa: PLC0415
+    from test_multiprocess import job_envs, run_to_success  # noqa: PLC0415
 
-    port = free_port()
-    envs = [
-        _process_env(4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}", JAXLOOP_NUM_PROCESSES="2",
-                     JAXLOOP_PROCESS_ID=str(i))
-        for i in range(2)
-    ]
     command = [sys.executable, str(POLICY_JOB), str(tmp_path)]
-    with started([command] * 2, envs, tmp_path / "logs") as procs:
-        try:
-            codes = wait_all(procs, POLICY_JOB_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"time-based checkpoint job still running after {POLICY_JOB_TIMEOUT} s")
-        logs = read_logs(tmp_path / "logs", 2)
-    for i, (code, log) in enumerate(zip(codes, logs, strict=True)):
-        assert code == 0, f"process {i} exited {code}:\n{log.stderr[-4000:]}"
+    run_to_success("time-based checkpoint job", [command] * 2, job_envs(2), tmp_path / "logs",
+                   timeout=POLICY_JOB_TIMEOUT)
     results = [json.loads((tmp_path / f"result-{i}.json").read_text()) for i in range(2)]
     assert [r["process_count"] for r in results] == [2, 2]
     for r in results:

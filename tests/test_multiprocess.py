@@ -421,21 +421,27 @@ def test_initialize_rejects_bad_environment(monkeypatch):
 JOB_TIMEOUT = 240
 
 
+def run_to_success(what: str, commands: Sequence[Sequence[str]],
+                   envs: Sequence[dict[str, str]], logdir: Path,
+                   timeout: float = JOB_TIMEOUT) -> None:
+    """Runs the processes together; fails the test if they are still running after
+    `timeout` seconds (a hang) or any exits with an error (its stderr in the message)."""
+    with started(commands, envs, logdir) as procs:
+        try:
+            codes = wait_all(procs, timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{what}: still running after {timeout} s (a hang)")
+        logs = read_logs(logdir, len(procs))
+    for i, (code, log) in enumerate(zip(codes, logs, strict=True)):
+        assert code == 0, f"{what}: process {i} exited {code}:\n{log.stderr[-4000:]}"
+
+
 def run_job(scenario: str, result_dir: Path, processes: int = 2) -> list[dict]:
     """Runs a multihost_job scenario as `processes` processes x 4 devices (1: one process
     with 8 devices) and returns each process's results, read from its result file."""
     result_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(JOB), scenario, str(result_dir)]
-    envs = job_envs(processes)
-    logdir = result_dir / "logs"
-    with started([command] * processes, envs, logdir) as procs:
-        try:
-            codes = wait_all(procs, JOB_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{scenario}: still running after {JOB_TIMEOUT} s (a hang)")
-        logs = read_logs(logdir, processes)
-    for i, (code, log) in enumerate(zip(codes, logs, strict=True)):
-        assert code == 0, f"{scenario}: process {i} exited {code}:\n{log.stderr[-4000:]}"
+    run_to_success(scenario, [command] * processes, job_envs(processes), result_dir / "logs")
     return [json.loads((result_dir / f"result-{i}.json").read_text()) for i in range(processes)]
 
 
@@ -567,15 +573,8 @@ def test_continuous_eval_on_two_processes_while_max_to_keep_deletes(tmp_path):
     ckpt = tmp_path / "ckpt"
     evaluator = [sys.executable, str(JOB), "continuous_eval", str(tmp_path / "eval"), str(ckpt)]
     trainer = [sys.executable, str(JOB), "trainer", str(tmp_path / "train"), str(ckpt)]
-    with started([evaluator, evaluator, trainer], [*job_envs(2), process_env(1)],
-                 tmp_path / "logs") as procs:
-        try:
-            codes = wait_all(procs, JOB_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"continuous eval: still running after {JOB_TIMEOUT} s (a hang)")
-        logs = read_logs(tmp_path / "logs", 3)
-    for i, (code, log) in enumerate(zip(codes, logs, strict=True)):
-        assert code == 0, f"process {i} exited {code}:\n{log.stderr[-4000:]}"
+    run_to_success("continuous eval", [evaluator, evaluator, trainer],
+                   [*job_envs(2), process_env(1)], tmp_path / "logs")
     trained = json.loads((tmp_path / "train" / "result-0.json").read_text())
     assert trained["step"] == 40 and trained["checkpoints"] == [40]
     first, second = (json.loads((tmp_path / "eval" / f"result-{i}.json").read_text())
