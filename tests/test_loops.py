@@ -317,9 +317,9 @@ def test_summary_action_metric_types(tmp_path):
                                                          "tensors": 0, "scalars": 0})
     acc.Reload()
     tags = acc.Tags()
-    # Images and text use TensorFlow 2's summary layout (tensors with a plugin name).
-    assert "image" in tags["tensors"] and "hist" in tags["histograms"]
-    assert "note" in tags["tensors"] and acc.Scalars("scalar")[0].value == 2.5
+    # tensorboardX writes images as image summaries and texts under key/text_summary.
+    assert "image" in tags["images"] and "hist" in tags["histograms"]
+    assert "note/text_summary" in tags["tensors"] and acc.Scalars("scalar")[0].value == 2.5
 
 
 def test_checkpoint_action_saves_loop_count_and_metrics(tmp_path):
