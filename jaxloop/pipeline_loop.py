@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from jaxloop import actions, eval_loop, types
+from jaxloop import loop as loop_lib
 
 try:
     from ml_metrics import chainable
@@ -118,5 +119,7 @@ class PipelineLoop(eval_loop.EvalLoop):
                 "The pipeline's result must be a mapping (end it with .aggregate(..., "
                 f"output_keys=...)), got {type(result).__name__}."
             )
-        merged = {k: v for k, v in outputs.items() if not isinstance(v, list)}
+        # Per-step lists went through the pipeline; clu metrics (merged on .compute()) stay.
+        merged = {k: v for k, v in outputs.items()
+                  if not isinstance(v, list) or isinstance(v, loop_lib.MetricList)}
         return state, {**merged, **result}
