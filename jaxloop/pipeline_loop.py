@@ -53,9 +53,14 @@ Output = types.Output
 State = types.TrainState
 
 
+def _is_per_step(value: Any) -> bool:
+    """A per-step list of values the pipeline takes (clu metrics stay with the loop)."""
+    return isinstance(value, list) and not isinstance(value, loop_lib.MetricList)
+
+
 def _per_step(outputs: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The loop's per-step lists, as one dict per step of host (numpy) values."""
-    columns = {k: v for k, v in outputs.items() if isinstance(v, list)}
+    columns = {k: v for k, v in outputs.items() if _is_per_step(v)}
     lengths = {k: len(v) for k, v in columns.items()}
     if len(set(lengths.values())) > 1:
         raise ValueError(
@@ -77,8 +82,8 @@ class PipelineLoop(eval_loop.EvalLoop):
         decides (by default none: the outputs are `EvalLoop`'s).
       **kwargs: `EvalLoop`'s arguments (actions, ``steps_per_execution``, ``mask_key``, ...).
 
-    The outputs are the pipeline's result, plus the loop's merged ``clu.metrics`` outputs
-    (not per-step values, so not fed to the pipeline) and its statistics.
+    The outputs are the pipeline's result, plus the loop's ``clu.metrics`` outputs (as
+    `EvalLoop` returns them; not fed to the pipeline) and its statistics.
     """
 
     def __init__(self, step: Any, pipeline: chainable.Pipeline | None = None, **kwargs: Any):
@@ -100,16 +105,9 @@ class PipelineLoop(eval_loop.EvalLoop):
         return self._pipeline
 
     def run(
-        self,
-        state: State,
-        dataset: Iterator[Any],
-        num_steps: int | None = None,
-        log_num_flops: bool = False,
-        **kwargs: Any,
+        self, state: State, dataset: Iterator[Any], num_steps: int | None = None, **kwargs: Any
     ) -> tuple[State, Output | None]:
-        state, outputs = super().run(
-            state, dataset, num_steps, log_num_flops=log_num_flops, **kwargs
-        )
+        state, outputs = super().run(state, dataset, num_steps, **kwargs)
         pipeline = self.make_pipeline(state)
         if pipeline is None or outputs is None:
             return state, outputs
@@ -119,7 +117,5 @@ class PipelineLoop(eval_loop.EvalLoop):
                 "The pipeline's result must be a mapping (end it with .aggregate(..., "
                 f"output_keys=...)), got {type(result).__name__}."
             )
-        # Per-step lists went through the pipeline; clu metrics (merged on .compute()) stay.
-        merged = {k: v for k, v in outputs.items()
-                  if not isinstance(v, list) or isinstance(v, loop_lib.MetricList)}
-        return state, {**merged, **result}
+        kept = {k: v for k, v in outputs.items() if not _is_per_step(v)}
+        return state, {**kept, **result}

@@ -1,8 +1,10 @@
 """PipelineLoop: an EvalLoop whose step outputs go through a real ml_metrics pipeline."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from clu import metrics as clu_metrics
 from ml_metrics import chainable
 from ml_metrics.metrics import rolling_stats
 from models import ClassifierStep, LinenMLP, toy_data
@@ -11,11 +13,14 @@ from jaxloop import actions, pipeline_loop
 
 
 class LabelledStep(ClassifierStep):
-    """Also returns the batch's labels, so the pipeline can score the logits."""
+    """Also returns the batch's labels, so the pipeline can score the logits, and a clu
+    metric, which stays beside the pipeline's result."""
 
     def run(self, state, batch):
         state, outputs = super().run(state, batch)
-        return state, {**outputs, "labels": batch["y"]}
+        correct = jnp.argmax(outputs["logits"], -1) == batch["y"]
+        return state, {**outputs, "labels": batch["y"],
+                       "clu_accuracy": clu_metrics.Average.from_model_output(correct)}
 
 
 class Record(actions.Action):
@@ -55,6 +60,7 @@ def test_pipeline_aggregates_every_example_and_end_actions_see_it(setup):
     assert outputs["accuracy"].mean == pytest.approx(expected)
     assert outputs["step_loss"].count == 3  # one scalar per step
     assert "loss" not in outputs  # the pipeline's result replaces the per-step lists
+    assert float(outputs["clu_accuracy"].compute()) == pytest.approx(expected)
     assert record.outputs is outputs
 
 
