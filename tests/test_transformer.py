@@ -47,10 +47,11 @@ def test_spmd_splits_attention_and_mlp_along_model():
     )
     state = step.initialize_model(([1, 64], "int32"))
     block = state.params["block0"]
-    assert block["attn"]["qkv_kernel"].sharding.spec == P(None, None, "model", None)
-    assert block["attn"]["out_kernel"].sharding.spec == P("model", None, None)
+    # Specs leave out trailing replicated dimensions (a replicated leaf is P()).
+    assert block["attn"]["qkv_kernel"].sharding.spec == P(None, None, "model")
+    assert block["attn"]["out_kernel"].sharding.spec == P("model")
     assert block["mlp"]["up"]["kernel"].sharding.spec == P(None, "model")
-    assert block["mlp"]["down"]["kernel"].sharding.spec == P("model", None)
+    assert block["mlp"]["down"]["kernel"].sharding.spec == P("model")
     # Each device holds half of an MLP kernel.
     kernel = block["mlp"]["up"]["kernel"]
     assert kernel.addressable_shards[0].data.shape == (64, 128)
