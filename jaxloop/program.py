@@ -90,11 +90,6 @@ class Program:
         self._jit_kwargs = jit_kwargs
         self._jitted: Callable[..., Any] | None = None
 
-    @property
-    def steps(self) -> int | None:
-        """The most steps one call runs (None: a single step)."""
-        return self._steps
-
     def _build(self, state: PyTree) -> Callable[..., Any]:
         partitioner = self._partitioner
         shardings = partitioner.state_shardings(state)
@@ -140,10 +135,12 @@ class Program:
             )
             return (pin(carry) if carry_state else None), outputs
 
-        if self._steps is None:
-            traced = lambda state, args, kwargs: one_step(state, *args, **kwargs)  # noqa: E731
-        else:
-            traced = lambda state, args, kwargs: execution(state, *args, **kwargs)  # noqa: E731
+        body = one_step if self._steps is None else execution
+
+        def traced(state: PyTree, args: tuple, kwargs: dict[str, Any]) -> Any:
+            return body(state, *args, **kwargs)
+
+        # Named after the step function, as compile events and profiles show it.
         traced.__name__ = getattr(fn, "__name__", "step")
         return jax.jit(
             traced,

@@ -542,7 +542,6 @@ class Step:
         size = count if size is None else size
         first, last = per_loop_step_number, per_loop_step_number + count - 1
         self._check_no_inner_actions(first, last)
-        staging.check_layouts(batches)
         placed = [self._placed(b) for b in batches]
         stacked = staging.stack(placed, size, self._partitioner, shard=self._should_shard_batch)
         self._fire(self._begin_actions, True, first, state, batch=placed[0])
