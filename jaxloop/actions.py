@@ -584,7 +584,8 @@ class ProgressAction(Action):
         postfix = {}
         values = (outputs or {}).get(self._metric)
         if isinstance(values, list) and values:
-            postfix[self._metric] = f"{float(jax.device_get(values[-1])):.4g}"
+            # The last step's value; a clu metric is computed first.
+            postfix[self._metric] = f"{float(jax.device_get(_computed(values[-1]))):.4g}"
         rate = (outputs or {}).get("jaxloop/steps_per_sec")
         if rate is not None:
             postfix["steps/s"] = f"{float(rate):.1f}"

@@ -445,3 +445,15 @@ def test_prefetch_surfaces_dataset_errors():
     assert set(threading.enumerate()) <= before
     with pytest.raises(ValueError, match="prefetch"):
         outer_loop.OuterLoop(prefetch=-1)
+
+
+def test_progress_bar_shows_the_last_step_of_per_step_clu_metrics():
+    from clu import metrics as clu_metrics
+
+    losses = loop.MetricList(
+        [clu_metrics.Average.from_model_output(jax.numpy.array([v])) for v in (3.0, 1.5)])
+    progress = actions.ProgressAction(total_steps=10, enabled=True)
+    state = ClassifierStep(jax.random.key(0), LinenMLP()).initialize_model([1, 16])
+    progress(state, {"loss": losses, "jaxloop/steps_per_sec": 2.0})
+    assert progress._bar.postfix == "loss=1.5, steps/s=2.0"
+    progress.close()
