@@ -8,7 +8,7 @@ the step's actions). The sizes take turns, round after round, so that a change i
 machine's load hits them alike; each segment holds at least 5 executions and 32 steps.
 Its steps run as the loop always runs them, with steps in flight, and the wall clock
 times the executions between its first and its last, in that steady state (see
-`loop._Segment`). A first, untimed execution of each size compiles it.
+`Segment`). A first, untimed execution of each size compiles it.
 
 Each size's time per step is estimated from 5 rounds: the median of the fastest size's
 segments, times the median over the rounds of the size's ratio to the fastest size's
@@ -35,13 +35,15 @@ Example::
         k, steps = tuner.candidate, tuner.segment_steps
         ...  # run `steps` steps in executions of k, taking `seconds`
         tuner.record(k, steps, seconds)
-    k = tuner.choose(lambda k: (num_executions, num_single_steps))
+    k = tuner.choose(lambda k: num_executions_of_up_to(k))
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from jaxloop import agreement
 
@@ -54,6 +56,58 @@ def _agreed(values: list[float]) -> list[float]:
     """Process 0's values on every process: all processes must run the same programs in
     the same order, so measurements (which differ per host) decide nothing locally."""
     return [float(v) for v in agreement.agreed(lambda: values)]
+
+
+def size_limit(actions: Sequence[Any]) -> int:
+    """The largest size worth trying under these step actions: `DEFAULT_MAX_SIZE`, or the
+    smallest interval of an action that fires every `interval` steps, if smaller."""
+    intervals = [
+        a.interval for a in actions
+        if getattr(a, "fires_at", None) is None and isinstance(getattr(a, "interval", None), int)
+    ]
+    return min([DEFAULT_MAX_SIZE, *intervals])
+
+
+class Segment:
+    """The clock of one timed segment of executions, started at loop step `first_step`.
+
+    It times the executions between the segment's first and last ones, in the steady state
+    of a long loop: the clock starts when the first execution ends and stops when the one
+    before the last ends, each waited for once the next is dispatched. So the device never
+    idles for the clock, and the host prepares the next execution while each timed one runs,
+    as it does in a long loop. (Timed from an idle device to an idle device instead, a
+    segment of few large executions counted one of them without the host's competing work,
+    which ranked a slower size first.)
+    """
+
+    def __init__(self, first_step: int):
+        self.first_step = first_step
+        self._executions = 0
+        self._previous: tuple[Any, int] = (None, first_step)  # (sync token, steps done)
+        self._last: tuple[Any, int] = (None, first_step)
+        self._start: tuple[float, int] | None = None  # (clock, steps done) when it began
+
+    def executed(self, token: Any, steps_done: int) -> None:
+        """Called after each execution is dispatched, with an array that is ready when it
+        has finished (None: the loop has waited for it already)."""
+        self._executions += 1
+        self._previous, self._last = self._last, (token, steps_done)
+        if self._executions == 2:
+            self._start = (self._wait(self._previous[0]), self._previous[1])
+
+    def timed(self) -> tuple[int, float]:
+        """(steps timed, seconds): the executions after the first and before the last; none
+        in a segment of fewer than three (the compiling round)."""
+        if self._start is None or self._executions < 3:
+            return 0, 0.0
+        clock, steps = self._start
+        return self._previous[1] - steps, self._wait(self._previous[0]) - clock
+
+    @staticmethod
+    def _wait(token: Any) -> float:
+        if token is not None:
+            token.block_until_ready()
+        return time.perf_counter()
 
 
 def segment_steps(size: int) -> int:
@@ -145,23 +199,20 @@ class ExecutionSizeTuner:
             estimates[size] = medians[fastest] * statistics.median(ratios) if ratios else median
         return estimates
 
-    def choose(self, plan: Callable[[int], tuple[int, int]] | None = None) -> int:
+    def choose(self, plan: Callable[[int], int] | None = None) -> int:
         """The smallest measured size whose predicted loop time is within `tolerance` of
         the best one's.
 
-        `plan(k)` gives (executions of up to k steps, single steps) for a loop of the
-        caller's length; None predicts from the per-step times alone.
+        `plan(k)` gives the number of executions of up to k steps in a loop of the caller's
+        length (each costs a full one: one program runs them all); None predicts from the
+        per-step times alone.
         """
         measured = self.per_step_secs
         if not measured:
             return 1
-        single = measured.get(1, max(measured.values()))
 
         def predicted(k: int) -> float:
-            if plan is None:
-                return measured[k]
-            executions, singles = plan(k)
-            return executions * k * measured[k] + singles * single
+            return measured[k] if plan is None else plan(k) * k * measured[k]
 
         bound = min(predicted(k) for k in measured) * (1 + self.tolerance)
         return min(k for k in measured if predicted(k) <= bound)

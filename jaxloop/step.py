@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import optax
 
-from jaxloop import analysis, staging, types
+from jaxloop import analysis, staging, step_actions, types
 from jaxloop import memory as memory_lib
 from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
@@ -47,28 +47,12 @@ PreparedBatch = staging.PreparedBatch
 BatchLayoutError = staging.BatchLayoutError
 batch_layout = staging.batch_layout
 zeros_from_spec = staging.zeros_from_spec
+action_fires = step_actions.action_fires
 
 log = logging.getLogger(__name__)
 
 # Evaluation steps need no optimizer; one shared identity keeps the default immutable.
 _IDENTITY = optax.identity()
-
-
-def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
-    """Whether a step-level action runs at this step (before it when `begin`, else after).
-
-    An action fires every `interval` steps, or where its optional method
-    ``fires_at(per_loop_step_number, begin)`` says (for actions tied to one step range,
-    such as `profiling.ProfileAction`).
-
-    Example::
-
-        action_fires(SummaryAction(writer, interval=10), 20, begin=False)  # True
-    """
-    fires_at = getattr(action, "fires_at", None)
-    if fires_at is not None:
-        return bool(fires_at(per_loop_step_number, begin))
-    return per_loop_step_number % action.interval == 0
 
 
 def _index(tree: Any, i: int) -> Any:
@@ -461,15 +445,6 @@ class Step:
 
     # -- driver ---------------------------------------------------------------------------------
 
-    def _fire(self, actions: list[Any], begin: bool, step_number: int, state: State,
-              outputs: Output | None = None, batch: Batch | None = None) -> None:
-        for action in actions:
-            if action_fires(action, step_number, begin):
-                if begin:
-                    action(state, None, batch=batch, per_loop_step_number=step_number)
-                else:
-                    action(state, outputs, per_loop_step_number=step_number)
-
     def __call__(
         self,
         state: State,
@@ -481,13 +456,13 @@ class Step:
         """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions."""
         program = self._program()
         batch = self._placed(batch)
-        self._fire(self._begin_actions, True, per_loop_step_number, state, batch=batch)
+        step_actions.fire(self._begin_actions, True, per_loop_step_number, state, batch=batch)
         state, batch = self.begin(state, batch)
         if log_num_flops:
             self.compute_num_flops(state, batch, **kwargs)
         state, outputs = program(state, batch, **kwargs)
         state, outputs = self.end(state, outputs)
-        self._fire(self._end_actions, False, per_loop_step_number, state, outputs)
+        step_actions.fire(self._end_actions, False, per_loop_step_number, state, outputs)
         return state, outputs
 
     def call_steps(
@@ -541,10 +516,10 @@ class Step:
         count = len(batches)
         size = count if size is None else size
         first, last = per_loop_step_number, per_loop_step_number + count - 1
-        self._check_no_inner_actions(first, last)
+        step_actions.check_none_inside(self._begin_actions, self._end_actions, first, last)
         placed = [self._placed(b) for b in batches]
         stacked = staging.stack(placed, size, self._partitioner, shard=self._should_shard_batch)
-        self._fire(self._begin_actions, True, first, state, batch=placed[0])
+        step_actions.fire(self._begin_actions, True, first, state, batch=placed[0])
         state, stacked = self.begin(state, stacked)
         if log_num_flops:
             self.compute_num_flops(state, _index(stacked, 0), **kwargs)
@@ -553,19 +528,5 @@ class Step:
         state = new_state if carry_state else state
         state, outputs = self.end(state, outputs)
         if self._end_actions:
-            self._fire(self._end_actions, False, last, state, _index(outputs, count - 1))
+            step_actions.fire(self._end_actions, False, last, state, _index(outputs, count - 1))
         return state, outputs
-
-    def _check_no_inner_actions(self, first: int, last: int) -> None:
-        for actions, begin, steps in (
-            (self._begin_actions, True, range(first + 1, last + 1)),
-            (self._end_actions, False, range(first, last)),
-        ):
-            for action in actions:
-                inner = [n for n in steps if action_fires(action, n, begin)]
-                if inner:
-                    raise ValueError(
-                        f"Step action {action!r} fires on step {inner[0]}, inside an "
-                        f"execution of steps {first}..{last}; run the steps around it "
-                        "separately (loops with steps_per_execution do this)"
-                    )

@@ -301,11 +301,11 @@ def test_execution_size_tuner_prefers_sizes_that_fit_the_loop():
     assert tuner.per_step_secs == pytest.approx(fake_per_step)
     # The best per step is 8; 4 is within 2.5% of it, and the smallest such size wins.
     assert tuner.choose() == 4
-    # A 12-step loop: 8 + 4 single steps is slower than 4 + 4 + 4.
-    assert tuner.choose(lambda k: (12 // k, 12 % k)) == 4
+    # A 12-step loop: two executions of the 8-step program cost more than 4 + 4 + 4.
+    assert tuner.choose(lambda k: -(-12 // k)) == 4
     fake_per_step[4] = 0.6
     tuner.per_step_secs.update(fake_per_step)
-    assert tuner.choose() == 8 and tuner.choose(lambda k: (12 // k, 12 % k)) == 2
+    assert tuner.choose() == 8 and tuner.choose(lambda k: -(-12 // k)) == 2
     short = execution_size.ExecutionSizeTuner(max_size=32)
     short.limit(40)  # a segment of 16-step executions (64 steps) does not fit
     assert short.sizes == [1, 2, 4, 8]

@@ -1,0 +1,56 @@
+"""A loop's outputs: one list per key, one entry per step, as the step returned it.
+
+`clu.metrics` values go to a `MetricList`, a list whose `compute()` merges the loop's
+metrics in one jitted reduction (summaries use it at the loop's end).
+
+Example::
+
+    outputs = append({}, {'loss': loss, 'accuracy': Accuracy.from_model_output(...)})
+    outputs['loss'][0]               # step 1's loss
+    outputs['accuracy'].compute()    # over the whole loop
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from clu import metrics as clu_metrics
+
+_METRIC_TYPES = (clu_metrics.Metric, clu_metrics.Collection)
+
+
+@jax.jit
+def _merge_all(metrics: list[Any]) -> Any:
+    merged = metrics[0]
+    for metric in metrics[1:]:
+        merged = merged.merge(metric)
+    return merged
+
+
+class MetricList(list):
+    """Per-step `clu.metrics` values: a list (``len``, indexing) whose `merged` metric over
+    all steps is one jitted reduction."""
+
+    def merged(self) -> Any:
+        """All steps' metrics merged (one dispatch; stays on the device)."""
+        if not self:
+            raise ValueError("No metric to merge: the loop ran no step")
+        return _merge_all(list(self))
+
+    def compute(self) -> Any:
+        """The metric over all steps: ``merged().compute()``."""
+        return self.merged().compute()
+
+
+def append(loop_outputs: dict[str, list[Any]], step_outputs: dict[str, Any] | None
+           ) -> dict[str, list[Any]]:
+    """Appends each of one step's outputs to the list of its key in `loop_outputs`."""
+    for key, value in (step_outputs or {}).items():
+        values = loop_outputs.get(key)
+        if values is None:
+            values = loop_outputs[key] = (
+                MetricList() if isinstance(value, _METRIC_TYPES) else []
+            )
+        values.append(value)
+    return loop_outputs
