@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -158,7 +157,7 @@ class MlflowWriter(writers._ContextManagerMixin):
             return
         step = writers._as_step(step)
         for key, value in images.items():
-            for i, image in enumerate(writers._images_nhwc(key, value)):
+            for i, image in enumerate(writers._pixels("Image", key, value)):
                 name = key if i == 0 else f"{key}/{i}"
                 self._client.log_image(self._run_id, image, key=name, step=step)
 
@@ -186,8 +185,8 @@ class MlflowWriter(writers._ContextManagerMixin):
         num_buckets: Mapping[str, int] | None = None,
     ) -> None:
         summary = {}
-        for key, value in writers._prepare_arrays(arrays).items():
-            value = value.astype(np.float64)
+        for key, value in arrays.items():
+            value = np.asarray(value, np.float64)
             summary.update({f"{key}/mean": value.mean(), f"{key}/min": value.min(),
                             f"{key}/max": value.max()})
         self.write_scalars(step, summary)
@@ -286,27 +285,30 @@ class WandbWriter(writers._ContextManagerMixin):
         if not self._active:
             return
         self._log(step, {
-            key: [self._wandb.Image(img) for img in writers._images_nhwc(key, value)]
+            key: [self._wandb.Image(img) for img in writers._pixels("Image", key, value)]
             for key, value in images.items()
         })
 
     def write_videos(self, step: int, videos: Mapping[str, writers.ArrayLike]) -> None:
-        if not self._active:
+        """As GIFs, N videos of a key tiled into one; needs moviepy (``jaxloop[video]``)."""
+        if not self._active or not videos or not writers._has_moviepy(self):
             return
         logged = {}
         for key, value in videos.items():
-            frames = writers._tile_videos(writers._videos_nthwc(key, value))
-            fd, path = tempfile.mkstemp(suffix=".gif")
-            with os.fdopen(fd, "wb") as f:
-                f.write(writers._encode_gif(frames, fps=4))
-            logged[key] = self._wandb.Video(path, format="gif")
+            v = writers._pixels("Video", key, value)
+            v = v[..., [0, 0, 0]] if v.shape[-1] == 1 else v[..., :3]  # RGB, as GIF has it
+            logged[key] = self._wandb.Video(np.moveaxis(v, -1, -3), fps=4, format="gif")
         self._log(step, logged)
 
     def write_audios(
         self, step: int, audios: Mapping[str, writers.ArrayLike], *, sample_rate: int
     ) -> None:
-        if self._active and audios:
-            _warn_once(self, "audio (it needs the soundfile package)")
+        if self._active:
+            self._log(step, {
+                key: [self._wandb.Audio(clip, sample_rate=sample_rate)
+                      for clip in writers._audios_ntc(key, value)]
+                for key, value in audios.items()
+            })
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         if self._active:
@@ -324,8 +326,8 @@ class WandbWriter(writers._ContextManagerMixin):
         buckets = dict(num_buckets or {})
         self._log(step, {
             key: self._wandb.Histogram(
-                value, num_bins=buckets.get(key, writers.DEFAULT_HISTOGRAM_BUCKETS))
-            for key, value in writers._prepare_arrays(arrays).items()
+                np.asarray(value), num_bins=buckets.get(key, writers.DEFAULT_HISTOGRAM_BUCKETS))
+            for key, value in arrays.items()
         })
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:

@@ -2,12 +2,14 @@
 W&B offline run files read back record by record; a resumed job continues the same run."""
 
 import json
+import wave
 
 import jax
 import numpy as np
 import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
+from PIL import Image
 
 from jaxloop import actions, checkpoint, outer_loop, trackers, train_loop
 
@@ -124,12 +126,21 @@ def test_wandb_offline_files_read_back_and_resumed(tmp_path, monkeypatch):
     writer = trackers.WandbWriter(project="digits", mode="offline", dir=tmp_path / "wb",
                                   config={"lr": 0.01})
     writer.write_hparams({"model": {"hidden": 32}})
+    frames = np.linspace(0, 1, 5)[:, None, None, None] * np.ones((5, 8, 6, 1))  # distinct
+    writer.write_videos(0, {"clip": np.stack([frames, 1 - frames])})  # [N, T, H, W, C], grey
+    writer.write_audios(0, {"tone": np.zeros((2, 100, 2))}, sample_rate=8000)  # [N, T, C]
     train(tmp_path, writer, 4)
     writer.close()
     wandb.teardown()  # stops W&B's service process: its files are complete after this
     run_id = writer.run_id
     [first] = (tmp_path / "wb" / "wandb").glob(f"offline-run-*-{run_id}")
     history = _history(first)
+    media = next(h for h in history if "clip/path" in h)
+    gif = Image.open(first / "files" / media["clip/path"])
+    assert (gif.format, gif.n_frames, gif.size) == ("GIF", 5, (12, 8))  # two side by side
+    assert media["tone/sampleRates"] == [8000, 8000]
+    with wave.open(str(first / "files" / media["tone/audio"][0]["path"])) as wav:
+        assert (wav.getnchannels(), wav.getframerate(), wav.getnframes()) == (2, 8000, 100)
     losses = [h for h in history if "loss" in h]
     assert [h["_step"] for h in losses] == [1, 2, 3, 4]
     assert all(np.isfinite(h["loss"]) for h in losses)
