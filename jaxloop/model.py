@@ -114,6 +114,11 @@ class ModelAdapter(abc.ABC):
     def apply(self, variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         """Calls the model: ``apply(variables, *inputs, rngs=None, mutable=False, ...)``."""
 
+    def held_variables(self) -> Variables | None:
+        """The variables of a model that already holds them (an nnx instance), as `init`
+        returns them but without copying; None for a model initialised by `init`."""
+        return None
+
 
 class LinenAdapter(ModelAdapter):
     """A linen module: ``init`` and ``apply`` are the module's own."""
@@ -158,7 +163,14 @@ class NnxAdapter(ModelAdapter):
 
     def init(self, base_prng: types.PRNGType, batch: Any) -> Variables:
         del batch  # an nnx module is built from its constructor arguments alone
-        model = self._build(base_prng)
+        return self._variables(self._build(base_prng))
+
+    def held_variables(self) -> Variables | None:
+        if isinstance(self._model, nnx.Module):
+            return self._variables(self._model)
+        return None
+
+    def _variables(self, model: nnx.Module) -> Variables:
         graphdef, params, stats, rngs, rest = nnx.split(
             model, nnx.Param, nnx.BatchStat, nnx.RngState, ...
         )

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 
 from jaxloop import analysis, staging, step_actions, types
 from jaxloop import memory as memory_lib
@@ -193,8 +194,9 @@ class Step:
 
     # -- model state --------------------------------------------------------------------------
 
-    def _create_state(self, batch: Batch) -> State:
-        variables = self._adapter.init(self._base_prng, batch)
+    def _create_state(self, batch: Batch, variables: Any = None) -> State:
+        if variables is None:
+            variables = self._adapter.init(self._base_prng, batch)
         params = variables["params"]
         if self._dtype_policy is not None:
             params = self._dtype_policy.cast_to_param(params)
@@ -217,21 +219,28 @@ class Step:
             state = step.initialize_model({'image': [1, 28, 28, 1], 'label': ([1], 'int32')})
         """
         batch = staging.zeros_from_spec(spec)
-        state = self._partitioner.shard_init_fn(self._create_state)(batch)
+        held = self._adapter.held_variables()
+        if held is None:
+            state = self._partitioner.shard_init_fn(self._create_state)(batch)
+        else:
+            # An nnx instance holds its values already: each goes from where it is straight
+            # to its place, and enters the init program as an argument, not a constant.
+            mesh = self._partitioner.mesh
+            specs = self._partitioner.state_specs(held)
+            held = jax.device_put(held, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+            state = self._partitioner.shard_init_fn(self._create_state)(batch, held)
         self.compute_num_params(state)
         if log_num_params:
             log.info("Number of parameters: %d", self._num_params)
         return state
 
     def abstract_state(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
-        """The state `initialize_model` would create, described but not built.
+        """The state `initialize_model` would create, described but not built: each leaf a
+        `jax.ShapeDtypeStruct` with its shape, dtype and sharding (no device memory used).
 
-        Every array leaf is a `jax.ShapeDtypeStruct` with the shape, dtype and sharding the
-        partitioner gives it (`jax.eval_shape`: no device memory is used). Pass it where a
-        state is restored (`restore_model`, `OuterLoop`, `checkpoint.restore`) so the
-        checkpoint lands straight in place, without a freshly initialised state alive beside
-        it; where there is no checkpoint yet, those initialise the state from this step
-        (`materialize`).
+        Pass it where a state is restored (`restore_model`, `OuterLoop`,
+        `checkpoint.restore`): the checkpoint lands straight in place, and without one the
+        state is initialised from this step (`materialize`).
 
         Example::
 
@@ -274,16 +283,14 @@ class Step:
         step: int | None = None,
         transforms: Any = None,
     ) -> State:
-        """Restores `state` from the orbax checkpoints in `checkpoint_dir`.
+        """Restores `state` (the latest step unless `step` is given) from the orbax
+        checkpoints in `checkpoint_dir`, each array placed as the given state's is.
 
-        Restores the latest step unless `step` is given, placing every array as the given
-        state's arrays are placed (whichever partitioner instance placed them). `state` may
-        be abstract (`abstract_state`): the checkpoint is then read straight into place, and
-        with no checkpoint the state is initialised (`materialize`). An eval step
-        (``train=False``) restores no optimizer state. With no checkpoint there, logs "No
-        checkpoint found in <dir>" and returns `state` unchanged (initialised if abstract).
-        `transforms` are orbax restore transforms, as in the reference (see
-        `checkpoint.restore`).
+        `state` may be abstract (`abstract_state`): the checkpoint is read straight into
+        place, and with no checkpoint the state is initialised (`materialize`). An eval step
+        (``train=False``) restores no optimizer state. With no checkpoint, logs "No
+        checkpoint found in <dir>" and returns `state`. `transforms`: orbax restore
+        transforms (see `checkpoint.restore`).
 
         Example::
 
@@ -357,21 +364,11 @@ class Step:
     def memory_estimate(
         self, spec: types.BatchSpec, state: State | None = None, **kwargs: Any
     ) -> memory_lib.MemoryEstimate:
-        """What one device needs to run this step on a global batch of `spec`, from XLA's
-        memory analysis of the compiled step: arguments, outputs, temporaries and total.
-
-        The step is compiled for an abstract state and batch (`abstract_state`,
-        `abstract_batch`) and never run: no state is created and no device memory is
-        used beyond the compilation itself, so an out-of-memory is found before a job is
-        scheduled.
-
-        Args:
-          spec: the global batch `run` receives (after `preprocess_batch`), e.g.
-            ``{'image': [256, 28, 28, 1], 'label': ([256], 'int32')}``.
-          state: the state to run on, abstract or concrete. By default the state described
-            by the last `abstract_state` call's spec, or when there was none, the state
-            initialised from `spec` itself.
-          **kwargs: passed to `run`, as in `__call__`.
+        """What one device needs to run this step on a global batch of `spec` (as `run`
+        receives it), from XLA's memory analysis of the step compiled for an abstract state
+        and batch: nothing is created or run, so an out-of-memory is found before a job is
+        scheduled. `state` defaults to the state of the last `abstract_state` spec (else of
+        `spec`); `kwargs` go to `run`.
 
         Example::
 
@@ -476,20 +473,14 @@ class Step:
         size: int | None = None,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
-        """Runs batches as consecutive steps in one compiled call.
+        """Runs batches as consecutive steps in one compiled call (`jaxloop.program`).
 
-        The steps are a `jax.lax.scan` of `run` over the batches stacked on a leading axis
-        of `size` (default: their number), so the host dispatches once for all of them, and
-        the results equal those of calling the step on each batch in turn. One program
-        serves every number of batches up to `size`: the stack is padded and the program
-        runs only the real steps. Outputs come back stacked: ``outputs['loss'][i]`` is step
-        i's (entries past the real steps are zeros).
-
-        `begin` and `end` run once for the whole execution, on the stacked batch and the
-        stacked outputs. Step actions fire as in `__call__`, for step numbers
-        ``per_loop_step_number ...`` (the first step's number onwards), but only where the
-        host sees a step boundary: a begin action may fire on the first step (it is given
-        that step's batch) and an end action on the last (given that step's outputs).
+        The results equal those of calling the step on each batch in turn. One program
+        serves every number of batches up to `size` (default: their number). Outputs come
+        back stacked: ``outputs['loss'][i]`` is step i's (zeros past the real steps).
+        `begin` and `end` run once, on the stacked batch and outputs. Step actions fire as
+        in `__call__` where the host sees a step boundary: a begin action on the first step
+        (with its batch), an end action on the last (with its outputs).
 
         Args:
           state: the state before the first step.

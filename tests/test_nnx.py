@@ -1,5 +1,8 @@
 """nnx models through the one linen-style `run`: RNG streams, train/eval modes, resume."""
 
+import contextlib
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,3 +182,73 @@ def test_batchnorm_uses_batch_statistics_in_train_and_running_averages_in_eval()
     _, eval_out = eval_step(state, {"x": x})
     expected = (x - mean) / np.sqrt(var + 1e-5)
     np.testing.assert_allclose(np.asarray(eval_out["y"]), expected, rtol=1e-4, atol=1e-4)
+
+
+class WideNet(nnx.Module):
+    """Big enough leaves for FSDP to split; one annotated for tensor parallelism."""
+
+    def __init__(self, annotate=False, *, rngs):
+        init = nnx.initializers.lecun_normal()
+        if annotate:
+            init = nnx.with_partitioning(init, (None, "model"))
+        self.dense1 = nnx.Linear(64, 128, rngs=rngs, kernel_init=init)
+        self.dense2 = nnx.Linear(128, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense2(nnx.relu(self.dense1(x)))
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "spmd"])
+def test_an_nnx_instance_is_placed_leaf_by_leaf_without_copies_on_one_device(kind):
+    """An nnx model built by the user (its arrays on the default device) lands where the
+    partitioner places the same model built from its class; the initialisation makes no
+    single-device copy of any parameter (it is an argument of the init program, not a
+    constant baked into it), and the user's instance stays usable."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from jaxloop import partition
+
+    if kind == "fsdp":
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        part = partition.FSDPPartitioner(mesh, "data", min_weight_size=256)
+    else:
+        mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+        part = partition.SPMDPartitioner(mesh, "data", fsdp_min_weight_size=256)
+    annotate = kind == "spmd"
+    # An annotated nnx variable needs a mesh to be created (flax places it as it builds).
+    with jax.set_mesh(mesh) if annotate else contextlib.nullcontext():
+        instance = WideNet(annotate, rngs=nnx.Rngs(0))
+    expected = ReadmeStep(jax.random.key(0), WideNet, optimizer=optax.adam(1e-3),
+                          partitioner=part, train=True, nnx_model_args=(annotate,)
+                          ).initialize_model([1, 64])
+    split = {x.shape for x in jax.tree.leaves(expected) if not x.sharding.is_fully_replicated}
+
+    def buffers():
+        return {s.data.unsafe_buffer_pointer(): s.data.shape
+                for a in jax.live_arrays() for s in a.addressable_shards}
+
+    step = ReadmeStep(jax.random.key(0), instance, optimizer=optax.adam(1e-3),
+                      partitioner=part, train=True)
+    before = buffers()
+    # jax warns when a program captures more than this many bytes of constants (public
+    # option jax_captured_constants_warn_bytes): the instance's values must be arguments.
+    previous = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", 1024)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = step.initialize_model([1, 64])
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", previous)
+    assert not [w for w in caught if "constants" in str(w.message)]
+    whole = [shape for ptr, shape in buffers().items() if ptr not in before and shape in split]
+    assert whole == []
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state),
+                                 jax.tree.leaves(expected), strict=True):
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (
+            jax.tree_util.keystr(path), got.sharding, want.sharding)
+    kernel = state.params["dense1"]["kernel"]
+    assert kernel.sharding.spec == (P("data", "model") if annotate else P(None, "data"))
+    np.testing.assert_array_equal(kernel, instance.dense1.kernel[...])
+    assert instance(jnp.ones((2, 64))).shape == (2, 16)
