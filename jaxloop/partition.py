@@ -55,6 +55,20 @@ def _spec(axes: Sequence[Any]) -> P:
     return P(*axes)
 
 
+def _split_largest(shape: tuple[int, ...], axes: Sequence[Any], axis: str, n: int,
+                   min_size: int) -> list:
+    """FSDP: `axes` with `axis` (of `n` devices) on the largest free dimension that divides
+    by `n`, for a leaf of at least `min_size` elements whose axes do not use it yet."""
+    axes = list(axes)
+    used = {a for ax in axes for a in (ax if isinstance(ax, tuple) else (ax,))}
+    if n == 1 or axis in used or int(np.prod(shape, dtype=np.int64)) < min_size:
+        return axes
+    free = [d for d, size in enumerate(shape) if axes[d] is None and size % n == 0]
+    if free:
+        axes[max(free, key=lambda d: (shape[d], -d))] = axis
+    return axes
+
+
 def _is_box(x: Any) -> bool:
     return isinstance(x, meta.AxisMetadata)
 
@@ -260,51 +274,24 @@ class Partitioner(abc.ABC):
         )
 
     def shard_batch(self, batch: PyTree) -> PyTree:
-        """Turns this process's local batch into global arrays split along the data axis.
-
-        Each leaf's leading dimension is this process's share of the global batch; with P
-        processes the global leading dimension is P times larger. 0-d leaves are replicated.
-        Leaves already placed with the batch sharding pass through untouched, so a
-        prefetcher may shard ahead of time.
+        """Turns this process's local batch into global arrays split along the data axis
+        (`batch_shardings`); with P processes the global batch is P times larger. Leaves
+        already placed so pass through untouched.
 
         Example::
 
             sharded = partitioner.shard_batch({'x': np.ones((32, 784)), 'y': np.zeros(32)})
-
-        Raises:
-          ValueError: a leaf's leading dimension does not divide by the local device count
-            along the data axis (the message names the leaf path and shape).
         """
         return self._place(batch, stacked=False)
 
     def shard_stacked_batch(self, batch: PyTree) -> PyTree:
-        """Like `shard_batch` for k batches stacked on a new leading axis (``np.stack``).
-
-        The stacking axis stays whole on every device and the batch axis (the second) is
-        split along the data axis, so ``stacked[i]`` is placed like ``shard_batch`` places
-        batch i. Leaves with fewer than two dimensions (stacked scalars) are replicated.
-
-        Example::
-
-            stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)  # (k, B, ...)
-            placed = partitioner.shard_stacked_batch(stacked)
-
-        Raises:
-          ValueError: a leaf's second dimension does not divide by the local device count
-            along the data axis (the message names the leaf path and shape).
-        """
+        """Like `shard_batch` for k batches stacked on a new leading axis (``np.stack``):
+        ``stacked[i]`` is placed as `shard_batch` places batch i."""
         return self._place(batch, stacked=True)
 
     def partition(self, fn: Callable[..., Any], **jit_kwargs: Any) -> program_lib.Program:
-        """Jits `fn(state, batch, ...)` for this placement, whatever pytree it returns.
-
-        One `jax.jit` with the state's shardings as its input shardings (taken from the
-        first state passed: placement is a property of the state's arrays), traced under
-        this partitioner's mesh (`trace_context`). When `fn` returns ``(state, outputs)``
-        the new state is placed as the old one, so donated buffers are reused in place and
-        FSDP state stays split; outputs follow XLA's propagation. A state placed
-        differently on this mesh is an error naming both shardings, never a second
-        program. `jit_kwargs` go to `jax.jit`; an unknown one raises TypeError here.
+        """Jits `fn(state, batch, ...)` as one `jax.jit` pinned to the state's shardings
+        (`jaxloop.program.Program`); `jit_kwargs` go to `jax.jit`.
 
         Example::
 
@@ -370,14 +357,8 @@ class FSDPPartitioner(Partitioner):
 
     def leaf_spec(self, shape: tuple[int, ...]) -> P:
         """The spec of one state leaf of this shape: split on its largest divisible dim."""
-        n = self._mesh.shape[self._data_axis]
-        if n == 1 or int(np.prod(shape, dtype=np.int64)) < self._min_weight_size:
-            return P()
-        candidates = [d for d, size in enumerate(shape) if size % n == 0]
-        if not candidates:
-            return P()
-        dim = max(candidates, key=lambda d: (shape[d], -d))
-        return _spec([self._data_axis if d == dim else None for d in range(len(shape))])
+        return _spec(_split_largest(shape, [None] * len(shape), self._data_axis,
+                                    self._mesh.shape[self._data_axis], self._min_weight_size))
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         return jax.tree.map(lambda x: self.leaf_spec(np.shape(x)), _unboxed(abstract_state))
@@ -493,21 +474,6 @@ class SPMDPartitioner(Partitioner):
             resolved[i] = n
         return tuple(resolved)
 
-    def _fsdp(self, shape: tuple[int, ...], axes: list) -> list:
-        if self._fsdp_min_weight_size is None or self._data_axis is None:
-            return axes
-        n = self._mesh.shape[self._data_axis]
-        used = {a for ax in axes for a in (ax if isinstance(ax, tuple) else (ax,))}
-        size = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if n == 1 or self._data_axis in used or size < self._fsdp_min_weight_size:
-            return axes
-        free = [d for d, dim in enumerate(shape) if axes[d] is None and dim % n == 0]
-        if free:
-            dim = max(free, key=lambda d: (shape[d], -d))
-            axes = list(axes)
-            axes[dim] = self._data_axis
-        return axes
-
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         def spec(path: tuple, x: Any) -> P:
             value = x.value if _is_box(x) else x
@@ -527,6 +493,10 @@ class SPMDPartitioner(Partitioner):
                             f"{tuple(x.names)} resolves to mesh axis {a!r}, which the mesh "
                             f"{dict(self._mesh.shape)} does not have"
                         )
-            return _spec(self._fsdp(shape, axes))
+            if self._fsdp_min_weight_size is not None and self._data_axis is not None:
+                axes = _split_largest(shape, axes, self._data_axis,
+                                      self._mesh.shape[self._data_axis],
+                                      self._fsdp_min_weight_size)
+            return _spec(axes)
 
         return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=_is_box)
