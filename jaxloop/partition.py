@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxloop import program as program_lib
+from jaxloop import staging
 
 PyTree = Any
 
@@ -99,22 +100,10 @@ class Partitioner(abc.ABC):
         self._data_axis = data_axis
         self._batch_sharding = NamedSharding(mesh, P(data_axis))
         self._replicated = NamedSharding(mesh, P())
-        self._stacked_sharding = NamedSharding(mesh, P(None, data_axis))
-        self._local_data_shards = self._count_local_data_shards()
         # The shardings of the last state `shard_init_fn` created: only reported by
         # `sharding`, never read to place anything (placement is a pure function of the
         # state's arrays and the model's annotations).
         self._last_state_shardings: PyTree = None
-
-    def _count_local_data_shards(self) -> int:
-        if self._data_axis is None:
-            return 1
-        axis = self._mesh.axis_names.index(self._data_axis)
-        local = {d.id for d in self._mesh.local_devices}
-        coords = {
-            idx[axis] for idx, d in np.ndenumerate(self._mesh.devices) if d.id in local
-        }
-        return len(coords)
 
     @property
     def mesh(self) -> Mesh:
@@ -229,49 +218,8 @@ class Partitioner(abc.ABC):
         return sharded_init
 
     def batch_shardings(self, batch: PyTree, stacked: bool = False) -> PyTree:
-        """The sharding of each leaf of a process-local batch, checked against the mesh.
-
-        Leaves are split along the data axis on their leading dimension (with `stacked`, on
-        their second: ``stacked[i]`` is placed as batch i); leaves without that dimension are
-        replicated.
-
-        Raises:
-          ValueError: a leaf's batch dimension does not divide by this process's devices
-            along the data axis (the message names the leaf path and shape).
-        """
-        axis = 1 if stacked else 0
-        split = self._stacked_sharding if stacked else self._batch_sharding
-
-        def sharding(path: tuple, x: Any) -> NamedSharding:
-            shape = np.shape(x)
-            if len(shape) <= axis:
-                return self._replicated
-            if shape[axis] % self._local_data_shards:
-                what = "batch dimension" if stacked else "leading dimension"
-                raise ValueError(
-                    f"Batch leaf {_path_str(path)} has shape {tuple(shape)}"
-                    f"{f' ({shape[0]} stacked batches)' if stacked else ''}: its {what} "
-                    f"{shape[axis]} does not divide by the {self._local_data_shards} local "
-                    f"devices along mesh axis {self._data_axis!r} of process "
-                    f"{jax.process_index()}. Use a per-process batch size that is a multiple "
-                    f"of {self._local_data_shards}."
-                )
-            return split
-
-        return jax.tree_util.tree_map_with_path(sharding, batch)
-
-    def _place(self, batch: PyTree, stacked: bool) -> PyTree:
-        shardings = self.batch_shardings(batch, stacked)
-        if jax.process_count() == 1:
-            # One process holds the whole global batch: a plain transfer (a no-op for leaves
-            # already placed so).
-            return jax.device_put(batch, shardings)
-        return jax.tree.map(
-            lambda x, s: x
-            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
-            else jax.make_array_from_process_local_data(s, np.asarray(x)),
-            batch, shardings,
-        )
+        """The sharding of each leaf of a process-local batch (`staging.batch_shardings`)."""
+        return staging.batch_shardings(self, batch, stacked)
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """Turns this process's local batch into global arrays split along the data axis
@@ -282,12 +230,12 @@ class Partitioner(abc.ABC):
 
             sharded = partitioner.shard_batch({'x': np.ones((32, 784)), 'y': np.zeros(32)})
         """
-        return self._place(batch, stacked=False)
+        return staging.place(self, batch)
 
     def shard_stacked_batch(self, batch: PyTree) -> PyTree:
         """Like `shard_batch` for k batches stacked on a new leading axis (``np.stack``):
         ``stacked[i]`` is placed as `shard_batch` places batch i."""
-        return self._place(batch, stacked=True)
+        return staging.place(self, batch, stacked=True)
 
     def partition(self, fn: Callable[..., Any], **jit_kwargs: Any) -> program_lib.Program:
         """Jits `fn(state, batch, ...)` as one `jax.jit` pinned to the state's shardings

@@ -1,5 +1,7 @@
-"""Batches made ready for a step's compiled program: built from specs, stacked, split.
+"""Batches made ready for a step's compiled program: placed, built from specs, stacked, split.
 
+- `batch_shardings` / `place`: a process-local batch split along the partitioner's data axis
+  (what `Partitioner.shard_batch` does).
 - `zeros_from_spec` / `abstract_batch`: a batch from a spec such as ``[1, 28, 28, 1]``, built
   (numpy zeros) or only described (`jax.ShapeDtypeStruct`s placed as the partitioner would).
 - `stack`: up to k batches of one layout stacked on a new leading axis of k and placed for an
@@ -8,14 +10,15 @@
 
 Example::
 
-    stacked, count = staging.stack(batches[:5], 16, partitioner)  # 5 real of 16
-    state, outputs = program(state, stacked, count)
-    per_step = staging.unstack(outputs)[:count]
+    stacked = staging.stack(batches[:5], 16, partitioner)  # 5 real of 16
+    state, outputs = program(state, stacked, 5)
+    per_step = staging.unstack(outputs)[:5]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,6 +59,66 @@ def batch_layout(batch: Batch | PreparedBatch) -> tuple:
         batch = batch.batch
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return treedef, tuple(map(np.shape, leaves))
+
+
+@functools.cache
+def _local_shards(mesh: jax.sharding.Mesh, axis: str | None) -> int:
+    """The distinct coordinates along `axis` of this process's devices."""
+    if axis is None:
+        return 1
+    index = mesh.axis_names.index(axis)
+    local = {d.id for d in mesh.local_devices}
+    return len({idx[index] for idx, d in np.ndenumerate(mesh.devices) if d.id in local})
+
+
+def batch_shardings(partitioner: Any, batch: Batch, stacked: bool = False) -> Any:
+    """The sharding of each leaf of a process-local batch, checked against the mesh.
+
+    Leaves are split along the data axis on their leading dimension (with `stacked`, on
+    their second: ``stacked[i]`` is placed as batch i); leaves without it are replicated.
+
+    Raises:
+      ValueError: a leaf's batch dimension does not divide by this process's devices along
+        the data axis (the message names the leaf path and shape).
+    """
+    mesh, axis = partitioner.mesh, partitioner.data_axis
+    dim = 1 if stacked else 0
+    split = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(*[None] * dim, axis))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    shards = _local_shards(mesh, axis)
+
+    def sharding(path: tuple, x: Any) -> jax.sharding.NamedSharding:
+        shape = np.shape(x)
+        if len(shape) <= dim:
+            return replicated
+        if shape[dim] % shards:
+            raise ValueError(
+                f"Batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                f"{tuple(shape)}{f' ({shape[0]} stacked batches)' if stacked else ''}: its "
+                f"{'batch' if stacked else 'leading'} dimension {shape[dim]} does not divide "
+                f"by the {shards} local devices along mesh axis {axis!r} of process "
+                f"{jax.process_index()}. Use a per-process batch size that is a multiple "
+                f"of {shards}."
+            )
+        return split
+
+    return jax.tree_util.tree_map_with_path(sharding, batch)
+
+
+def place(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
+    """This process's batch as global arrays placed by `batch_shardings`: with P processes
+    the global batch is P times larger. Leaves already placed so pass through."""
+    shardings = batch_shardings(partitioner, batch, stacked)
+    if jax.process_count() == 1:
+        # One process holds the whole global batch: a plain transfer.
+        return jax.device_put(batch, shardings)
+    return jax.tree.map(
+        lambda x, s: x
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
+        else jax.make_array_from_process_local_data(s, np.asarray(x)),
+        batch, shardings,
+    )
 
 
 def _is_shape(x: Any) -> bool:
