@@ -32,7 +32,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from jaxloop import analysis, staging, step_actions, types
+from jaxloop import analysis, ema, staging, step_actions, types
 from jaxloop import memory as memory_lib
 from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
@@ -269,6 +269,8 @@ class Step:
                 "with step.abstract_state(spec), or pass step.initialize_model(spec)"
             )
         new = self.initialize_model(self._abstract_spec)
+        if isinstance(state, ema.EmaState):  # described as ema.init(step.abstract_state(..))
+            new = ema.init(new)
         if jax.tree.structure(new) != jax.tree.structure(state):
             raise ValueError(
                 "The abstract state does not match the model this step initialises: "

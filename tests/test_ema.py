@@ -117,6 +117,18 @@ def test_abstract_state_resume_under_fsdp(tmp_path):
     assert int(restored.step) == 3
 
 
+def test_an_abstract_ema_state_without_a_checkpoint_starts_fresh(tmp_path):
+    """The first run of a job that resumes memory-safely: nothing to restore yet, so the
+    described EMA state is initialised (an EmaState, its average equal to the params)."""
+    step = EmaStep(jax.random.key(0), LinenMLP(hidden=8), optimizer=optax.adam(1e-2), train=True)
+    state = step.restore_model(ema.init(step.abstract_state([1, 16])), tmp_path / "none")
+    assert isinstance(state, ema.EmaState)
+    for a, b in zip(leaves(state.ema_params), leaves(state.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    state, _ = train_loop.TrainLoop(step)(state, iter([toy_data(8)]), num_steps=1)
+    assert int(state.step) == 1
+
+
 class Bf16Param(nn.Module):
     @nn.compact
     def __call__(self, x):
