@@ -4,15 +4,24 @@ Modes:
 - train only: ``outer(state, train_dataset=..., train_total_steps=..., train_loop_steps=...)``
 - train + evals: add ``eval_specs=[EvalSpec(eval_ds), ...]`` with one EvalLoop per spec.
 - eval only: no train loop. With a `CheckpointSpec` it evaluates every new checkpoint in the
-  directory once, in step order (continuous eval), until the training job writes the
-  ``STOPPED`` marker or ``iterate_stop_fn()`` says stop; without one it evaluates the given
-  state once. It returns the last eval loop's state and outputs. A checkpoint the trainer's
+  directory once, in step order (continuous eval), until the training job writes its
+  ``STOPPED`` marker (beside the checkpoint directory, see `stop_marker_path`) or
+  ``iterate_stop_fn()`` says stop; without one it evaluates the given state once. It
+  returns the last eval loop's state and outputs. A checkpoint the trainer's
   ``max_to_keep`` deletes before it is read is skipped with a warning.
 
 With several processes every decision that gates a collective is process 0's, taken by all
 (`agreement`): which checkpoint training resumes from, which checkpoints continuous eval
 reads, whether the marker or ``iterate_stop_fn()`` ends it, and whether a checkpoint that
 failed to restore on any process is skipped; so every process evaluates the same steps.
+
+The schedule is a function of the step: with ``train_loop_steps=n`` train loops end at
+multiples of n (and at ``train_total_steps``). A resumed run keeps it: the loop count comes
+back from the checkpoint (``step // n`` for one without jaxloop's metadata, such as the
+guide's single-item manager writes), and from a checkpoint saved inside a loop (a
+preemption's) the resumed run finishes that loop, to the next multiple of n; so
+evaluations, checkpoints and actions fall on the steps of the uninterrupted run (plus the
+preemption's own save).
 
 Training ends at ``train_total_steps``, when the train iterator is exhausted (with a
 warning), when a train or eval loop puts a truthy ``STOP_LOOP`` in its outputs, or when an
@@ -57,6 +66,10 @@ STOP_LOOP = "jaxloop/stop_loop"
 _STOP_FILE_NAME = "STOPPED"
 _EARLY_STOPPING_META = "early_stopping"
 _EVALS_PENDING_META = "evals_pending"
+# Whether the checkpoint's loop ended before its boundary (a preemption inside a loop, or
+# ``train_total_steps`` off a multiple of ``train_loop_steps``): its saved loop count then
+# includes a loop that the resumed run finishes.
+_LOOP_PARTIAL_META = "loop_partial"
 DEFAULT_ITERATE_INTERVAL_SECS = 10.0
 
 log = logging.getLogger(__name__)
@@ -126,8 +139,9 @@ class CheckpointSpec:
       iterate_stop_fn: ``fn() -> bool``, asked by continuous eval whenever it has
         evaluated every checkpoint there is; True ends it (with several processes, process
         0 asks and every process follows). By default it ends when the training job has
-        written its ``STOPPED`` marker. ``lambda: True`` evaluates the checkpoints present
-        once and returns.
+        written its ``STOPPED`` marker (at `stop_marker_path` ``(checkpoint_dir)``, or
+        inside the directory where earlier releases and google/jaxloop write it).
+        ``lambda: True`` evaluates the checkpoints present once and returns.
       transforms: orbax restore transforms, passed to `Step.restore_model` (see
         `checkpoint.restore`), e.g. ``{r'params/head/.*': ocp.Transform(use_fallback=True)}``.
     """
@@ -144,15 +158,58 @@ class CheckpointSpec:
             )
 
 
+def stop_marker_path(checkpoint_dir: Any) -> epath.Path:
+    """Where a finished training run marks its checkpoint directory as complete.
+
+    The marker is a sibling of the directory (``<dir>.STOPPED``: ``/run/checkpoints`` gives
+    ``/run/checkpoints.STOPPED``), so the directory itself holds only what orbax writes
+    (its step folders) and code that lists it counts checkpoints only. A directory with no
+    parent to put it in (a file-system or bucket root) keeps it inside, as ``STOPPED``.
+    """
+    path = epath.Path(checkpoint_dir)
+    parent = path.parent
+    if not path.name or parent == path or (not parent.name and "://" in str(path)):
+        return path / _STOP_FILE_NAME
+    return parent / f"{path.name}.{_STOP_FILE_NAME}"
+
+
+def _marker_paths(checkpoint_dir: Any) -> list[epath.Path]:
+    """The marker's place, then its place inside the directory (earlier jaxloop releases
+    and google/jaxloop write it there)."""
+    return list(dict.fromkeys([stop_marker_path(checkpoint_dir),
+                               epath.Path(checkpoint_dir) / _STOP_FILE_NAME]))
+
+
 def _marker_step(directory: epath.Path) -> int | None:
     """The step recorded in the STOPPED marker, -1 for a marker without one, None if none."""
-    marker = directory / _STOP_FILE_NAME
-    try:
-        text = marker.read_text()
-    except FileNotFoundError:
-        return None
-    match = re.search(r"step (\d+)", text)
-    return int(match.group(1)) if match else -1
+    for marker in _marker_paths(directory):
+        try:
+            text = marker.read_text()
+        except FileNotFoundError:
+            continue
+        match = re.search(r"step (\d+)", text)
+        return int(match.group(1)) if match else -1
+    return None
+
+
+def _resumed_loop_count(meta: dict[str, Any], step: int,
+                        loop_steps: int | None) -> tuple[int | None, bool]:
+    """(the loop count to resume with, whether the checkpoint is inside a loop).
+
+    The count is jaxloop's saved one where the metadata has it, less the loop the
+    checkpoint cut short (the resumed run finishes that loop); else ``step // loop_steps``
+    (checkpoints saved without jaxloop's metadata), or None when neither is known.
+    """
+    saved = meta.get("loop_count")
+    if saved is None:
+        count = step // loop_steps if loop_steps else None
+        return count, bool(loop_steps) and step % loop_steps != 0
+    count = int(saved)
+    partial = meta.get(_LOOP_PARTIAL_META)
+    if partial is None:
+        # Earlier releases did not say; their count includes a loop cut off the boundary.
+        partial = bool(loop_steps) and step % loop_steps != 0 and count == step // loop_steps + 1
+    return (max(count - 1, 0) if partial else count), bool(partial)
 
 
 class OuterLoop:
@@ -188,6 +245,10 @@ class OuterLoop:
         self._checkpoint_spec = checkpoint_spec
         self._progress = progress
         self._evals_pending = False
+        self._resumed = False
+        self._resumed_count: int | None = None
+        self._planned_steps: int | None = None
+        self._cut_by_total = False
 
     @property
     def train_loop(self) -> train_loop_lib.TrainLoop | None:
@@ -267,8 +328,19 @@ class OuterLoop:
     def _early_stopping_meta(self) -> list[dict[str, Any]]:
         return [a.state_dict() for a in self._early_stopping_actions()]
 
-    def _restore(self, state: State, iterator: Iterator[Any]) -> State:
+    def _loop_partial(self) -> bool:
+        """Whether the train loop that just ran ended before its boundary: cut short (by a
+        preemption) or by ``train_total_steps``. Read for the checkpoint metadata while
+        the loop's end actions run, and by a preemption's save right after."""
+        loop = self._train_loop
+        planned = self._planned_steps
+        short = bool(loop.preempted) if planned is None else loop.num_steps_run < planned
+        return self._cut_by_total or short
+
+    def _restore(self, state: State, iterator: Iterator[Any], loop_steps: int | None) -> State:
         self._evals_pending = False
+        self._resumed = False
+        self._resumed_count = None
         spec = self._checkpoint_spec
         step = self._train_loop.step
         # An abstract state (`Step.abstract_state`) is restored straight into place, or
@@ -284,17 +356,18 @@ class OuterLoop:
         )
         if latest is None:
             return restored
+        self._resumed = True
         # Host data lives beside the state: the iterator takes its position, the loop its
         # count, early stopping its progress.
         meta = checkpoint.read_meta(spec.checkpoint_dir, latest)
         checkpoint.restore_data_position(iterator, meta)
-        loop_count = meta.get("loop_count")
-        if loop_count is not None:
-            self._train_loop.loop_count = int(loop_count)
+        self._resumed_count, partial = _resumed_loop_count(meta, latest, loop_steps)
         saved = meta.get(_EARLY_STOPPING_META) or []
         for action, progress in zip(self._early_stopping_actions(), saved, strict=False):
             action.load_state_dict(progress)
-        self._evals_pending = bool(meta.get(_EVALS_PENDING_META))
+        # A checkpoint inside a loop has no evaluations after it (earlier releases said so
+        # at a preemption inside a loop).
+        self._evals_pending = bool(meta.get(_EVALS_PENDING_META)) and not partial
         return restored
 
     def _train(
@@ -311,8 +384,12 @@ class OuterLoop:
         train_loop = self._train_loop
         iterator = data.as_iterator(train_dataset)
         self._remove_stale_marker()
-        state = self._restore(state, iterator)
+        state = self._restore(state, iterator, loop_steps)
         step = int(state.step)
+        if self._resumed_count is not None:
+            train_loop.loop_count = self._resumed_count
+        # A run resumed inside a loop finishes that loop first, to its boundary.
+        align = self._resumed
         if log_total_steps:
             log.info("Training from step %d to %s.", step, total_steps)
         progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress)
@@ -324,9 +401,11 @@ class OuterLoop:
                         if isinstance(a, actions_lib.CheckpointAction)]
         for action in ckpt_actions:
             action.add_meta(_EARLY_STOPPING_META, self._early_stopping_meta)
-            # A loop-end checkpoint is written before that loop's evaluations run (a
-            # preemption checkpoint is not at a loop end: no evaluation follows it).
-            action.add_meta(_EVALS_PENDING_META, lambda: not self.preempted)
+            action.add_meta(_LOOP_PARTIAL_META, self._loop_partial)
+            # A checkpoint at a loop's end (its end actions', or a preemption's right after
+            # it) is written before that loop's evaluations run; one inside a loop (a
+            # preemption's) has none after it.
+            action.add_meta(_EVALS_PENDING_META, lambda: not self._loop_partial())
         if self._evals_pending and (total_steps is None or step < total_steps):
             # The evaluations that followed the restored checkpoint in the earlier run are
             # not in it (early-stopping progress included): run them again first.
@@ -344,8 +423,14 @@ class OuterLoop:
         ):
             while not stop and (total_steps is None or step < total_steps):
                 num_steps = loop_steps
+                if align and loop_steps and step % loop_steps:
+                    num_steps = loop_steps - step % loop_steps
+                align = False
+                full = num_steps
                 if total_steps is not None:
-                    num_steps = min(loop_steps or total_steps, total_steps - step)
+                    num_steps = min(num_steps or total_steps, total_steps - step)
+                self._planned_steps = num_steps
+                self._cut_by_total = full is not None and num_steps < full
                 try:
                     state, new_outputs = train_loop(state, iterator, num_steps=num_steps)
                 except stop_handler.StopTrainingError as e:
@@ -385,14 +470,15 @@ class OuterLoop:
         return outputs
 
     def _remove_stale_marker(self) -> None:
-        """A STOPPED marker left by an earlier run would end a continuous evaluator of this
-        one, so a starting training run removes it."""
+        """A STOPPED marker left by an earlier run (here or, from earlier releases, inside
+        the checkpoint directory) would end a continuous evaluator of this one, so a
+        starting training run removes it."""
         if self._checkpoint_spec is None or jax.process_index() != 0:
             return
-        marker = epath.Path(self._checkpoint_spec.checkpoint_dir) / _STOP_FILE_NAME
-        if marker.exists():
-            log.info("Removing the STOPPED marker of an earlier run: %s", marker)
-            marker.unlink(missing_ok=True)
+        for marker in _marker_paths(self._checkpoint_spec.checkpoint_dir):
+            if marker.exists():
+                log.info("Removing the STOPPED marker of an earlier run: %s", marker)
+                marker.unlink(missing_ok=True)
 
     def _writers_and_managers(self) -> tuple[list[Any], list[Any]]:
         loops = [self._train_loop, *self._eval_loops]
@@ -430,7 +516,9 @@ class OuterLoop:
             writer.flush()
         async_action_context.get_async_action_context().check_exceptions_and_raise()
         if self._checkpoint_spec is not None and jax.process_index() == 0:
-            marker = epath.Path(self._checkpoint_spec.checkpoint_dir) / _STOP_FILE_NAME
+            # Beside the checkpoint directory, not in it: code that lists the directory
+            # finds only checkpoints there.
+            marker = stop_marker_path(self._checkpoint_spec.checkpoint_dir)
             marker.parent.mkdir(parents=True, exist_ok=True)
             # The step lets an evaluator tell this marker from a stale one (a checkpoint
             # newer than it belongs to a later run).

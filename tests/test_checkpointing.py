@@ -96,6 +96,7 @@ def test_preemption_saves_at_the_step_boundary_and_resumes_exactly(tmp_path):
     manager.close()
     assert outer.preempted and int(state.step) == 3
     assert checkpoint.all_steps(tmp_path / "b" / "ckpt") == [3]
+    assert not outer_loop.stop_marker_path(tmp_path / "b" / "ckpt").exists()
     assert not (tmp_path / "b" / "ckpt" / outer_loop._STOP_FILE_NAME).exists()
     resumed, _, _ = train(tmp_path / "b", 16)
     assert_same_params(resumed, uninterrupted)

@@ -359,7 +359,7 @@ def test_a_stale_stopped_marker_does_not_end_the_evaluator_of_an_extended_run(tm
         manager.close()
 
     run(4)
-    marker = pathlib.Path(tmp_path) / outer_loop._STOP_FILE_NAME
+    marker = pathlib.Path(outer_loop.stop_marker_path(tmp_path))  # beside the directory
     assert marker.exists()
     # An extension that does not own the marker (no CheckpointSpec) leaves it stale.
     run(8, with_spec=False)

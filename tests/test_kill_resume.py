@@ -111,5 +111,9 @@ def test_sigterm_saves_exits_143_and_resumes(tmp_path, uninterrupted):
     stopped = result_of(tmp_path)["preempted_step"]
     assert 25 <= stopped < 300
     assert max(checkpoint.all_steps(tmp_path / "checkpoints")) == stopped
+    assert not (tmp_path / "checkpoints.STOPPED").exists()  # not finished: no marker
     assert not (tmp_path / "checkpoints" / "STOPPED").exists()
     assert fingerprint_of(tmp_path) == uninterrupted
+    # Finished: the marker lies beside the directory, which holds step folders only.
+    assert (tmp_path / "checkpoints.STOPPED").exists()
+    assert all(name.isdigit() for name in os.listdir(tmp_path / "checkpoints"))
