@@ -302,8 +302,9 @@ def test_digits_warm_start_and_time_based_flags(tmp_path):
                                "50", "--warm-start", str(tmp_path / "a" / "checkpoints"),
                                "--checkpoint-every-secs", "3600")
     assert step == 100
-    assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["100", "STOPPED"]
-    assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["100", "STOPPED"]
+    assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["100"]
+    assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["100"]
+    assert (tmp_path / "b" / "checkpoints.STOPPED").exists()
 
     def first_loss(run):
         acc = eam.EventAccumulator(str(tmp_path / run / "train"),

@@ -34,7 +34,8 @@ def test_digits_default_run_meets_accuracy(tmp_path):
     assert step == 600
     assert accuracy >= 0.95 and loss < 0.3
     assert os.listdir(tmp_path / "train") and os.listdir(tmp_path / "eval")
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["400", "500", "600", "STOPPED"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["400", "500", "600"]
+    assert (tmp_path / "checkpoints.STOPPED").exists()
 
 
 @pytest.mark.parametrize("partitioner", ["single", "fsdp"])
@@ -71,4 +72,5 @@ def test_digits_resumes_a_checkpoint_of_the_previous_release(tmp_path):
     result = json.loads((results / "result-0.json").read_text())
     assert result["restored_step"] == 50 and result["step"] == 100
     assert result["eval_accuracy"] > 0.9
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["100", "50", "STOPPED"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["100", "50"]
+    assert (tmp_path / "checkpoints.STOPPED").exists()

@@ -250,7 +250,7 @@ def test_continuous_eval_over_checkpoints_written_concurrently(tmp_path):
     assert [c[0] for c in rec.calls] == [3, 6, 9, 12]  # each checkpoint exactly once
     assert outputs is rec.calls[-1][2] and len(outputs["loss"]) == 2
     assert int(final.step) == 12
-    assert (ckpt_dir / outer_loop._STOP_FILE_NAME).exists()
+    assert outer_loop.stop_marker_path(ckpt_dir).exists()
 
 
 def test_continuous_eval_stop_fn(tmp_path):

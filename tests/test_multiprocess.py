@@ -191,7 +191,8 @@ def test_two_processes_train_and_checkpoint_together(dp_two_processes):
     result, workdir = dp_two_processes
     assert result.step == 100 and result.accuracy > 0.9
     # One set of checkpoints and event files, written jointly / by process 0 only.
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["100", "50", "STOPPED"]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["100", "50"]
+    assert (workdir / "checkpoints.STOPPED").exists()
     assert os.listdir(workdir / "train") and os.listdir(workdir / "eval")
 
 
@@ -552,6 +553,7 @@ def test_preemption_reaching_one_process_stops_all_at_one_step(
     assert 20 < step < 100
     assert max(checkpoint.all_steps(ckpt)) == step  # one consistent checkpoint, of that step
     assert not (ckpt / "STOPPED").exists()
+    assert not (ckpt.parent / f"{ckpt.name}.STOPPED").exists()
     if notice != "SIGTERM":
         return  # resuming is the same for every notice: checked once
     (result_dir / "result-0.json").unlink()
