@@ -66,10 +66,15 @@ class Action:
 EXAMPLE_COUNTS = "jaxloop/example_counts"
 
 
-def _fetch(value: Any) -> Any:
+def fetch(value: Any) -> Any:
     """Host copy of `value`. An array that spans other processes' devices and is not
     replicated is gathered first (a collective: every process must call this, as every
-    process runs the loops' actions)."""
+    process runs the loops' actions).
+
+    Example::
+
+        logits = np.asarray(fetch(outputs['logits'][-1]))  # whole, on every process
+    """
     if (
         isinstance(value, jax.Array)
         and not value.is_fully_addressable
@@ -109,16 +114,16 @@ def _scalar_values(value: Any) -> float | list[float] | dict[str, float] | None:
     if isinstance(value, Mapping):
         picked = {k: v for k, v in value.items() if _is_number(v)}
         return {k: float(np.asarray(v, np.float64).reshape(()))
-                for k, v in _fetch(picked).items()}
+                for k, v in fetch(picked).items()}
     if isinstance(value, list | tuple):
         if not value or not all(_is_number(v) for v in value):
             return None
         arrays = [v for v in value if isinstance(v, jax.Array)]
         if len(arrays) == len(value) > 1 and len({(v.shape, v.dtype) for v in value}) == 1:
-            return [float(v) for v in np.asarray(_fetch(jnp.stack(value)), np.float64).ravel()]
-        return [float(np.asarray(v, np.float64).reshape(())) for v in _fetch(list(value))]
+            return [float(v) for v in np.asarray(fetch(jnp.stack(value)), np.float64).ravel()]
+        return [float(np.asarray(v, np.float64).reshape(())) for v in fetch(list(value))]
     if _is_number(value):
-        return float(np.asarray(_fetch(value), np.float64).reshape(()))
+        return float(np.asarray(fetch(value), np.float64).reshape(()))
     return None
 
 
@@ -213,9 +218,9 @@ class SummaryAction(Action):
         return self._summary_writer
 
     def _write_typed(self, step: int, key: str, metric: MetricWithMetadata) -> None:
-        # Images, histograms, ... are gathered whole from every process (`_fetch`), so
+        # Images, histograms, ... are gathered whole from every process (`fetch`), so
         # process 0's writer sees the same global value as a 1-process job would.
-        value = np.asarray(_fetch(metric.value))
+        value = np.asarray(fetch(metric.value))
         meta = dict(metric.metadata)
         writer = self._summary_writer
         if metric.type == MetricType.SCALAR:

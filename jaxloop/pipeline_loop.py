@@ -67,7 +67,7 @@ def _per_step(outputs: Mapping[str, Any]) -> list[dict[str, Any]]:
             f"Every step must return the same output keys; per-step lengths were {lengths}."
         )
     # Fetched whole: an array that spans other processes is gathered (a collective).
-    columns = jax.tree.map(lambda x: np.asarray(actions._fetch(x)), columns)
+    columns = jax.tree.map(lambda x: np.asarray(actions.fetch(x)), columns)
     rows = zip(*columns.values(), strict=True)
     return [dict(zip(columns, values, strict=True)) for values in rows]
 
