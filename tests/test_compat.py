@@ -18,6 +18,7 @@ from jaxloop import actions, checkpoint, data, outer_loop
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
+from jaxloop import types as types_lib
 
 DATA = toy_data(256)
 BATCHES = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 256, 16)]
@@ -474,3 +475,76 @@ def test_data_positions_are_per_process_and_checked_against_the_process_count():
     assert checkpoint.dataset_state_for_process(meta, 0, 1) == position  # any process count
     assert checkpoint.dataset_state_for_process({"dataset_state": position}, 1, 2) == position
     assert checkpoint.dataset_state_for_process({}, 0, 1) is None
+
+
+class _Calls:
+    """A writer that keeps each call: (method, step, values)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        if not name.startswith("write_"):
+            raise AttributeError(name)
+        return lambda step, values, **kw: self.calls.append((name, step, dict(values)))
+
+    def flush(self):
+        self.calls.append(("flush", None, {}))
+
+
+class _AtStep:
+    step = 7
+
+
+def test_summary_action_writes_each_metric_type_in_one_call_as_the_reference():
+    writer = _Calls()
+    hist = types_lib.MetricType.HISTOGRAM
+    outputs = {
+        "h1": actions.MetricWithMetadata(np.arange(3.0), type=hist),
+        "h2": actions.MetricWithMetadata(np.arange(4.0), type=hist),
+        "by_hand": jax.numpy.array([5.0, 6.0]),  # a bare array: written as it is
+        "typed": actions.MetricWithMetadata(2.5, type=types_lib.MetricType.SCALAR),
+        "loss": 0.25,
+    }
+    actions.SummaryAction(writer, flush_each_call=True)(_AtStep(), outputs)
+    names = [c[0] for c in writer.calls]
+    assert names.count("write_histograms") == 1 and names.count("write_scalars") == 1
+    (_, step, hists), = [c for c in writer.calls if c[0] == "write_histograms"]
+    assert step == 7 and sorted(hists) == ["h1", "h2"]
+    (_, _, scalars), = [c for c in writer.calls if c[0] == "write_scalars"]
+    assert scalars["typed"] == 2.5 and scalars["loss"] == 0.25
+    np.testing.assert_array_equal(scalars["by_hand"], [5.0, 6.0])
+    assert names[-1] == "flush"
+
+
+def test_summary_action_refuses_audio_before_writing_anything():
+    writer = _Calls()
+    outputs = {
+        "loss": 0.5,
+        "clip": actions.MetricWithMetadata(np.zeros(8), type=types_lib.MetricType.AUDIO),
+    }
+    with pytest.raises(ValueError, match="'clip' has metric type .*AUDIO"):
+        actions.SummaryAction(writer)(_AtStep(), outputs)
+    assert writer.calls == []
+
+
+def test_checkpoint_action_save_writes_one_pytree_a_plain_manager_restores(tmp_path):
+    with ocp.CheckpointManager(tmp_path / "plain") as manager:
+        assert actions.CheckpointAction(manager).save(step=0, state={"a": 0}, outputs=None)
+        manager.wait_until_finished()
+        assert manager.restore(0) == {"a": 0}
+
+
+def test_a_subclass_overriding_save_is_what_checkpoint_action_calls(tmp_path):
+    saved = []
+
+    class Recording(actions.CheckpointAction):
+        def save(self, step, state, outputs=None):
+            saved.append(step)
+            return super().save(step, {"step": step}, outputs)
+
+    state = train_step().initialize_model([1, 16]).replace(step=3)
+    with ocp.CheckpointManager(tmp_path / "sub") as manager:
+        Recording(manager)(state, {"loss": [0.5]})
+        manager.wait_until_finished()
+        assert saved == [3] and manager.restore(3) == {"step": 3}
