@@ -32,53 +32,14 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax.core import meta
 from flax.core import spmd as core_spmd
-from flax.linen import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxloop import annotations, staging
 from jaxloop import program as program_lib
-from jaxloop import staging
 
 PyTree = Any
-
-def _path_str(path: tuple) -> str:
-    return jax.tree_util.keystr(path) or "<root>"
-
-
-def _spec(axes: Sequence[Any]) -> P:
-    """The spec of these per-dimension axes without trailing Nones: a replicated leaf is
-    ``P()`` whatever its rank, which compares equal to the spec other code writes."""
-    axes = list(axes)
-    while axes and axes[-1] is None:
-        axes.pop()
-    return P(*axes)
-
-
-def _split_largest(shape: tuple[int, ...], axes: Sequence[Any], axis: str, n: int,
-                   min_size: int) -> list:
-    """FSDP: `axes` with `axis` (of `n` devices) on the largest free dimension that divides
-    by `n`, for a leaf of at least `min_size` elements whose axes do not use it yet."""
-    axes = list(axes)
-    used = {a for ax in axes for a in (ax if isinstance(ax, tuple) else (ax,))}
-    if n == 1 or axis in used or int(np.prod(shape, dtype=np.int64)) < min_size:
-        return axes
-    free = [d for d, size in enumerate(shape) if axes[d] is None and size % n == 0]
-    if free:
-        axes[max(free, key=lambda d: (shape[d], -d))] = axis
-    return axes
-
-
-def _is_box(x: Any) -> bool:
-    return isinstance(x, meta.AxisMetadata)
-
-
-def _unboxed(tree: PyTree) -> PyTree:
-    """The values inside flax `AxisMetadata` boxes, without the sharding constraint that
-    `meta.unbox` applies (it needs the annotation's axes in the mesh, which only the SPMD
-    partitioner has; placement comes from the jit's out_shardings anyway)."""
-    return jax.tree.map(lambda x: x.value if _is_box(x) else x, tree, is_leaf=_is_box)
 
 
 class Partitioner(abc.ABC):
@@ -149,7 +110,7 @@ class Partitioner(abc.ABC):
         one) keep it; otherwise the rule decides (`state_specs`). Used to place a state
         restored from a checkpoint exactly where training expects it.
         """
-        leaves = jax.tree.leaves(state, is_leaf=_is_box)
+        leaves = jax.tree.leaves(state, is_leaf=annotations.is_box)
         placed = [getattr(x, "sharding", None) for x in leaves]
         if leaves and all(isinstance(p, jax.sharding.Sharding) for p in placed):
             # Placement is a property of the arrays: keep it (a restore lands where the
@@ -184,7 +145,7 @@ class Partitioner(abc.ABC):
                 shardings = self._shardings_of_new(abstract)
             return jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                _unboxed(abstract), shardings,
+                annotations.unboxed(abstract), shardings,
             )
 
         return abstract_init
@@ -212,7 +173,8 @@ class Partitioner(abc.ABC):
             with self._mesh_context():
                 abstract = jax.eval_shape(init_fn, *args, **kwargs)
                 shardings = self._shardings_of_new(abstract)
-                fn = jax.jit(lambda *a, **k: _unboxed(init_fn(*a, **k)), out_shardings=shardings)
+                fn = jax.jit(lambda *a, **k: annotations.unboxed(init_fn(*a, **k)),
+                             out_shardings=shardings)
                 return fn(*args, **kwargs)
 
         return sharded_init
@@ -268,7 +230,7 @@ class DataParallelPartitioner(Partitioner):
         return self._replicated
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
-        return jax.tree.map(lambda _: P(), _unboxed(abstract_state))
+        return jax.tree.map(lambda _: P(), annotations.unboxed(abstract_state))
 
 
 class SingleDevicePartitioner(DataParallelPartitioner):
@@ -305,11 +267,13 @@ class FSDPPartitioner(Partitioner):
 
     def leaf_spec(self, shape: tuple[int, ...]) -> P:
         """The spec of one state leaf of this shape: split on its largest divisible dim."""
-        return _spec(_split_largest(shape, [None] * len(shape), self._data_axis,
-                                    self._mesh.shape[self._data_axis], self._min_weight_size))
+        return annotations.spec(annotations.fsdp_axes(
+            shape, [None] * len(shape), self._data_axis, self._mesh.shape[self._data_axis],
+            self._min_weight_size))
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
-        return jax.tree.map(lambda x: self.leaf_spec(np.shape(x)), _unboxed(abstract_state))
+        return jax.tree.map(lambda x: self.leaf_spec(np.shape(x)),
+                            annotations.unboxed(abstract_state))
 
 
 class SPMDPartitioner(Partitioner):
@@ -358,15 +322,7 @@ class SPMDPartitioner(Partitioner):
         fsdp_min_weight_size: int | None = None,
     ):
         super().__init__(mesh, data_axis)
-        rules = tuple((str(k), v) for k, v in (logical_axis_rules or ()))
-        for name, axes in rules:
-            targets = axes if isinstance(axes, tuple | list) else (axes,)
-            unknown = [a for a in targets if a is not None and a not in mesh.axis_names]
-            if unknown:
-                raise ValueError(
-                    f"logical_axis_rules map {name!r} to {unknown}, which the mesh "
-                    f"{dict(mesh.shape)} does not have"
-                )
+        rules = annotations.checked_rules(logical_axis_rules, mesh)
         if fsdp_min_weight_size is not None and fsdp_min_weight_size < 0:
             raise ValueError(f"fsdp_min_weight_size must be >= 0, got {fsdp_min_weight_size}")
         self._rules = rules
@@ -392,59 +348,14 @@ class SPMDPartitioner(Partitioner):
             stack.enter_context(core_spmd.logical_axis_rules(self._rules))
         return stack
 
-    def _resolve(self, box: Any, path: tuple) -> tuple:
-        """Mesh axes for each dimension named by an annotation box."""
-        names = tuple(box.names)
-        logical = isinstance(box, flax_spmd.LogicallyPartitioned)
-        rules = self._rules or tuple(getattr(box, "rules", None) or ()) or tuple(
-            core_spmd.get_logical_axis_rules() or ())
-        rule_names = {k for k, _ in rules}
-        strs = [n for n in names if isinstance(n, str)]
-        if logical:
-            unknown = [n for n in strs if n not in rule_names]
-        else:
-            unknown = [n for n in strs if n not in rule_names and n not in self._mesh.axis_names]
-        if unknown:
-            raise ValueError(
-                f"State leaf {_path_str(path)}: partitioning annotation {names} names "
-                f"{unknown}, which "
-                f"{'have no logical axis rule' if logical else 'are neither mesh axes nor rules'}. "
-                f"Mesh axes: {list(self._mesh.axis_names)}; logical_axis_rules: {list(rules)}"
-            )
-        if not any(n in rule_names for n in strs):
-            return names
-        # flax's resolution: rules by precedence, each mesh axis used at most once. Names
-        # that are mesh axes without a rule are kept as they are.
-        keep = {i: n for i, n in enumerate(names) if isinstance(n, str) and n not in rule_names}
-        resolved = list(flax_spmd.logical_to_mesh_axes(
-            [None if i in keep else n for i, n in enumerate(names)], rules))
-        for i, n in keep.items():
-            resolved[i] = n
-        return tuple(resolved)
-
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         def spec(path: tuple, x: Any) -> P:
-            value = x.value if _is_box(x) else x
-            shape = tuple(np.shape(value))
-            axes: list = [None] * len(shape)
-            if isinstance(x, meta.Partitioned):
-                resolved = self._resolve(x, path)
-                if len(resolved) == len(shape):
-                    axes = list(resolved)
-                # else: a leaf not shaped like its parameter (factored optimizer moments):
-                # the annotation does not describe it; it stays replicated (or FSDP-split).
-                for a in (a for ax in axes if ax is not None
-                          for a in (ax if isinstance(ax, tuple) else (ax,))):
-                    if a not in self._mesh.axis_names:
-                        raise ValueError(
-                            f"State leaf {_path_str(path)}: partitioning annotation "
-                            f"{tuple(x.names)} resolves to mesh axis {a!r}, which the mesh "
-                            f"{dict(self._mesh.shape)} does not have"
-                        )
+            axes = annotations.leaf_axes(x, path, self._mesh, self._rules)
             if self._fsdp_min_weight_size is not None and self._data_axis is not None:
-                axes = _split_largest(shape, axes, self._data_axis,
-                                      self._mesh.shape[self._data_axis],
-                                      self._fsdp_min_weight_size)
-            return _spec(axes)
+                shape = np.shape(x.value if annotations.is_box(x) else x)
+                axes = annotations.fsdp_axes(shape, axes, self._data_axis,
+                                             self._mesh.shape[self._data_axis],
+                                             self._fsdp_min_weight_size)
+            return annotations.spec(axes)
 
-        return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=_is_box)
+        return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=annotations.is_box)
