@@ -196,10 +196,9 @@ class SummaryAction(Action):
       per-step list the latest value is written. Another type (audio) is a ValueError,
       raised before anything is written, as in the reference: write audio with the
       writer's ``write_audios``.
-    - Per-step lists of other arrays (per-example logits, say) are not summaries and are
-      skipped, recognised from shapes, so they are never copied to the host. A single
-      array put in the outputs by hand goes to ``write_scalars`` as it is, as in the
-      reference.
+    - Other arrays (per-example logits, say) are not summaries and are skipped; scalars
+      are recognised from shapes, so such arrays are never copied to the host. (The
+      reference passes them to ``write_scalars``, where a TensorBoard writer rejects them.)
 
     In a multi-process job every process runs the loops and so this action (give the
     non-main processes a writer that drops or logs values): scalars are replicated and
@@ -271,9 +270,6 @@ class SummaryAction(Action):
                     at_step[key] = float(np.asarray(host_value, np.float64).reshape(()))
                 else:
                     typed.setdefault(value.type, {})[key] = host_value
-                continue
-            if isinstance(value, jax.Array | np.ndarray) and np.size(value) > 1:
-                at_step[key] = fetch(value)  # put here by hand, not a per-step list
                 continue
             host = _scalar_values(value)  # None for per-example arrays: never fetched
             if isinstance(host, list):

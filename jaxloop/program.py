@@ -1,11 +1,14 @@
-"""The compiled program of a step: one `jax.jit` with the state's shardings, called directly.
+"""The compiled program of a step: one `jax.jit` with the state's and batch's shardings.
 
 A `Program` jits ``fn(state, batch, ...)`` once, with the shardings of the state it is first
 given as its input shardings and the new state pinned to them (so donated buffers are reused
-in place and an FSDP state stays split). Every later call is a plain call of that `jax.jit`:
-jax's own dispatch checks the arguments. A state placed as the first one (by any
-partitioner instance of the same policy) runs the same program; a state placed differently
-on the mesh is jax's error naming both shardings, never a silent second program.
+in place and an FSDP state stays split). The batch's input shardings are the partitioner's
+(`Partitioner.batch_shardings`; a leaf already on the devices keeps its own), so a host
+(numpy) batch is split across the mesh by jit's own argument handling, without Python per
+leaf. Every later call is a plain call of that `jax.jit`: jax's own dispatch checks and
+places the arguments. A state placed as the first one (by any partitioner instance of the
+same policy) runs the same program; a state placed differently on the mesh is jax's error
+naming both shardings, never a silent second program.
 
 With ``steps=k`` the program runs an execution of up to k steps: a `jax.lax.scan` over k
 stacked batches whose first ``count`` entries are real (``count`` is an argument, so one
@@ -15,7 +18,7 @@ step's is, so the steps compute exactly what single steps do.
 Example::
 
     train = Program(step_fn, partitioner, donate_argnums=(0,))
-    state, outputs = train(state, partitioner.shard_batch(batch))
+    state, outputs = train(state, batch)  # a numpy batch: jit splits it along the data axis
 
     train_k = Program(step_fn, partitioner, steps=16, donate_argnums=(0,))
     state, stacked_outputs = train_k(state, stacked_batches, 5)  # the first 5 of 16
@@ -90,9 +93,21 @@ class Program:
         self._jit_kwargs = jit_kwargs
         self._jitted: Callable[..., Any] | None = None
 
-    def _build(self, state: PyTree) -> Callable[..., Any]:
+    def _batch_shardings(self, batch: PyTree) -> PyTree:
+        """The partitioner's shardings for `batch`, a leaf already placed keeping its own
+        (prefetched or abstract batches). A ValueError names a leaf that does not split."""
+        rule = self._partitioner.batch_shardings(batch, stacked=self._steps is not None)
+        return jax.tree.map(
+            lambda x, s: x.sharding if isinstance(getattr(x, "sharding", None),
+                                                   jax.sharding.Sharding) else s,
+            batch, rule,
+        )
+
+    def _build(self, state: PyTree, args: tuple) -> Callable[..., Any]:
         partitioner = self._partitioner
         shardings = partitioner.state_shardings(state)
+        arg_shardings = (
+            (self._batch_shardings(args[0]), *[None] * (len(args) - 1)) if args else ())
         fn = self._fn
 
         def one_step(state: PyTree, *args: Any, **kwargs: Any) -> Any:
@@ -144,7 +159,7 @@ class Program:
         traced.__name__ = getattr(fn, "__name__", "step")
         return jax.jit(
             traced,
-            in_shardings=(shardings, None, None),
+            in_shardings=(shardings, arg_shardings, None),
             donate_argnums=self._donate,
             **self._jit_kwargs,
         )
@@ -155,13 +170,20 @@ class Program:
         return args
 
     def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
+        args = self._args(args)
         if self._jitted is None:
-            self._jitted = self._build(state)
-        return self._jitted(state, self._args(args), kwargs)
+            self._jitted = self._build(state, args)
+        try:
+            return self._jitted(state, args, kwargs)
+        except ValueError:
+            if args:
+                self._batch_shardings(args[0])  # names a batch leaf that does not split
+            raise
 
     def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lowers the program for these arguments (abstract ones too), e.g. to compile it
         ahead of time for XLA's cost and memory analyses."""
+        args = self._args(args)
         if self._jitted is None:
-            self._jitted = self._build(state)
-        return self._jitted.lower(state, self._args(args), kwargs)
+            self._jitted = self._build(state, args)
+        return self._jitted.lower(state, args, kwargs)

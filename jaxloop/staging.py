@@ -106,6 +106,22 @@ def batch_shardings(partitioner: Any, batch: Batch, stacked: bool = False) -> An
     return jax.tree_util.tree_map_with_path(sharding, batch)
 
 
+def for_program(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
+    """The batch as a step's program takes it: in a single process a host (numpy) batch as
+    it is, since the program's input shardings split it across the mesh in jit's own
+    dispatch (no Python per leaf); otherwise placed (`place`).
+
+    Example::
+
+        program(state, for_program(partitioner, {'x': np.ones((32, 784))}))
+    """
+    if jax.process_count() == 1 and not any(
+        isinstance(x, jax.Array) for x in jax.tree.leaves(batch)
+    ):
+        return batch
+    return place(partitioner, batch, stacked)
+
+
 def place(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
     """This process's batch as global arrays placed by `batch_shardings`: with P processes
     the global batch is P times larger. Leaves already placed so pass through."""
@@ -212,8 +228,8 @@ def check_layouts(batches: Sequence[Batch | PreparedBatch]) -> None:
 def stack(
     batches: Sequence[Batch], size: int, partitioner: Any, shard: bool = True
 ) -> Batch:
-    """Stacks `batches` (preprocessed, one layout) on a new leading axis of `size`, placed
-    as `Partitioner.shard_stacked_batch` places it (with `shard`).
+    """Stacks `batches` (preprocessed, one layout) on a new leading axis of `size`, as the
+    program takes it (`for_program`, with `shard`).
 
     Entries past ``len(batches)`` repeat the last batch: an execution's program always
     takes `size` batches and is told how many are real. Host (numpy) batches are stacked
@@ -231,7 +247,7 @@ def stack(
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)
     else:
         stacked = _stack_on_device(padded)
-    return partitioner.shard_stacked_batch(stacked) if shard else stacked
+    return for_program(partitioner, stacked, stacked=True) if shard else stacked
 
 
 @jax.jit

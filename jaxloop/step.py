@@ -1,8 +1,10 @@
 """Step: what happens to one batch. Users subclass it and override `run`.
 
-`Step.__call__` runs ``preprocess_batch -> shard -> begin actions -> begin -> compiled run ->
-end -> end actions``. `run` is compiled once (`jaxloop.program`) and called directly every
-step. `Step.call_steps` runs up to k batches in one compiled call, which is what a loop with
+`Step.__call__` runs ``preprocess_batch -> begin actions -> begin -> compiled run -> end ->
+end actions``. `run` is compiled once (`jaxloop.program`) and called directly every step; the
+program's input shardings place a host batch on the mesh (with several processes the batch
+is assembled into global arrays first; `begin` and begin actions see it on the devices).
+`Step.call_steps` runs up to k batches in one compiled call, which is what a loop with
 ``steps_per_execution=k`` does.
 
 Example::
@@ -123,6 +125,7 @@ class Step:
         self._train = train
         self._should_shard_batch = should_shard_batch
         self._begin_actions = list(begin_actions or [])
+        self._overrides_begin = type(self).begin is not Step.begin
         self._end_actions = list(end_actions or [])
         self._compiled: program_lib.Program | None = None
         self._jit_kwargs: dict[str, Any] = {}
@@ -410,10 +413,22 @@ class Step:
         return PreparedBatch(batch)
 
     def _placed(self, batch: Batch | PreparedBatch) -> Batch:
-        """The batch preprocessed and on the devices."""
-        if not isinstance(batch, PreparedBatch):
-            batch = self.prepare_batch(batch)
-        return batch.batch
+        """The batch preprocessed, as the program takes it (`staging.for_program`: a host
+        batch stays on the host in a single process, and jit places it)."""
+        if isinstance(batch, PreparedBatch):
+            return batch.batch
+        batch = self.preprocess_batch(batch)
+        if self._should_shard_batch:
+            batch = staging.for_program(self._partitioner, batch)
+        return batch
+
+    def _for_begin(self, batch: Batch, stacked: bool = False) -> Batch:
+        """The batch on the devices where `begin` or a begin action will see it (as the
+        reference's do); as it is otherwise. Like Keras, which skips batch hooks no callback
+        overrides, the per-step placement is paid only when something looks at it."""
+        if self._should_shard_batch and (self._begin_actions or self._overrides_begin):
+            return staging.place(self._partitioner, batch, stacked)
+        return batch
 
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
         """Runs on the host before each compiled call, on the batch it is given (placed).
@@ -454,7 +469,7 @@ class Step:
     ) -> tuple[State, Output | None]:
         """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions."""
         program = self._program()
-        batch = self._placed(batch)
+        batch = self._for_begin(self._placed(batch))
         step_actions.fire(self._begin_actions, True, per_loop_step_number, state, batch=batch)
         state, batch = self.begin(state, batch)
         if log_num_flops:
@@ -512,7 +527,10 @@ class Step:
         step_actions.check_none_inside(self._begin_actions, self._end_actions, first, last)
         placed = [self._placed(b) for b in batches]
         stacked = staging.stack(placed, size, self._partitioner, shard=self._should_shard_batch)
-        step_actions.fire(self._begin_actions, True, first, state, batch=placed[0])
+        stacked = self._for_begin(stacked, stacked=True)
+        if self._begin_actions:
+            step_actions.fire(self._begin_actions, True, first, state,
+                              batch=self._for_begin(placed[0]))
         state, stacked = self.begin(state, stacked)
         if log_num_flops:
             self.compute_num_flops(state, _index(stacked, 0), **kwargs)
