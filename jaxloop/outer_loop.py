@@ -220,12 +220,11 @@ class OuterLoop:
       eval_loops: one EvalLoop per EvalSpec passed at call time.
       checkpoint_spec: restore from / evaluate the checkpoints in this directory.
       progress: show a progress bar (None: only when interactive).
-      prefetch: batches to preprocess and put on the devices in the background while the
+      prefetch: batches to read and prepare (`Step.prepare_batch`: preprocessed, and with
+        several processes assembled into global arrays) in a background thread while the
         current step runs (0: none), through `Loop.prefetching`: the loops still receive
         the very iterator you pass (custom loops may check it, read its attributes, call
-        its methods), and its saved position counts only the batches trained on. On CPU
-        devices in one process batches stay on the host and are read as needed, without a
-        thread.
+        its methods), and its saved position counts only the batches trained on.
     """
 
     def __init__(

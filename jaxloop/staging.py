@@ -38,8 +38,8 @@ _SPEC_HELP = (
 
 @dataclasses.dataclass(frozen=True)
 class PreparedBatch:
-    """A batch already preprocessed and placed on the devices (`Step.prepare_batch`), as a
-    device prefetcher hands them to the step, which then skips both stages."""
+    """A batch already preprocessed and made ready for the step's program
+    (`Step.prepare_batch`), as a prefetcher hands them to the step, which then skips both."""
 
     batch: Batch
 

@@ -399,22 +399,21 @@ class Step:
         return batch
 
     def prepare_batch(self, batch: Batch) -> PreparedBatch:
-        """`preprocess_batch`, then sharding (if enabled): the host-side work for a batch,
-        which a prefetcher does in the background ahead of the step.
+        """`preprocess_batch`, then the batch as the program takes it
+        (`staging.for_program`: with several processes, global arrays; in one, the host
+        batch, which the program's input shardings place in jit's dispatch). This is the
+        host-side work for a batch, which a prefetcher does in the background ahead of the
+        step.
 
         Example::
 
             prepared = step.prepare_batch(batch)
-            state, outputs = step(state, prepared)  # not preprocessed or placed again
+            state, outputs = step(state, prepared)  # not preprocessed again
         """
-        batch = self.preprocess_batch(batch)
-        if self._should_shard_batch:
-            batch = self._partitioner.shard_batch(batch)
-        return PreparedBatch(batch)
+        return PreparedBatch(self._placed(batch))
 
     def _placed(self, batch: Batch | PreparedBatch) -> Batch:
-        """The batch preprocessed, as the program takes it (`staging.for_program`: a host
-        batch stays on the host in a single process, and jit places it)."""
+        """The batch preprocessed, as the program takes it (`prepare_batch`)."""
         if isinstance(batch, PreparedBatch):
             return batch.batch
         batch = self.preprocess_batch(batch)
