@@ -10,9 +10,9 @@ places the arguments. A state placed as the first one (by any partitioner instan
 same policy) runs the same program; a state placed differently on the mesh is jax's error
 naming both shardings, never a silent second program.
 
-With ``steps=k`` the program runs an execution of up to k steps: a `jax.lax.scan` over k
-stacked batches whose first ``count`` entries are real (``count`` is an argument, so one
-program serves every execution length from 1 to k). Each step's state is pinned as a single
+With ``steps=k`` the program runs an execution of up to k steps over k stacked batches whose
+first ``count`` entries are real: a loop of ``count`` iterations (``count`` is an argument,
+so one program serves every execution length from 1 to k). Each step's state is pinned as a single
 step's is, so the steps compute exactly what single steps do.
 
 Example::
@@ -61,11 +61,10 @@ class Program:
         Outputs come back stacked (entries from `count` on are no real step's).
       carry_state: with `steps`, False runs every step on the given state (evaluation)
         and returns None in its place (the caller holds the state).
-      unroll: with `steps`, `jax.lax.scan`'s unroll. 1 (one compiled loop body) skips the
-        steps past `count` at run time; True inlines all k steps as straight-line code,
-        which XLA compiles exactly like single steps (XLA:CPU compiles convolutions inside
-        a loop body or branch to another kernel), and runs the steps past `count` too,
-        dropping their state.
+      unroll: with `steps`, True inlines all k steps as straight-line code, which XLA
+        compiles exactly like single steps (XLA:CPU compiles convolutions inside a loop
+        body to another kernel), and runs the steps past `count` too, dropping their
+        state; otherwise the steps are a loop of `count` iterations (one compiled body).
       **jit_kwargs: passed to `jax.jit` (``donate_argnums=(0,)`` donates the state).
     """
 
@@ -120,34 +119,40 @@ class Program:
         def execution(state: PyTree, stacked: PyTree, count: jax.Array, **kwargs: Any) -> Any:
             carry_state = self._carry_state
 
-            def body(carry: PyTree, xs: tuple[jax.Array, PyTree]) -> tuple[PyTree, Any]:
-                index, batch = xs
+            def run_at(i: Any, current: PyTree) -> tuple[PyTree, Any]:
                 # The carry is pinned on entry too: that fixes the loop's carried placement,
                 # so every step partitions its arithmetic as a single step does.
-                current = pin(carry) if carry_state else state
+                current = pin(current) if carry_state else state
+                return one_step(current, jax.tree.map(lambda x: x[i], stacked), **kwargs)
 
-                def run(s: PyTree) -> tuple[PyTree, Any]:
-                    return one_step(s, batch, **kwargs)
+            if self._unroll is True:
+                # Straight-line code (no loop, no branch), compiled exactly like single
+                # steps: the steps past `count` run too and their state is dropped.
+                carry, per_step = state, []
+                for i in range(self._steps):
+                    new, outputs = run_at(i, carry)
+                    if carry_state:
+                        carry = jax.tree.map(lambda a, b, i=i: jnp.where(i < count, a, b),
+                                             new, carry)
+                    per_step.append(outputs)
+                stacked_outputs = jax.tree.map(lambda *xs: jnp.stack(xs), *per_step)
+                return (pin(carry) if carry_state else None), stacked_outputs
 
-                if self._unroll is True:
-                    # Straight-line code (no branch), compiled exactly like single steps:
-                    # the steps past `count` run too and their state is dropped.
-                    new, outputs = run(current)
-                    keep = index < count
-                    new = jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, current)
-                else:
-                    zeros = jax.tree.map(
-                        lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run, current)[1]
-                    )
-                    new, outputs = jax.lax.cond(
-                        index < count, run, lambda s: (s, zeros), current
-                    )
-                return (new if carry_state else None), outputs
+            # A loop of `count` iterations (an XLA while loop): its carry is updated in place,
+            # and each step's outputs are written into buffers of k entries.
+            shapes = jax.eval_shape(lambda s: run_at(0, s), state)[1]
+            buffers = jax.tree.map(lambda x: jnp.zeros((self._steps, *x.shape), x.dtype), shapes)
 
-            indices = jnp.arange(self._steps, dtype=jnp.int32)
-            carry, outputs = jax.lax.scan(
-                body, state if carry_state else None, (indices, stacked), unroll=self._unroll
-            )
+            def body(i: jax.Array, carry: tuple[PyTree, Any]) -> tuple[PyTree, Any]:
+                current, written = carry
+                new, outputs = run_at(i, current)
+                written = jax.tree.map(
+                    lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0),
+                    written, outputs)
+                return (new if carry_state else None), written
+
+            carry, outputs = jax.lax.fori_loop(
+                0, count, body, (state if carry_state else None, buffers))
             return (pin(carry) if carry_state else None), outputs
 
         body = one_step if self._steps is None else execution
