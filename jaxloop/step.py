@@ -493,7 +493,8 @@ class Step:
 
         The results equal those of calling the step on each batch in turn. One program
         serves every number of batches up to `size` (default: their number). Outputs come
-        back stacked: ``outputs['loss'][i]`` is step i's (zeros past the real steps).
+        back stacked: ``outputs['loss'][i]`` is step i's (entries past the real steps are no
+        real step's).
         `begin` and `end` run once, on the stacked batch and outputs. Step actions fire as
         in `__call__` where the host sees a step boundary: a begin action on the first step
         (with its batch), an end action on the last (with its outputs).
@@ -527,9 +528,8 @@ class Step:
         placed = [self._placed(b) for b in batches]
         stacked = staging.stack(placed, size, self._partitioner, shard=self._should_shard_batch)
         stacked = self._for_begin(stacked, stacked=True)
-        if self._begin_actions:
-            step_actions.fire(self._begin_actions, True, first, state,
-                              batch=self._for_begin(placed[0]))
+        if self._begin_actions:  # the first step's batch, as placed in the stack
+            step_actions.fire(self._begin_actions, True, first, state, batch=_index(stacked, 0))
         state, stacked = self.begin(state, stacked)
         if log_num_flops:
             self.compute_num_flops(state, _index(stacked, 0), **kwargs)
