@@ -196,9 +196,11 @@ class SummaryAction(Action):
       per-step list the latest value is written. Another type (audio) is a ValueError,
       raised before anything is written, as in the reference: write audio with the
       writer's ``write_audios``.
-    - Other arrays (per-example logits, say) are not summaries and are skipped; scalars
-      are recognised from shapes, so such arrays are never copied to the host. (The
-      reference passes them to ``write_scalars``, where a TensorBoard writer rejects them.)
+    - A per-step list of other arrays (per-example logits, say) is not a summary and is
+      skipped; scalars are recognised from shapes, so such lists are never copied to the
+      host. Any other bare value goes to ``write_scalars`` as it is, as in the reference
+      (a step-level action given per-example logits hands them to the writer, which
+      decides: jaxloop's writers refuse them with an error naming the key and shape).
 
     In a multi-process job every process runs the loops and so this action (give the
     non-main processes a writer that drops or logs values): scalars are replicated and
@@ -282,6 +284,8 @@ class SummaryAction(Action):
                 at_step.update({f"{key}/{k}": v for k, v in host.items()})
             elif isinstance(host, float):
                 at_step[key] = host
+            elif not isinstance(value, list | tuple):
+                at_step[key] = value  # the reference's bare usage: the writer decides
         self._write_typed(step, typed)
         for s in sorted(per_step):
             self._summary_writer.write_scalars(s, per_step[s])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import numbers
 import operator
 import os
@@ -79,10 +80,12 @@ def _prepare_scalars(scalars: Arrays) -> dict[str, float]:
     """Every value as a float, all checked before any is written."""
     out = {}
     for key, value in scalars.items():
-        arr = np.asarray(value)
-        if arr.size != 1:
+        # The shape is read first: a per-example array may span other processes' devices.
+        shape = np.shape(value)
+        if math.prod(shape) != 1:
             raise ValueError(f"write_scalars: value for key {key!r} must be a scalar (0-d or "
-                             f"size 1), got an array of shape {arr.shape}.")
+                             f"size 1), got an array of shape {shape}.")
+        arr = np.asarray(value)
         try:
             out[key] = float(arr.reshape(()))
         except (TypeError, ValueError) as e:

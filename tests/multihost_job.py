@@ -6,9 +6,10 @@
 processes' output streams (gloo writes its own lines there).
 
 Scenarios:
-  actions: a step with per-example logits and a histogram beside its scalars, with
-    SummaryAction at every step and every loop, CheckpointAction, and an eval loop with
-    SummaryAction and BestCheckpointAction, under OuterLoop.
+  actions: a step with a histogram of its logits beside its scalars, with SummaryAction
+    at every step and every loop, CheckpointAction, and an eval loop (whose step also
+    returns the bare per-example logits) with SummaryAction and BestCheckpointAction,
+    under OuterLoop.
   cross_mesh: data=4 x model=2 with 'model' laid across the processes; GlobalBatchDataset
     reads rows by the partitioner's layout; trains and reports losses and the rows read.
   auto: steps_per_execution='auto' and k=1 train the same steps from the same state;
@@ -78,10 +79,21 @@ class NullWriter:
 
 
 class HistogramStep(ClassifierStep):
+    # A step-level SummaryAction hands bare values to the writer as the reference does, so
+    # the train step gives its per-example logits only as a histogram; the eval step keeps
+    # them bare too, and its loop-level summary skips their per-step list.
+    keep_logits = False
+
     def run(self, state, batch):
         state, outputs = super().run(state, batch)
-        return state, {**outputs, "logit_hist": types.MetricWithMetadata(
-            outputs["logits"], types.MetricType.HISTOGRAM)}
+        hist = types.MetricWithMetadata(outputs["logits"], types.MetricType.HISTOGRAM)
+        if not self.keep_logits:
+            del outputs["logits"]
+        return state, {**outputs, "logit_hist": hist}
+
+
+class EvalHistogramStep(HistogramStep):
+    keep_logits = True
 
 
 def fingerprint(tree) -> str:
@@ -107,7 +119,7 @@ def actions_job(workdir: Path) -> dict:
         jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), partitioner=part,
         train=True, end_actions=[actions.SummaryAction(train_writer)],  # every step
     )
-    evaluate = HistogramStep(jax.random.key(0), LinenMLP(), partitioner=part)
+    evaluate = EvalHistogramStep(jax.random.key(0), LinenMLP(), partitioner=part)
     manager = checkpoint.make_manager(workdir / "ckpt", max_to_keep=2)
     best = checkpoint.make_best_manager(workdir / "best", "accuracy", mode="max", k=1)
     trainer = train_loop.TrainLoop(step, end_actions=[

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 from models import ClassifierStep, LinenMLP, PlacingClassifierStep, toy_data
 
-from jaxloop import actions, checkpoint, data, outer_loop
+from jaxloop import actions, checkpoint, data, outer_loop, writers
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
@@ -502,7 +502,8 @@ def test_summary_action_writes_each_metric_type_in_one_call_as_the_reference():
     outputs = {
         "h1": actions.MetricWithMetadata(np.arange(3.0), type=hist),
         "h2": actions.MetricWithMetadata(np.arange(4.0), type=hist),
-        "logits": jax.numpy.ones((4, 10)),  # not a summary: skipped, never fetched
+        "pair": jax.numpy.array([5.0, 6.0]),  # the reference's bare usage: handed on as is
+        "logits": [jax.numpy.ones((4, 10))] * 2,  # a per-step list of these is skipped
         "typed": actions.MetricWithMetadata(2.5, type=types_lib.MetricType.SCALAR),
         "loss": 0.25,
     }
@@ -512,8 +513,17 @@ def test_summary_action_writes_each_metric_type_in_one_call_as_the_reference():
     (_, step, hists), = [c for c in writer.calls if c[0] == "write_histograms"]
     assert step == 7 and sorted(hists) == ["h1", "h2"]
     (_, _, scalars), = [c for c in writer.calls if c[0] == "write_scalars"]
+    pair = scalars.pop("pair")
     assert scalars == {"typed": 2.5, "loss": 0.25}
+    np.testing.assert_array_equal(pair, [5.0, 6.0])
     assert names[-1] == "flush"
+
+
+def test_a_bare_per_example_array_reaches_the_writer_which_names_key_and_shape(tmp_path):
+    writer = writers.SummaryWriter(tmp_path)
+    with pytest.raises(ValueError, match=r"'logits' must be a scalar .* shape \(4, 10\)"):
+        actions.SummaryAction(writer)(_AtStep(), {"loss": 0.5, "logits": np.ones((4, 10))})
+    writer.close()
 
 
 def test_summary_action_refuses_audio_before_writing_anything():
