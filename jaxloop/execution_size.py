@@ -216,3 +216,73 @@ class ExecutionSizeTuner:
 
         bound = min(predicted(k) for k in measured) * (1 + self.tolerance)
         return min(k for k in measured if predicted(k) <= bound)
+
+
+def executions(length: Callable[[int, int], int], num_steps: int) -> int:
+    """The executions of a loop of `num_steps` steps, where ``length(first, remaining)``
+    is how many steps the execution starting at step `first` runs."""
+    count = done = 0
+    while done < num_steps:
+        done += length(done + 1, num_steps - done)
+        count += 1
+    return count
+
+
+class Auto:
+    """A loop's ``steps_per_execution='auto'``: the tuner's segments timed as the loop runs
+    them, then the size chosen, kept for every later loop.
+
+    The loop calls `begin_loop` before its first step, `size` before each execution,
+    `executed` after dispatching it and `end_loop` when the loop is over.
+
+    Example::
+
+        auto = Auto(size_limit(actions))
+        auto.begin_loop(num_steps=200, plan=lambda k: executions(length_of(k), 200))
+        size = auto.size(done)  # before each execution of the loop ...
+        auto.executed(token, done + size)  # ... and after it
+        steps_per_execution = auto.end_loop(done, exhausted=False)
+    """
+
+    def __init__(self, max_size: int):
+        self.tuner = ExecutionSizeTuner(max_size)
+        self.chosen: int | None = None
+        self._segment: Segment | None = None
+        self._num_steps: int | None = None
+        self._plan: Callable[[int], int] | None = None
+
+    def begin_loop(self, num_steps: int | None, plan: Callable[[int], int] | None) -> None:
+        """A loop of `num_steps` steps starts; `plan(k)` counts its executions of up to k."""
+        self._num_steps, self._plan, self._segment = num_steps, plan, None
+        if self.chosen is None and num_steps is not None:
+            self.tuner.limit(num_steps)
+
+    def size(self, done: int) -> int:
+        """The size of the execution after the loop's first `done` steps."""
+        if self.chosen is None and self.tuner.done:
+            self.chosen = self.tuner.choose(self._plan)
+        if self.chosen is not None:
+            return self.chosen
+        if self._segment is None:
+            self._segment = Segment(done)
+        return self.tuner.candidate
+
+    def executed(self, token: Any, done: int) -> None:
+        """An execution was dispatched (see `Segment.executed`); `done` steps are now run."""
+        segment = self._segment
+        if self.chosen is not None or segment is None:
+            return
+        segment.executed(token, done)
+        if done - segment.first_step >= self.tuner.segment_steps:
+            self.tuner.record(self.tuner.candidate, *segment.timed())
+            self._segment = None
+
+    def end_loop(self, done: int, exhausted: bool) -> int:
+        """The loop ran `done` steps (all its dataset had, when `exhausted`); returns the
+        size the loop reports: the choice, or 1 while measuring (a segment cut by the
+        loop's end does not count, and the next loop starts it anew)."""
+        if self.chosen is None and exhausted and self._num_steps is None:
+            self.tuner.limit(done)  # now the loop's length is known (an eval loop's dataset)
+        if self.chosen is None and self.tuner.done:
+            self.chosen = self.tuner.choose(self._plan)
+        return self.chosen or 1

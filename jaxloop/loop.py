@@ -100,10 +100,9 @@ class Loop:
         if max_steps_in_flight is None:
             max_steps_in_flight = default_max_steps_in_flight(step)
         self._in_flight = in_flight.InFlight(max_steps_in_flight)
-        self._tuner: execution_size.ExecutionSizeTuner | None = None
-        self._auto_chosen = False
+        self._auto: execution_size.Auto | None = None
         if steps_per_execution == "auto":
-            self._tuner = execution_size.ExecutionSizeTuner(execution_size.size_limit(
+            self._auto = execution_size.Auto(execution_size.size_limit(
                 [*getattr(step, "begin_actions", ()), *getattr(step, "end_actions", ())]
             ))
             steps_per_execution = 1
@@ -139,7 +138,7 @@ class Loop:
     def execution_size_tuner(self) -> execution_size.ExecutionSizeTuner | None:
         """With ``steps_per_execution='auto'``: the measurements (per-step seconds by
         size in ``per_step_secs``) and whether the choice is made (``done``)."""
-        return self._tuner
+        return None if self._auto is None else self._auto.tuner
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         """Called before the first step of each loop; returns the state and iterator.
@@ -283,15 +282,6 @@ class Loop:
         return step_actions.execution_length(
             self._step.begin_actions, self._step.end_actions, first, size)
 
-    @staticmethod
-    def _reached_sync_point(host_step: int, steps_done: int, size: int) -> bool:
-        # Every step number is offered: with several processes the agreed sync step may
-        # fall inside an execution, and all processes then stop at that execution's end.
-        return any(
-            preemption.reached_sync_point(host_step + n)
-            for n in range(steps_done - size + 1, steps_done + 1)
-        )
-
     def run(
         self,
         state: State,
@@ -313,20 +303,15 @@ class Loop:
         # once here (a loop boundary) so the per-step check never waits for the device.
         check_preemption = preemption.active() and return_state_from_step
         host_step = int(state.step) if check_preemption else 0
-        tuner = None if self._auto_chosen else self._tuner
-        if tuner is not None and num_steps is not None:
-            tuner.limit(num_steps)
-        segment: execution_size.Segment | None = None  # the timed segment under way ('auto')
+        auto = self._auto
+        if auto is not None:
+            auto.begin_loop(num_steps, None if num_steps is None else lambda k: (
+                execution_size.executions(lambda f, r: self._execution_size(f, r, k), num_steps)
+            ))
         done = 0
         while num_steps is None or done < num_steps:
-            if tuner is not None:
-                if tuner.done:
-                    self._choose_steps_per_execution(tuner, num_steps)
-                    tuner = None
-                else:
-                    self._steps_per_execution = tuner.candidate
-                    if segment is None:
-                        segment = execution_size.Segment(done)
+            if auto is not None:
+                self._steps_per_execution = auto.size(done)
             first_flops = log_num_flops and done == 0
             try:
                 if self._steps_per_execution == 1 and self._pending is None:
@@ -346,44 +331,21 @@ class Loop:
                 self.dataset_exhausted = True
                 break
             done += size
-            if tuner is not None:
-                segment.executed(self._in_flight.last, done)
-                if done - segment.first_step >= tuner.segment_steps:
-                    tuner.record(self._steps_per_execution, *segment.timed())
-                    segment = None
-            if check_preemption and self._reached_sync_point(host_step, done, size):
+            if auto is not None:
+                auto.executed(self._in_flight.last, done)
+            # Every step number is offered: with several processes the agreed sync step may
+            # fall inside an execution, and all processes then stop at that execution's end.
+            if check_preemption and any(preemption.reached_sync_point(host_step + n)
+                                        for n in range(done - size + 1, done + 1)):
                 self.preempted = True
                 break
             if self.dataset_exhausted:
                 break
         self._in_flight.clear()
-        if tuner is not None:
-            if self.dataset_exhausted and num_steps is None:
-                # Now the loop's length is known (an eval loop over its whole dataset).
-                tuner.limit(done)
-            if tuner.done:
-                self._choose_steps_per_execution(tuner, num_steps)
-            else:
-                # Still measuring (a segment cut by the loop's end does not count): the
-                # next loop goes on from the same segment.
-                self._steps_per_execution = 1
+        if auto is not None:
+            self._steps_per_execution = auto.end_loop(done, self.dataset_exhausted)
         self.num_steps_run = done
         return state, dict(loop_outputs)
-
-    def _choose_steps_per_execution(
-        self, tuner: execution_size.ExecutionSizeTuner, num_steps: int | None
-    ) -> None:
-        plan = None if num_steps is None else (lambda k: self._plan(k, num_steps))
-        self._steps_per_execution = tuner.choose(plan)
-        self._auto_chosen = True
-
-    def _plan(self, size: int, num_steps: int) -> int:
-        """The executions of a loop of `num_steps` steps in executions of up to `size`."""
-        executions = done = 0
-        while done < num_steps:
-            done += self._execution_size(done + 1, num_steps - done, size)
-            executions += 1
-        return executions
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         """Called after the last step of each loop."""
