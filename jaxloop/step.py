@@ -126,6 +126,7 @@ class Step:
         self._should_shard_batch = should_shard_batch
         self._begin_actions = list(begin_actions or [])
         self._overrides_begin = type(self).begin is not Step.begin
+        self._overrides_shard_batch = type(self).shard_batch is not Step.shard_batch
         self._end_actions = list(end_actions or [])
         self._compiled: program_lib.Program | None = None
         self._jit_kwargs: dict[str, Any] = {}
@@ -412,13 +413,22 @@ class Step:
         """
         return PreparedBatch(self._placed(batch))
 
-    def _placed(self, batch: Batch | PreparedBatch) -> Batch:
-        """The batch preprocessed, as the program takes it (`prepare_batch`)."""
+    def shard_batch(self, batch: Batch) -> Batch:
+        """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`). The step
+        calls it only when a subclass overrides it: otherwise the program's input shardings
+        place host batches in jit's dispatch."""
+        return self._partitioner.shard_batch(batch)
+
+    def _placed(self, batch: Batch | PreparedBatch, preprocessed: bool = False) -> Batch:
+        """The batch preprocessed (unless `preprocessed`), as the program takes it
+        (`prepare_batch`)."""
         if isinstance(batch, PreparedBatch):
             return batch.batch
-        batch = self.preprocess_batch(batch)
+        if not preprocessed:
+            batch = self.preprocess_batch(batch)
         if self._should_shard_batch:
-            batch = staging.for_program(self._partitioner, batch)
+            batch = (self.shard_batch(batch) if self._overrides_shard_batch
+                     else staging.for_program(self._partitioner, batch))
         return batch
 
     def _for_begin(self, batch: Batch, stacked: bool = False) -> Batch:
@@ -466,9 +476,12 @@ class Step:
         log_num_flops: bool = False,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
-        """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions."""
+        """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions.
+
+        ``batch_preprocessed=True`` (a keyword the reference reads, passed on to `run` with
+        the others) skips `preprocess_batch`."""
         program = self._program()
-        batch = self._for_begin(self._placed(batch))
+        batch = self._for_begin(self._placed(batch, kwargs.get("batch_preprocessed", False)))
         step_actions.fire(self._begin_actions, True, per_loop_step_number, state, batch=batch)
         state, batch = self.begin(state, batch)
         if log_num_flops:

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 from models import ClassifierStep, LinenMLP, PlacingClassifierStep, toy_data
 
-from jaxloop import actions, checkpoint, data, outer_loop, writers
+from jaxloop import actions, checkpoint, data, outer_loop, partition, writers
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
@@ -557,3 +557,42 @@ def test_a_subclass_overriding_save_is_what_checkpoint_action_calls(tmp_path):
         Recording(manager)(state, {"loss": [0.5]})
         manager.wait_until_finished()
         assert saved == [3] and manager.restore(3) == {"step": 3}
+
+
+def test_a_step_places_batches_with_its_own_shard_batch_when_it_overrides_it():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    part = partition.DataParallelPartitioner(mesh, "data")
+    placed = []
+
+    class Placing(ClassifierStep):
+        def shard_batch(self, batch):
+            placed.append(batch)
+            return super().shard_batch(batch)
+
+    step = Placing(jax.random.key(0), LinenMLP(), partitioner=part)
+    state = step.initialize_model([1, 16])
+    batch = BATCHES[0]
+    _, outputs = step(state, batch)
+    assert len(placed) == 1 and placed[0]["x"] is batch["x"]
+    # The plain step's shard_batch is the partitioner's: leading axis split over the mesh.
+    sharded = ClassifierStep(jax.random.key(0), LinenMLP(), partitioner=part).shard_batch(batch)
+    assert sharded["x"].sharding.spec == jax.sharding.PartitionSpec("data")
+    np.testing.assert_allclose(
+        outputs["loss"], ClassifierStep(jax.random.key(0), LinenMLP(), partitioner=part)(
+            state, batch)[1]["loss"], rtol=1e-6)
+
+
+def test_batch_preprocessed_skips_preprocess_batch_and_reaches_run_as_the_reference():
+    seen = {}
+
+    class Preprocessing(ClassifierStep):
+        def preprocess_batch(self, batch):
+            raise AssertionError("preprocessed again")
+
+        def run(self, state, batch, **kwargs):
+            seen.update(kwargs)
+            return super().run(state, batch)
+
+    step = Preprocessing(jax.random.key(0), LinenMLP())
+    _, outputs = step(step.initialize_model([1, 16]), BATCHES[0], batch_preprocessed=True)
+    assert np.isfinite(float(outputs["loss"])) and "batch_preprocessed" in seen
