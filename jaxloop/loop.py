@@ -73,9 +73,11 @@ class Loop:
         smallest interval of the step's actions (see `execution_size`; with several
         processes, process 0's timings decide). `steps_per_execution` reports the choice
         (1 until it is made).
-      unroll: with ``steps_per_execution > 1``, how many steps the compiled loop body
-        holds (`jax.lax.scan`'s `unroll`; True: all). XLA:CPU runs convolutions inside a
-        loop body on a slower kernel, so unroll conv nets there (see `jaxloop.program`).
+      unroll: with ``steps_per_execution > 1``, True compiles an execution's steps as
+        straight-line code; otherwise they are one loop body run `count` times (a dynamic
+        trip count, which XLA cannot partly unroll: an integer means the same). XLA:CPU
+        runs convolutions inside a loop body on a slower kernel, so unroll conv nets there
+        (see `jaxloop.program`).
 
     With ``steps_per_execution=k > 1`` the loop reads up to k batches and runs them with
     `Step.call_steps` through one compiled program, whatever the number of batches, so a

@@ -279,29 +279,19 @@ class FSDPPartitioner(Partitioner):
 class SPMDPartitioner(Partitioner):
     """Places each state leaf as its flax partitioning annotation says.
 
-    Annotations come in two forms, both honoured:
+    Annotations name mesh axes (`nn.with_partitioning`, nnx sharding metadata) or logical
+    axes, resolved through `logical_axis_rules` as flax's `nn.logical_to_mesh_sharding`
+    does (`jaxloop.annotations`); a logical name without a rule is a ValueError that lists
+    it and the rules. Optimizer-state leaves shaped like their parameter inherit its
+    annotation (optax maps over the boxed parameters); other leaves (adafactor's factored
+    moments, counts, unannotated leaves) are replicated.
 
-    - mesh axis names: `nn.with_partitioning(init, (None, 'model'))` (linen) or
-      `nnx.with_partitioning` / nnx ``out_sharding`` metadata naming mesh axes;
-    - logical names, resolved through `logical_axis_rules` exactly as flax's
-      `nn.logical_to_mesh_sharding` does (rules in order of precedence, a mesh axis used once
-      per array): `nn.with_logical_partitioning(init, ('embed', 'mlp'))`,
-      `nn.LogicallyPartitioned` boxes, and nnx metadata holding logical names. A logical name
-      without a rule is a ValueError that lists it and the rules.
-
-    Optimizer-state leaves built from annotated parameters inherit the annotation (optax maps
-    over the boxed parameters); those not shaped like their parameter (optax.adafactor's
-    factored ``v_row``/``v_col``) are replicated, and scalars (counts) always are. Leaves
-    without an annotation are replicated.
-
-    With `fsdp_min_weight_size`, FSDP runs on top of the annotations: every leaf with at least
-    that many elements whose annotation does not use the data axis also has its largest
-    remaining (unannotated) dimension divisible by the data-axis size split along
-    `data_axis`, so on a ``('data', 'model')`` mesh each device holds about
-    1/(data x model) of every big leaf.
-
-    `run` is traced under the mesh and the rules, so `jax.lax.with_sharding_constraint` with a
-    `PartitionSpec` and `nn.with_logical_constraint` work inside it.
+    With `fsdp_min_weight_size`, FSDP runs on top: a leaf of at least that many elements
+    whose annotation leaves the data axis unused is also split along `data_axis` on its
+    largest unannotated dimension that divides, so on a ``('data', 'model')`` mesh each
+    device holds about 1/(data x model) of every big leaf. `run` is traced under the mesh
+    and the rules, so `jax.lax.with_sharding_constraint` and `nn.with_logical_constraint`
+    work inside it.
 
     Example::
 

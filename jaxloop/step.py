@@ -32,9 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 
-from jaxloop import analysis, ema, staging, step_actions, types
+from jaxloop import analysis, ema, model_state, staging, step_actions, types
 from jaxloop import memory as memory_lib
 from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
@@ -51,6 +50,7 @@ BatchLayoutError = staging.BatchLayoutError
 batch_layout = staging.batch_layout
 zeros_from_spec = staging.zeros_from_spec
 action_fires = step_actions.action_fires
+is_abstract = model_state.is_abstract
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,6 @@ _IDENTITY = optax.identity()
 
 def _index(tree: Any, i: int) -> Any:
     return jax.tree.map(lambda x: x[i], tree)
-
-
-def is_abstract(state: Any) -> bool:
-    """Whether `state` only describes arrays (`jax.ShapeDtypeStruct` leaves, as from
-    `Step.abstract_state`) instead of holding them."""
-    leaves = jax.tree.leaves(state)
-    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
 class Step:
@@ -110,14 +103,10 @@ class Step:
         dtype_policy: precision_lib.Policy | str | None = None,
         **nnx_model_kwargs: Any,
     ):
-        self._adapter = model_lib.adapt(model, nnx_model_args, nnx_model_kwargs)
         self._dtype_policy = precision_lib.get_policy(dtype_policy)
-        # Wrapped once: the state keeps apply_fn in its tree structure.
-        self._apply_fn = (
-            self._adapter.apply
-            if self._dtype_policy is None
-            else self._dtype_policy.wrap_apply(self._adapter.apply)
-        )
+        self._state_builder = model_state.StateBuilder(
+            model_lib.adapt(model, nnx_model_args, nnx_model_kwargs), optimizer,
+            self._dtype_policy, base_prng)
         self._base_prng = base_prng
         self._model = model
         self._optimizer = optimizer
@@ -198,19 +187,6 @@ class Step:
 
     # -- model state --------------------------------------------------------------------------
 
-    def _create_state(self, batch: Batch, variables: Any = None) -> State:
-        if variables is None:
-            variables = self._adapter.init(self._base_prng, batch)
-        params = variables["params"]
-        if self._dtype_policy is not None:
-            params = self._dtype_policy.cast_to_param(params)
-        return State.create(
-            apply_fn=self._apply_fn,
-            params=params,
-            tx=self._optimizer,
-            batch_stats=variables.get("batch_stats"),
-        )
-
     def initialize_model(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
         """Initialises the model and optimizer from an example batch spec, placed on the mesh.
 
@@ -222,17 +198,7 @@ class Step:
 
             state = step.initialize_model({'image': [1, 28, 28, 1], 'label': ([1], 'int32')})
         """
-        batch = staging.zeros_from_spec(spec)
-        held = self._adapter.held_variables()
-        if held is None:
-            state = self._partitioner.shard_init_fn(self._create_state)(batch)
-        else:
-            # An nnx instance holds its values already: each goes from where it is straight
-            # to its place, and enters the init program as an argument, not a constant.
-            mesh = self._partitioner.mesh
-            specs = self._partitioner.state_specs(held)
-            held = jax.device_put(held, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-            state = self._partitioner.shard_init_fn(self._create_state)(batch, held)
+        state = self._state_builder.initialize(self._partitioner, spec)
         self.compute_num_params(state)
         if log_num_params:
             log.info("Number of parameters: %d", self._num_params)
@@ -250,8 +216,7 @@ class Step:
 
             state = step.restore_model(step.abstract_state([1, 28, 28, 1]), ckpt_dir)
         """
-        batch = staging.zeros_from_spec(spec)
-        abstract = self._partitioner.abstract_init_fn(self._create_state)(batch)
+        abstract = self._state_builder.abstract(self._partitioner, spec)
         self._abstract_spec = spec
         self.compute_num_params(abstract)
         if log_num_params:
@@ -385,9 +350,7 @@ class Step:
         if state is None:
             init_spec = self._abstract_spec if self._abstract_spec is not None else spec
             # Not `abstract_state`: an estimate leaves the step's bookkeeping as it was.
-            state = self._partitioner.abstract_init_fn(self._create_state)(
-                staging.zeros_from_spec(init_spec)
-            )
+            state = self._state_builder.abstract(self._partitioner, init_spec)
         return analysis.memory(
             self._program(), state, self.abstract_batch(spec), kwargs,
             self._partitioner.mesh.devices,
@@ -519,8 +482,7 @@ class Step:
           log_num_flops: compute `num_flops` of one step first.
           carry_state: False runs every step on the given `state` (as eval loops do) and
             returns it unchanged.
-          unroll: how many steps the compiled loop body holds (`jax.lax.scan`'s `unroll`;
-            True: all).
+          unroll: True compiles the steps straight-line, else one loop body (see `Loop`).
           size: the most steps the program runs (>= the number of batches).
           **kwargs: passed to every `run`.
 

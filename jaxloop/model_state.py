@@ -1,0 +1,87 @@
+"""The training state a model and optimizer start from: born in place on the mesh, or
+described without being built.
+
+`StateBuilder` holds what a state is made of (the model's adapter, the mixed-precision
+policy, the optimizer and the seed) and makes it through a partitioner, which decides
+where each leaf lives. `Step.initialize_model` and `Step.abstract_state` are its front.
+
+Example::
+
+    builder = StateBuilder(model.adapt(CNN()), optax.adam(1e-3), None, jax.random.key(0))
+    state = builder.initialize(partitioner, [1, 28, 28, 1])
+    abstract = builder.abstract(partitioner, [1, 28, 28, 1])  # ShapeDtypeStruct leaves
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import NamedSharding
+
+from jaxloop import model as model_lib
+from jaxloop import precision as precision_lib
+from jaxloop import staging, types
+
+State = types.TrainState
+
+
+def is_abstract(state: Any) -> bool:
+    """Whether `state` only describes arrays (`jax.ShapeDtypeStruct` leaves, as from
+    `Step.abstract_state`) instead of holding them."""
+    leaves = jax.tree.leaves(state)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+class StateBuilder:
+    """Makes the `TrainState` of a model and an optimizer.
+
+    Args:
+      adapter: the model behind one interface (`jaxloop.model.adapt`).
+      optimizer: the optax transformation whose state the train state holds.
+      policy: mixed precision (`jaxloop.precision`): ``apply_fn`` casts as it says, new
+        parameters are stored in its param dtype; None leaves the model as it is.
+      base_prng: the key (or dict of keys) the model is initialised from.
+    """
+
+    def __init__(self, adapter: model_lib.ModelAdapter, optimizer: optax.GradientTransformation,
+                 policy: precision_lib.Policy | None, base_prng: types.PRNGType):
+        self._adapter = adapter
+        self._optimizer = optimizer
+        self._policy = policy
+        self._base_prng = base_prng
+        # Wrapped once: the state keeps apply_fn in its tree structure.
+        self._apply_fn = adapter.apply if policy is None else policy.wrap_apply(adapter.apply)
+
+    def create(self, batch: types.Batch, variables: Any = None) -> State:
+        """The state for this example batch (traced: `initialize` jits it on the mesh)."""
+        if variables is None:
+            variables = self._adapter.init(self._base_prng, batch)
+        params = variables["params"]
+        if self._policy is not None:
+            params = self._policy.cast_to_param(params)
+        return State.create(apply_fn=self._apply_fn, params=params, tx=self._optimizer,
+                            batch_stats=variables.get("batch_stats"))
+
+    def initialize(self, partitioner: Any, spec: types.BatchSpec) -> State:
+        """The state, each leaf created where `partitioner` places it.
+
+        The spec only fixes shapes and dtypes (a zero batch is built), so its batch size
+        need not divide by the device count.
+        """
+        batch = staging.zeros_from_spec(spec)
+        held = self._adapter.held_variables()
+        if held is None:
+            return partitioner.shard_init_fn(self.create)(batch)
+        # An nnx instance holds its values already: each goes from where it is straight to
+        # its place, and enters the init program as an argument, not a constant.
+        specs = partitioner.state_specs(held)
+        held = jax.device_put(
+            held, jax.tree.map(lambda s: NamedSharding(partitioner.mesh, s), specs))
+        return partitioner.shard_init_fn(self.create)(batch, held)
+
+    def abstract(self, partitioner: Any, spec: types.BatchSpec) -> State:
+        """The state `initialize` would make, as `jax.ShapeDtypeStruct` leaves with their
+        shardings (nothing is built)."""
+        return partitioner.abstract_init_fn(self.create)(staging.zeros_from_spec(spec))
