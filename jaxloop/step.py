@@ -117,11 +117,11 @@ class Step:
         self._overrides_begin = type(self).begin is not Step.begin
         self._overrides_shard_batch = type(self).shard_batch is not Step.shard_batch
         self._end_actions = list(end_actions or [])
-        self._compiled: program_lib.Program | None = None
         self._jit_kwargs: dict[str, Any] = {}
-        # The programs of executions of several steps (`call_steps`), one per
-        # (size, carry_state, unroll): a loop uses one ('auto' tries a few sizes first).
-        self._compiled_steps: dict[tuple[int, bool, int | bool], program_lib.Program] = {}
+        # The single step's program (key None) and those of executions of several steps
+        # (`call_steps`), by (size, carry_state, unrolled): a loop uses one of the latter
+        # ('auto' tries a few sizes first).
+        self._programs: dict[Any, program_lib.Program] = {}
         self._num_params: int | None = None
         # The batch spec of the last `abstract_state`, to initialise it when nothing is
         # restored (host-side configuration, like the model itself).
@@ -297,26 +297,22 @@ class Step:
         """
         kwargs = {"donate_argnums": (0,)} if self._train else {}
         kwargs.update(jit_kwargs)
-        self._compiled = self._partitioner.partition(self._run_in_mode, **kwargs)
         self._jit_kwargs = kwargs
-        self._compiled_steps = {}
-        return self._compiled
+        self._programs = {None: self._partitioner.partition(self._run_in_mode, **kwargs)}
+        return self._programs[None]
 
-    def _program(self) -> program_lib.Program:
-        """The single-step program, made on first use (`compile` with default flags)."""
-        return self._compiled or self.compile()
-
-    def _steps_program(self, size: int, carry_state: bool, unroll: int | bool
-                       ) -> program_lib.Program:
-        key = (size, carry_state, unroll)
-        program = self._compiled_steps.get(key)
-        if program is None:
-            self._program()  # the jit flags of `compile`
-            program = self._compiled_steps[key] = program_lib.Program(
+    def _program(self, size: int | None = None, carry_state: bool = True,
+                 unroll: int | bool = 1) -> program_lib.Program:
+        """The program of one step (`size` None) or of executions of up to `size` steps,
+        made on first use with the jit flags of `compile`."""
+        if not self._programs:
+            self.compile()
+        key = None if size is None else (size, carry_state, unroll is True)
+        if key not in self._programs:
+            self._programs[key] = program_lib.Program(
                 self._run_in_mode, self._partitioner, steps=size, carry_state=carry_state,
-                unroll=unroll, **self._jit_kwargs,
-            )
-        return program
+                unroll=unroll, **self._jit_kwargs)
+        return self._programs[key]
 
     def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float | None:
         """Flops of one `run` on this (placed) batch on one device, from XLA's cost
@@ -425,7 +421,7 @@ class Step:
         """Runs on the host after each compiled call, on the outputs it returned.
 
         Once per compiled call, as `begin`: for fused steps on the outputs stacked on a
-        leading axis of k (the entries past the execution's real steps are zeros).
+        leading axis of k (the entries past the execution's real steps are no real step's).
         """
         return state, outputs
 
@@ -508,7 +504,7 @@ class Step:
         state, stacked = self.begin(state, stacked)
         if log_num_flops:
             self.compute_num_flops(state, _index(stacked, 0), **kwargs)
-        program = self._steps_program(size, carry_state, unroll)
+        program = self._program(size, carry_state, unroll)
         new_state, outputs = program(state, stacked, count, **kwargs)
         state = new_state if carry_state else state
         state, outputs = self.end(state, outputs)
