@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from jaxloop import execution_size, in_flight, outputs, preemption, staging, step_actions, types
+from jaxloop import prefetch as prefetch_lib
 from jaxloop import step as step_lib
 
 Output = types.Output
@@ -30,34 +31,6 @@ Step = step_lib.Step
 MetricList = outputs.MetricList
 DEFAULT_MAX_STEPS_IN_FLIGHT = in_flight.DEFAULT_MAX_STEPS_IN_FLIGHT
 default_max_steps_in_flight = in_flight.default_max_steps_in_flight
-
-
-class _Prefetch:
-    """A device prefetcher over `source` (`data.prefetch_to_device` with the step's
-    `prepare_batch`), started on the first batch asked of it."""
-
-    def __init__(self, source: Iterator[Any], size: int):
-        self.source = source
-        self._size = size
-        self._iterator: Any = None
-
-    def batches(self, step: Step) -> Iterator[Any]:
-        if self._iterator is None:
-            from jaxloop import data  # noqa: PLC0415
-
-            self._iterator = data.prefetch_to_device(self.source, step.prepare_batch, self._size)
-        return self._iterator
-
-    @property
-    def started(self) -> bool:
-        return self._iterator is not None
-
-    def position(self) -> Any:
-        return self._iterator.get_state()
-
-    def close(self) -> None:
-        if self._iterator is not None:
-            self._iterator.close()
 
 
 class Loop:
@@ -116,7 +89,7 @@ class Loop:
         self._step = step
         self._steps_per_execution = steps_per_execution
         self._unroll = unroll
-        self._prefetch: _Prefetch | None = None
+        self._prefetch: prefetch_lib.Prefetcher | None = None
         # A batch read but left for the next execution (another layout than the one before).
         self._pending: Any = None
         self.dataset_exhausted = False
@@ -162,24 +135,18 @@ class Loop:
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
         """The next batch; raises StopIteration when the dataset is exhausted.
 
-        Inside `prefetching(dataset)` the batch comes from the background prefetcher (a
-        `step.PreparedBatch`, already on the devices); otherwise from ``next(dataset)``.
+        Inside `prefetching(dataset)` the batch comes from the prefetcher (a
+        `step.PreparedBatch`, as the program takes it); otherwise from ``next(dataset)``.
         """
-        prefetch = self._prefetch
-        if prefetch is not None and prefetch.source is dataset:
-            return next(prefetch.batches(self._step))
-        return next(dataset)
+        ahead = self._prefetch
+        return next(ahead if ahead is not None and ahead.source is dataset else dataset)
 
     @contextlib.contextmanager
     def prefetching(self, dataset: Iterator[Any], size: int = 2) -> Iterator[Iterator[Any]]:
-        """Prepares the batches of `dataset` `size` ahead in a background thread, while open.
-
-        The loop still receives `dataset` itself -- ``run``, ``_get_next_batch`` and the
-        actions see the very object the user passed, its attributes and methods -- and
-        the default `_get_next_batch` takes each batch from the prefetcher, which starts
-        on the first such read (a subclass that reads ``next(dataset)`` itself therefore
-        never starts it). `data_position` reports the position after the batches
-        consumed, not after those read ahead.
+        """Prepares the batches of `dataset` `size` ahead in a background thread while
+        open (`prefetch.Prefetcher`, which `_get_next_batch` reads through). The loop still
+        receives `dataset` itself: ``run``, ``_get_next_batch`` and the actions see the
+        very object the user passed. `data_position` is after the batches consumed.
 
         Example::
 
@@ -190,7 +157,8 @@ class Loop:
         if size <= 0:
             yield dataset
             return
-        previous, self._prefetch = self._prefetch, _Prefetch(dataset, size)
+        previous = self._prefetch
+        self._prefetch = prefetch_lib.Prefetcher(dataset, self._step.prepare_batch, size)
         try:
             yield dataset
         finally:
@@ -200,11 +168,11 @@ class Loop:
     def data_position(self, dataset: Any) -> Any:
         """The checkpointable position of `dataset` after the batches this loop consumed
         (None when the iterator cannot report one)."""
+        ahead = self._prefetch
+        if ahead is not None and ahead.source is dataset:
+            return ahead.position()
         from jaxloop import data  # noqa: PLC0415 (grain loads only when asked)
 
-        prefetch = self._prefetch
-        if prefetch is not None and prefetch.source is dataset and prefetch.started:
-            return prefetch.position()
         return data.iterator_state(dataset)
 
     def _run_one_step(

@@ -461,25 +461,19 @@ class Step:
         size: int | None = None,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
-        """Runs batches as consecutive steps in one compiled call (`jaxloop.program`).
-
-        The results equal those of calling the step on each batch in turn. One program
-        serves every number of batches up to `size` (default: their number). Outputs come
-        back stacked: ``outputs['loss'][i]`` is step i's (entries past the real steps are no
-        real step's).
-        `begin` and `end` run once, on the stacked batch and outputs. Step actions fire as
-        in `__call__` where the host sees a step boundary: a begin action on the first step
-        (with its batch), an end action on the last (with its outputs).
+        """Runs batches (raw or prepared, of one layout) as consecutive steps in one
+        compiled call (`jaxloop.program`); the results equal those of calling the step on
+        each in turn. One program serves every number of batches up to `size` (default:
+        their number). Outputs come back stacked: ``outputs['loss'][i]`` is step i's
+        (entries past the real steps are no real step's). `begin` and `end` run once, on
+        the stacked batch and outputs; step actions fire where the host sees a step
+        boundary: a begin action on the first step (`per_loop_step_number`, with its
+        batch), an end action on the last (with its outputs).
 
         Args:
-          state: the state before the first step.
-          batches: the batches (raw, or prepared by `prepare_batch`), of one layout.
-          per_loop_step_number: the number of the first step in its loop.
-          log_num_flops: compute `num_flops` of one step first.
           carry_state: False runs every step on the given `state` (as eval loops do) and
             returns it unchanged.
           unroll: True compiles the steps straight-line, else one loop body (see `Loop`).
-          size: the most steps the program runs (>= the number of batches).
           **kwargs: passed to every `run`.
 
         Raises:
