@@ -244,8 +244,6 @@ class OuterLoop:
         self._checkpoint_spec = checkpoint_spec
         self._progress = progress
         self._evals_pending = False
-        self._resumed = False
-        self._resumed_count: int | None = None
         self._planned_steps: int | None = None
         self._cut_by_total = False
 
@@ -336,16 +334,16 @@ class OuterLoop:
         short = bool(loop.preempted) if planned is None else loop.num_steps_run < planned
         return self._cut_by_total or short
 
-    def _restore(self, state: State, iterator: Iterator[Any], loop_steps: int | None) -> State:
+    def _restore(self, state: State, iterator: Iterator[Any], loop_steps: int | None
+                 ) -> tuple[State, bool]:
+        """The state to train from, and whether it came from a checkpoint."""
         self._evals_pending = False
-        self._resumed = False
-        self._resumed_count = None
         spec = self._checkpoint_spec
         step = self._train_loop.step
         # An abstract state (`Step.abstract_state`) is restored straight into place, or
         # initialised by the step when there is nothing to restore.
         if spec is None:
-            return step.materialize(state)
+            return step.materialize(state), False
         # Process 0's listing decides which checkpoint every process restores (a shared
         # directory may show processes different contents at the same moment).
         steps = agreement.agreed(lambda: checkpoint.all_steps(spec.checkpoint_dir))
@@ -354,20 +352,21 @@ class OuterLoop:
             state, spec.checkpoint_dir, step=latest, transforms=spec.transforms
         )
         if latest is None:
-            return restored
-        self._resumed = True
+            return restored, False
         # Host data lives beside the state: the iterator takes its position, the loop its
         # count, early stopping its progress.
         meta = checkpoint.read_meta(spec.checkpoint_dir, latest)
         checkpoint.restore_data_position(iterator, meta)
-        self._resumed_count, partial = _resumed_loop_count(meta, latest, loop_steps)
+        loop_count, partial = _resumed_loop_count(meta, latest, loop_steps)
+        if loop_count is not None:
+            self._train_loop.loop_count = loop_count
         saved = meta.get(_EARLY_STOPPING_META) or []
         for action, progress in zip(self._early_stopping_actions(), saved, strict=False):
             action.load_state_dict(progress)
         # A checkpoint inside a loop has no evaluations after it (earlier releases said so
         # at a preemption inside a loop).
         self._evals_pending = bool(meta.get(_EVALS_PENDING_META)) and not partial
-        return restored
+        return restored, True
 
     def _train(
         self,
@@ -383,12 +382,9 @@ class OuterLoop:
         train_loop = self._train_loop
         iterator = data.as_iterator(train_dataset)
         self._remove_stale_marker()
-        state = self._restore(state, iterator, loop_steps)
-        step = int(state.step)
-        if self._resumed_count is not None:
-            train_loop.loop_count = self._resumed_count
         # A run resumed inside a loop finishes that loop first, to its boundary.
-        align = self._resumed
+        state, align = self._restore(state, iterator, loop_steps)
+        step = int(state.step)
         if log_total_steps:
             log.info("Training from step %d to %s.", step, total_steps)
         progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress)
