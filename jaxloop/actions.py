@@ -264,14 +264,12 @@ class SummaryAction(Action):
             if key != EXAMPLE_COUNTS:
                 items.append((key, value))
         for key, value in items:
+            if isinstance(value, MetricWithMetadata) and value.type == MetricType.SCALAR:
+                value = value.value  # written with the plain scalars, as one of them
             if isinstance(value, MetricWithMetadata):
                 # Gathered whole from every process (`fetch`), so process 0's writer sees
                 # the global value a 1-process job would.
-                host_value = np.asarray(fetch(value.value))
-                if value.type == MetricType.SCALAR:
-                    at_step[key] = float(np.asarray(host_value, np.float64).reshape(()))
-                else:
-                    typed.setdefault(value.type, {})[key] = host_value
+                typed.setdefault(value.type, {})[key] = np.asarray(fetch(value.value))
                 continue
             host = _scalar_values(value)  # None for per-example arrays: never fetched
             if isinstance(host, list):
