@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxloop import types
+from jaxloop import annotations, types
 
 Batch = types.Batch
 
@@ -94,7 +94,7 @@ def batch_shardings(partitioner: Any, batch: Batch, stacked: bool = False) -> An
             return replicated
         if shape[dim] % shards:
             raise ValueError(
-                f"Batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                f"Batch leaf {annotations.path_str(path)} has shape "
                 f"{tuple(shape)}{f' ({shape[0]} stacked batches)' if stacked else ''}: its "
                 f"{'batch' if stacked else 'leading'} dimension {shape[dim]} does not divide "
                 f"by the {shards} local devices along mesh axis {axis!r} of process "
@@ -198,7 +198,7 @@ def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
     def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
         if x.ndim and x.shape[0] % shards:
             raise ValueError(
-                f"Batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                f"Batch leaf {annotations.path_str(path)} has shape "
                 f"{tuple(x.shape)}: its leading dimension {x.shape[0]} (the global "
                 f"batch) does not divide by the {shards} devices along mesh axis "
                 f"{axis!r}"
