@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import signal
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -106,6 +107,8 @@ class Loop:
         self.dataset_exhausted = False
         self.preempted = False
         self.num_steps_run = 0
+        # The live state where Ctrl-C or a preemption stopped the last call (else None).
+        self.stopped_state: Any = None
 
     @property
     def step(self) -> Step:
@@ -313,6 +316,8 @@ class Loop:
         # once here (a loop boundary) so the per-step check never waits for the device.
         check_preemption = preemption.active() and return_state_from_step
         host_step = int(state.step) if check_preemption else 0
+        # An evaluation may stop at any batch on Ctrl-C; a training loop at a step boundary.
+        check_interrupt = preemption.active() and not return_state_from_step
         auto = self._auto
         if auto is not None:
             auto.begin_loop(num_steps, None if num_steps is None else lambda k: (
@@ -353,6 +358,9 @@ class Loop:
                                             for n in range(done - size + 1, done + 1)):
                     self.preempted = True
                     break
+                if check_interrupt and preemption.interrupted():
+                    self.preempted = True
+                    break
                 if self.dataset_exhausted:
                     break
         self._in_flight.clear()
@@ -372,7 +380,29 @@ class Loop:
         num_steps: int | None = None,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
-        """Runs `begin`, `run` and `end`; returns the final state and the loop outputs."""
-        state, dataset = self.begin(state, dataset)
-        state, outputs = self.run(state, dataset, num_steps, **kwargs)
-        return self.end(state, outputs)
+        """Runs `begin`, `run` and `end`; returns the final state and the loop outputs.
+
+        Ctrl-C (a notebook's Stop button) ends the loop at the next step boundary (an
+        evaluation at its next batch): `end` runs, a training loop saves with its
+        checkpoint action if it has one, then `preemption.Interrupted` (a
+        `KeyboardInterrupt`) is raised carrying the live state, which `stopped_state` also
+        holds. Inside an `OuterLoop` the outer loop ends the run instead.
+        """
+        self.stopped_state = None
+        owner = not preemption.active()
+        with (preemption.handling_preemption((signal.SIGINT,)) if owner
+              else contextlib.nullcontext()):
+            state, dataset = self.begin(state, dataset)
+            state, outputs = self.run(state, dataset, num_steps, **kwargs)
+            state, outputs = self.end(state, outputs)
+            if owner and self.preempted:
+                self.stopped_state = state
+                saved = self.save_checkpoint(state, outputs)
+                raise preemption.stopped(state, int(state.step), saved)
+        return state, outputs
+
+    def save_checkpoint(self, state: State, outputs: Output | None) -> bool:
+        """Saves `state` now, where the loop can (a training loop with a checkpoint
+        action); returns whether a checkpoint of its step exists. This loop saves
+        nothing."""
+        return False
