@@ -2,11 +2,19 @@
 (HSDP: state split within a group, replicated across groups), data x fsdp x tensor, meshes
 from sizes, and evaluation on a placement of its own."""
 
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
+import test_multiprocess as mp
 from jax.sharding import PartitionSpec as P
 from models import ClassifierStep, LinenMLP, toy_data
 from test_tensor_parallel import LogicalMLP
@@ -163,3 +171,57 @@ def test_eval_on_its_own_placement_beside_fsdp_training():
     assert state.params["dense1"]["kernel"] is kernel_before
     assert kernel_before.sharding.spec == P(None, "data")
     assert len(kernel_before.sharding.device_set) == 8
+
+
+HYBRID_JOB = Path(__file__).resolve().parent / "hybrid_job.py"
+SHORT = ("--train-steps", "20", "--train-loop-steps", "10", "--batch-size", "64")
+
+
+def run_hsdp(workdir: Path, *flags: str) -> dict:
+    """The digits job as 2 processes x 4 devices under HSDP, with the state's layout as
+    each process saw it (tests/hybrid_job.py)."""
+    result_dir = workdir.parent / f"{workdir.name}-run-{time.monotonic_ns()}"
+    command = [sys.executable, str(HYBRID_JOB), str(result_dir), "--workdir", str(workdir),
+               "--partitioner", "hsdp", *flags]
+    with mp.started([command] * 2, mp.job_envs(2), result_dir / "logs") as procs:
+        try:
+            codes = mp.wait_all(procs, mp.RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            codes = [p.poll() for p in procs]
+        logs = mp.read_logs(result_dir / "logs", 2)
+    for i, (code, log) in enumerate(zip(codes, logs, strict=True)):
+        assert code == 0, f"process {i} exited {code}:\n{log.stderr[-4000:]}"
+    results = [json.loads((result_dir / f"result-{i}.json").read_text()) for i in range(2)]
+    assert results[0]["fingerprint"] == results[1]["fingerprint"]
+    return results[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_hsdp_matches_data_parallel_and_resumes_a_one_process_checkpoint(
+        tmp_path):
+    # Data parallel on 1 process x 8 devices: 10 steps (a checkpoint), then on to 20.
+    dp_dir = tmp_path / "dp"
+    half = mp.run_digits(dp_dir, "--partitioner", "dp", *SHORT[:1], "10", *SHORT[2:],
+                         processes=1)
+    assert half.step == 10
+    shutil.copytree(dp_dir, tmp_path / "from-dp")
+    dp = mp.run_digits(dp_dir, "--partitioner", "dp", *SHORT, processes=1)
+    assert dp.step == 20 and dp.restored_step == 10
+
+    hsdp = run_hsdp(tmp_path / "hsdp", *SHORT)
+    layout = hsdp["layout"]
+    assert layout["mesh"] == {"replica": 2, "fsdp": 4}
+    # Each split leaf has all its shards on each process's devices: no gather crosses.
+    assert layout["split_leaves"] >= 3 and layout["shards_within_each_process"]
+    assert layout["max_bytes_per_device"] == pytest.approx(layout["state_bytes"] / 4, rel=0.05)
+    assert hsdp["step"] == 20 and hsdp["restored_step"] is None
+    assert abs(hsdp["eval_loss"] - dp.loss) < 1e-5, (hsdp, dp)
+
+    # The 1 x 8 data parallel checkpoint of step 10 resumes under 2 x 4 HSDP.
+    resumed = run_hsdp(tmp_path / "from-dp", *SHORT)
+    assert resumed["restored_step"] == 10 and resumed["step"] == 20
+    assert abs(resumed["eval_loss"] - dp.loss) < 1e-5, (resumed, dp)
+    print(f"dp 1x8: {dp.loss}; hsdp 2x4: {hsdp['eval_loss']}; resumed from 1x8: "
+          f"{resumed['eval_loss']}; bytes/device: {layout['max_bytes_per_device']} of "
+          f"{layout['state_bytes']}")
