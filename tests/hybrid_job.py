@@ -4,14 +4,14 @@
 ``JAXLOOP_*`` environment (through `multihost_job`), builds the digits train state with the
 ``hsdp`` partitioner and reports its layout as the shardings say it (which processes hold
 each shard of every parameter and optimizer-state leaf, and the state bytes per device),
-then runs the digits example with DIGITS_ARGS. Results go to
-``RESULT_DIR/result-<process index>.json``, never to the output streams.
+then runs the digits example with DIGITS_ARGS (`multihost_job`'s ``digits`` scenario).
+Results go to ``RESULT_DIR/layout-<process index>.json`` and ``result-<process index>.json``,
+never to the output streams.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -60,14 +60,10 @@ def hsdp_layout() -> dict:
 def main() -> None:
     result_dir = Path(sys.argv[1])
     result_dir.mkdir(parents=True, exist_ok=True)
-    result = {"layout": hsdp_layout(), **multihost_job.digits_job(sys.argv[2:])}
-    result["process_index"] = jax.process_index()
-    out = result_dir / f"result-{jax.process_index()}.json"
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out)
-    if result.get("exit"):
-        sys.exit(result["exit"])
+    layout = result_dir / f"layout-{jax.process_index()}.json"
+    layout.write_text(json.dumps(hsdp_layout()))  # read after the process has exited
+    sys.argv[1:] = ["digits", *sys.argv[1:]]
+    multihost_job.main()
 
 
 if __name__ == "__main__":

@@ -191,7 +191,9 @@ def run_hsdp(workdir: Path, *flags: str) -> dict:
         logs = mp.read_logs(result_dir / "logs", 2)
     for i, (code, log) in enumerate(zip(codes, logs, strict=True)):
         assert code == 0, f"process {i} exited {code}:\n{log.stderr[-4000:]}"
-    results = [json.loads((result_dir / f"result-{i}.json").read_text()) for i in range(2)]
+    results = [{**json.loads((result_dir / f"result-{i}.json").read_text()),
+                "layout": json.loads((result_dir / f"layout-{i}.json").read_text())}
+               for i in range(2)]
     assert results[0]["fingerprint"] == results[1]["fingerprint"]
     return results[0]
 
