@@ -383,7 +383,7 @@ def make_partitioner(
         mesh = meshes.make_mesh({"data": -1, "fsdp": 2, "model": 2}, devices)
         return partition.SPMDPartitioner(mesh, ("data", "fsdp"), fsdp_axis="fsdp",
                                          fsdp_min_weight_size=2**10), "model"
-    raise ValueError(f"--partitioner must be dp, fsdp, spmd or fsdp_tp, got {kind!r}")
+    raise ValueError(f"--partitioner must be dp, fsdp or spmd (or fsdp_tp), got {kind!r}")
 
 
 # ----------------------------------------------------------------------------------------
