@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from models import ClassifierStep, LinenMLP, toy_data
 from test_tensor_parallel import LogicalMLP
 
-from jaxloop import eval_loop, meshes, partition, staging
+from jaxloop import eval_loop, meshes, outer_loop, partition, staging, train_loop
 
 
 class Wide(nn.Module):
@@ -176,6 +176,15 @@ def test_eval_on_its_own_placement_beside_fsdp_training():
     assert state.params["dense1"]["kernel"] is kernel_before
     assert kernel_before.sharding.spec == P(None, "data")
     assert len(kernel_before.sharding.device_set) == 8
+
+    # Under OuterLoop with an EvalSpec: one move per evaluation, training stays FSDP.
+    moves = other.state_moves
+    outer = outer_loop.OuterLoop(train_loop.TrainLoop(train), eval_loops=[other])
+    trained, _ = outer(state, iter([{k: v[:32] for k, v in data.items()}] * 4),
+                       train_total_steps=4, train_loop_steps=2,
+                       eval_specs=[outer_loop.EvalSpec(dataset=batches)])
+    assert other.state_moves == moves + 2
+    assert trained.params["dense1"]["kernel"].sharding.spec == P(None, "data")
 
 
 HYBRID_JOB = Path(__file__).resolve().parent / "hybrid_job.py"
