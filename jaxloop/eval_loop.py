@@ -66,6 +66,12 @@ class EvalLoop(action_loop.ActionLoop):
     With ``use_ema=True`` the steps see the state's ``ema_params`` as ``params``
     (`jaxloop.ema`); the loop still returns the state it was given.
 
+    The steps run where the step's partitioner places the state
+    (`Partitioner.placement`): a state trained on another mesh or with another partitioner
+    (FSDP training, a replicated eval on one host's devices) is copied there once per
+    evaluation, at the start of `run`, and never per step; the state passed in stays where
+    it is. ``state_moves`` counts these copies.
+
     Args:
       mask_key: the batch entry that marks real examples.
       use_ema: evaluate the state's EMA parameters (`jaxloop.ema`).
@@ -95,6 +101,24 @@ class EvalLoop(action_loop.ActionLoop):
         self._local.append(_is_local(batch))
         return batch
 
+    state_moves: int = 0
+    """How many evaluations copied the state to the eval step's placement."""
+
+    def _placed(self, state: State) -> State:
+        """`state` where the step's partitioner runs it: itself when it is there already,
+        else a copy made in one `jax.device_put`."""
+        partitioner = getattr(self.step, "partitioner", None)
+        leaves = jax.tree.leaves(state)
+        if partitioner is None or not leaves or not all(isinstance(x, jax.Array)
+                                                        for x in leaves):
+            return state  # host leaves: the program places them as it always has
+        target = partitioner.placement(state)
+        if all(x.sharding.is_equivalent_to(s, x.ndim)
+               for x, s in zip(leaves, jax.tree.leaves(target), strict=True)):
+            return state
+        self.state_moves += 1
+        return jax.device_put(state, target)
+
     def _global_counts(self) -> list[Any]:
         """Counts over all processes: host batches' local counts are summed across
         processes (one small collective per loop, only in a multi-process job)."""
@@ -123,6 +147,7 @@ class EvalLoop(action_loop.ActionLoop):
             from jaxloop import ema  # noqa: PLC0415
 
             evaluated = ema.swap_in(state)
+        evaluated = self._placed(evaluated)
         _, outputs = super().run(
             evaluated, dataset, num_steps, log_num_flops=log_num_flops, **kwargs
         )

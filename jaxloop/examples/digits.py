@@ -39,6 +39,7 @@ from jaxloop import (
     ema,
     eval_loop,
     guard,
+    meshes,
     outer_loop,
     partition,
     preemption,
@@ -142,15 +143,20 @@ def load_digits() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
 
 
 def make_partitioner(kind: str) -> partition.Partitioner:
-    """`single`, `dp` or `fsdp` over all devices."""
+    """`single`, `dp` or `fsdp` over all devices, or `hsdp`: split within each process,
+    replicated across processes (`meshes.make_mesh`)."""
     if kind == "single":
         return partition.SingleDevicePartitioner()
+    if kind == "hsdp":
+        mesh = meshes.make_mesh({"replica": -1, "fsdp": jax.local_device_count()})
+        return partition.FSDPPartitioner(mesh, ("replica", "fsdp"), min_weight_size=2**8,
+                                         fsdp_axis="fsdp")
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     if kind == "dp":
         return partition.DataParallelPartitioner(mesh, "data")
     if kind == "fsdp":
         return partition.FSDPPartitioner(mesh, "data", min_weight_size=2**10)
-    raise ValueError(f"--partitioner must be single, dp or fsdp, got {kind!r}")
+    raise ValueError(f"--partitioner must be single, dp, fsdp or hsdp, got {kind!r}")
 
 
 def fingerprint(params: Any) -> str:
@@ -183,7 +189,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--train-steps", type=int, default=600)
     parser.add_argument("--train-loop-steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
-    parser.add_argument("--partitioner", default="dp", choices=["single", "dp", "fsdp"])
+    parser.add_argument("--partitioner", default="dp", choices=["single", "dp", "fsdp", "hsdp"])
     parser.add_argument("--checkpoint-every", type=int, default=1, help="in train loops")
     parser.add_argument("--checkpoint-every-secs", type=float, default=None,
                         help="save only when this many seconds passed since the last save")

@@ -64,6 +64,7 @@ from jaxloop import (
     data,
     eval_loop,
     guard,
+    meshes,
     outer_loop,
     partition,
     train_loop,
@@ -350,10 +351,13 @@ class LMStep(step_lib.Step):
 def make_partitioner(
     kind: str, devices: Sequence[jax.Device] | None = None
 ) -> tuple[partition.Partitioner, str | None]:
-    """The partitioner for ``dp``, ``fsdp`` or ``spmd``, and the model axis to annotate.
+    """The partitioner for ``dp``, ``fsdp``, ``spmd`` or ``fsdp_tp``, and the model axis to
+    annotate.
 
     ``spmd`` uses a ``('data', 'model')`` mesh of shape ``(n // 2, 2)`` when there are at
-    least 8 devices (4x2 on 8) and ``(n, 1)`` otherwise.
+    least 8 devices (4x2 on 8) and ``(n, 1)`` otherwise. ``fsdp_tp`` is MaxText's data x
+    fsdp x tensor: a ``('data', 'fsdp', 'model')`` mesh (2 x 2 x 2 on 8 devices), the batch
+    split over data and fsdp, big leaves over fsdp and their annotated dimension over model.
 
     Example::
 
@@ -375,7 +379,11 @@ def make_partitioner(
             np.array(devices).reshape(n // model_size, model_size), ("data", "model")
         )
         return partition.SPMDPartitioner(mesh, "data"), "model"
-    raise ValueError(f"--partitioner must be dp, fsdp or spmd, got {kind!r}")
+    if kind == "fsdp_tp":
+        mesh = meshes.make_mesh({"data": -1, "fsdp": 2, "model": 2}, devices)
+        return partition.SPMDPartitioner(mesh, ("data", "fsdp"), fsdp_axis="fsdp",
+                                         fsdp_min_weight_size=2**10), "model"
+    raise ValueError(f"--partitioner must be dp, fsdp or spmd (or fsdp_tp), got {kind!r}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -385,7 +393,7 @@ def make_partitioner(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--partitioner", default="dp", choices=["dp", "fsdp", "spmd"])
+    parser.add_argument("--partitioner", default="dp", choices=["dp", "fsdp", "spmd", "fsdp_tp"])
     parser.add_argument("--train-steps", type=int, default=150)
     parser.add_argument("--train-loop-steps", type=int, default=50, help="eval after each")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
