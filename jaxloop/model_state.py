@@ -14,6 +14,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -32,6 +34,27 @@ def is_abstract(state: Any) -> bool:
     `Step.abstract_state`) instead of holding them."""
     leaves = jax.tree.leaves(state)
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+@contextlib.contextmanager
+def _model_input_spec(spec: types.BatchSpec, batch: Any) -> Iterator[None]:
+    """Names what went wrong when a whole batch (a dict with labels, say) was given where
+    the model's input is wanted: flax fails deep inside with "'dict' object has no attribute
+    'dtype'". A model that takes a dict initialises as before."""
+    try:
+        yield
+    except (AttributeError, TypeError, ValueError) as e:
+        if not isinstance(spec, Mapping):
+            raise
+        leaves = ", ".join(f"{k!r}: {getattr(v, 'shape', v)}" for k, v in batch.items())
+        raise TypeError(
+            f"The model could not be initialised from the spec {{{leaves}}}: a dict with keys "
+            f"{sorted(batch)} looks like a whole batch. initialize_model and abstract_state "
+            "want the spec of the model's input, the array the step passes to apply_fn "
+            "(e.g. initialize_model([1, 28, 28, 1]), or ([1, 128], 'int32') for tokens); "
+            "memory_estimate is the one that takes the whole batch's spec. "
+            f"(The model raised {type(e).__name__}: {e})"
+        ) from e
 
 
 class StateBuilder:
@@ -73,7 +96,8 @@ class StateBuilder:
         batch = staging.zeros_from_spec(spec)
         held = self._adapter.held_variables()
         if held is None:
-            return partitioner.shard_init_fn(self.create)(batch)
+            with _model_input_spec(spec, batch):
+                return partitioner.shard_init_fn(self.create)(batch)
         # An nnx instance holds its values already: each goes from where it is straight to
         # its place, and enters the init program as an argument, not a constant.
         specs = partitioner.state_specs(held)
@@ -84,4 +108,6 @@ class StateBuilder:
     def abstract(self, partitioner: Any, spec: types.BatchSpec) -> State:
         """The state `initialize` would make, as `jax.ShapeDtypeStruct` leaves with their
         shardings (nothing is built)."""
-        return partitioner.abstract_init_fn(self.create)(staging.zeros_from_spec(spec))
+        batch = staging.zeros_from_spec(spec)
+        with _model_input_spec(spec, batch):
+            return partitioner.abstract_init_fn(self.create)(batch)
