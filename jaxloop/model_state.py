@@ -46,14 +46,16 @@ def _model_input_spec(spec: types.BatchSpec, batch: Any) -> Iterator[None]:
     except (AttributeError, TypeError, ValueError) as e:
         if not isinstance(spec, Mapping):
             raise
-        leaves = ", ".join(f"{k!r}: {getattr(v, 'shape', v)}" for k, v in batch.items())
+        shapes = {k: tuple(getattr(v, "shape", ())) for k, v in batch.items()}
+        examples = "; ".join(
+            f"for {k!r}: initialize_model({[1, *shape[1:]]})" for k, shape in shapes.items()
+            if shape)
         raise TypeError(
-            f"The model could not be initialised from the spec {{{leaves}}}: a dict with keys "
-            f"{sorted(batch)} looks like a whole batch. initialize_model and abstract_state "
-            "want the spec of the model's input, the array the step passes to apply_fn "
-            "(e.g. initialize_model([1, 28, 28, 1]), or ([1, 128], 'int32') for tokens); "
-            "memory_estimate is the one that takes the whole batch's spec. "
-            f"(The model raised {type(e).__name__}: {e})"
+            f"The model could not be initialised from the spec {shapes}: a dict with keys "
+            f"{sorted(batch)} looks like a whole batch (labels included). initialize_model "
+            "and abstract_state want the spec of the model's input, the array the step "
+            f"passes to apply_fn ({examples}); memory_estimate is the one that takes the "
+            f"whole batch's spec. (The model raised {type(e).__name__}: {e})"
         ) from e
 
 
