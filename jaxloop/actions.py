@@ -607,6 +607,7 @@ class ProgressAction(Action):
 
     # tqdm's own rate and estimate would count the compilation and dispatch: left out.
     _BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+    _COUNTER_FORMAT = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"  # no total_steps
 
     def __init__(
         self,
@@ -660,7 +661,8 @@ class ProgressAction(Action):
 
             self._bar = tqdm(total=self._total, initial=kwargs.get("first_step") or 0,
                              desc=self._desc, unit="step", dynamic_ncols=True,
-                             bar_format=self._BAR_FORMAT)
+                             bar_format=self._COUNTER_FORMAT if self._total is None
+                             else self._BAR_FORMAT)
         bar = self._bar
         bar.update(max(step - bar.n, 0))
         postfix = self._latest(outputs)  # read from the device: the loop's steps are done
