@@ -9,9 +9,12 @@ evaluated. Names are ``train/<key>``, ``eval/<key>`` for the first eval loop and
 
 It continues across calls of one `OuterLoop` (run the training cell again: it goes on), and
 it travels with the checkpoints as host data (JSON, beside the early-stopping progress), so
-a run resumed in a new kernel has the history up to the restored step. A value recorded at a
-step replaces what the history held from that step on (a run restarted from an earlier
-state rewrites its future).
+a run resumed in a new kernel has the history up to the restored step. Saved with the
+checkpoint rather than read back from TensorBoard event files: it needs no summary writer
+nor an event-file reader, and it holds exactly the steps up to the restored one (event
+files of an interrupted run go on past its last checkpoint). A value recorded at a step
+replaces what the history held from that step on (a run restarted from an earlier state
+rewrites its future).
 
 Example::
 
