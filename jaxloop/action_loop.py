@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxloop import actions as actions_lib
-from jaxloop import async_action_context, stat_loop, types
+from jaxloop import async_action_context, stat_loop, stop_handler, types
 
 Output = types.Output
 State = types.TrainState
@@ -83,13 +83,19 @@ class ActionLoop(stat_loop.StatLoop):
         async_action_context.get_async_action_context().check_exceptions_and_raise(wait=False)
         for action in actions:
             if self._loop_count % action.interval == 0:
-                action(
-                    state,
-                    outputs,
-                    loop=self,
-                    loop_count=self._loop_count,
-                    first_step=self._first_step,
-                )
+                try:
+                    action(
+                        state,
+                        outputs,
+                        loop=self,
+                        loop_count=self._loop_count,
+                        first_step=self._first_step,
+                    )
+                except stop_handler.StopTrainingError as e:
+                    # The loop's own state is live here; the one its caller passed in may
+                    # have been donated.
+                    e.state = state
+                    raise
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         self._loop_count += 1

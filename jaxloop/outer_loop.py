@@ -389,8 +389,12 @@ class OuterLoop:
         train_loop = self._train_loop
         iterator = data.as_iterator(train_dataset)
         self._remove_stale_marker()
+        given = state
         # A run resumed inside a loop finishes that loop first, to its boundary.
         state, align = self._restore(state, iterator, loop_steps)
+        # A state restored or built here is this run's own: the train loop donates it
+        # without a copy. The caller's own state is copied once by the first train loop.
+        owned = state is not given
         step = int(state.step)
         if log_total_steps:
             log.info("Training from step %d to %s.", step, total_steps)
@@ -439,9 +443,15 @@ class OuterLoop:
                 self._planned_steps = num_steps
                 self._cut_by_total = full is not None and num_steps < full
                 try:
+                    if owned:
+                        train_loop.adopt(state)
                     state, new_outputs = train_loop(state, iterator, num_steps=num_steps)
+                    owned = True
                 except stop_handler.StopTrainingError as e:
                     log.info("Training stopped by an action: %s", e)
+                    # The state the action saw, at its step: the one passed in was donated.
+                    if e.state is not None:
+                        state = e.state
                     stop = True
                     break
                 # A loop that ran no step (the data ended at a loop boundary) does not

@@ -72,7 +72,6 @@ def test_history_continues_across_calls_and_plots():
 
 def test_history_restarted_from_an_earlier_state_rewrites_its_future():
     train, outer = make()
-    train.compile(donate_argnums=())  # keeps `start` usable after training from it
     it = iter(data.GlobalBatchDataset(DATA, 16, seed=0))
     start = train.initialize_model([1, 16])
     fit(outer, start, it, 12)
