@@ -57,26 +57,35 @@ class History:
 
     def __init__(self) -> None:
         self._series: dict[str, Series] = {}
+        # Loop outputs not read yet: (prefix, step, scalar outputs, first_step).
+        self._pending: list[tuple[str, int, dict[str, Any], int | None]] = []
+
+    def _settled(self) -> dict[str, Series]:
+        """The series, with the loop outputs still pending read in (in the order recorded)."""
+        pending, self._pending = self._pending, []
+        for prefix, step, outputs, first_step in pending:
+            self._read(prefix, step, outputs, first_step)
+        return self._series
 
     def __contains__(self, name: object) -> bool:
-        return name in self._series
+        return name in self._settled()
 
     def __getitem__(self, name: str) -> Series:
-        if name not in self._series:
+        if name not in self._settled():
             raise KeyError(f"No metric {name!r} in the history; it has {self.names}")
         return self._series[name]
 
     def __len__(self) -> int:
-        return len(self._series)
+        return len(self._settled())
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{name}: {len(s.steps)}" for name, s in self._series.items())
+        sizes = ", ".join(f"{name}: {len(s.steps)}" for name, s in self._settled().items())
         return f"History({sizes})"
 
     @property
     def names(self) -> list[str]:
         """The recorded metrics' names, sorted."""
-        return sorted(self._series)
+        return sorted(self._settled())
 
     def record(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
         """Appends values at `steps` (ascending) to `name`, dropping what it held from
@@ -85,7 +94,7 @@ class History:
             raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
         if not steps:
             return
-        old = self._series.get(name, Series([], []))
+        old = self._settled().get(name, Series([], []))
         keep = sum(1 for s in old.steps if s < steps[0])
         self._series[name] = Series(
             old.steps[:keep] + [int(s) for s in steps],
@@ -99,12 +108,23 @@ class History:
         A per-step list whose length matches ``step - first_step`` (a train loop's) gives
         one value per step, ``first_step + 1 ... step``; any other scalar output (an eval
         loop's mean over examples, a computed clu metric) one value at `step`.
+
+        The values are read from the device when the history is next read or recorded to
+        (by then the next loop has usually run, so the host does not wait for the device at
+        this loop's end); only scalar outputs are kept until then, picked by shape.
         """
-        outputs = {k: v for k, v in (outputs or {}).items() if not k.startswith(_STATS_PREFIX)}
+        # (The example counts stay: eval means are weighted by them.)
+        scalars = {k: list(v) if type(v) is list else v for k, v in (outputs or {}).items()
+                   if (k == actions.EXAMPLE_COUNTS or not k.startswith(_STATS_PREFIX))
+                   and _scalar_like(v)}
+        self._settled()  # reads in what the previous loop recorded (computed by now)
+        self._pending.append((prefix, step, scalars, first_step))
+
+    def _read(self, prefix: str, step: int, outputs: dict[str, Any],
+              first_step: int | None) -> None:
         if first_step is not None:
-            for key in list(outputs):
-                # Read in one transfer per key, at the loop's end; never copied for arrays
-                # that are not scalars (picked from shapes first).
+            for key in [k for k in outputs if k != actions.EXAMPLE_COUNTS]:
+                # One transfer per key (a per-step list is stacked on the device first).
                 host = actions._scalar_values(outputs[key])  # jaxloop's own helper
                 if isinstance(host, list) and len(host) == step - first_step:
                     self.record(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
@@ -115,7 +135,7 @@ class History:
     def latest(self, prefix: str) -> dict[str, float]:
         """The last value of each metric under `prefix` (``train``, ``eval``), by key."""
         start = f"{prefix}/"
-        return {name[len(start):]: s.values[-1] for name, s in self._series.items()
+        return {name[len(start):]: s.values[-1] for name, s in self._settled().items()
                 if name.startswith(start) and s.values}
 
     def as_dict(self) -> dict[str, list[Any]]:
@@ -123,7 +143,7 @@ class History:
         (``pandas.DataFrame(history.as_dict())`` makes it a frame)."""
         table: dict[str, list[Any]] = {"name": [], "step": [], "value": []}
         for name in self.names:
-            series = self._series[name]
+            series = self._settled()[name]
             table["name"] += [name] * len(series.steps)
             table["step"] += series.steps
             table["value"] += series.values
@@ -166,12 +186,13 @@ class History:
 
     def state_dict(self) -> dict[str, list[list[float]]]:
         """The history as JSON (saved with each checkpoint's metadata)."""
-        return {name: [s.steps, s.values] for name, s in self._series.items()}
+        return {name: [s.steps, s.values] for name, s in self._settled().items()}
 
     def load_state_dict(self, saved: Mapping[str, Sequence[Sequence[float]]] | None) -> None:
         """Replaces the history with one saved by `state_dict` (None: keeps it)."""
         if saved is None:
             return
+        self._pending = []
         self._series = {
             name: Series([int(s) for s in steps], [float(v) for v in values])
             for name, (steps, values) in saved.items()
@@ -193,6 +214,17 @@ class History:
         finally:
             for loop, recorder in recorders:
                 loop.end_actions.remove(recorder)
+
+
+def _scalar_like(value: Any) -> bool:
+    """Whether `value` may hold a scalar for the history, decided from shapes alone."""
+    if callable(getattr(value, "compute", None)):
+        return True  # a clu metric, or a loop's per-step list of them
+    if isinstance(value, list | tuple):
+        return bool(value) and all(actions._is_number(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(actions._is_number(v) for v in value.values())
+    return actions._is_number(value)
 
 
 class _Recorder(actions.Action):

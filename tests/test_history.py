@@ -114,3 +114,16 @@ def test_history_record_and_errors():
         history.record("x", [1, 2], [1.0])
     with pytest.raises(ValueError, match="empty"):
         History().plot()
+
+
+def test_history_eval_values_are_the_loops_means_over_examples():
+    # 120 examples in batches of 16: the last batch holds 8, and counts for 8.
+    uneven = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 120, 16)]
+    train, outer = make()
+    state, _ = outer(train.initialize_model([1, 16]),
+                     iter(data.GlobalBatchDataset(DATA, 16, seed=0)), train_total_steps=4,
+                     eval_specs=[outer_loop.EvalSpec(uneven)])
+    _, outputs = outer.eval_loops[0](state, uneven)
+    expected = actions_lib.scalar_metrics(outputs)
+    assert outer.history["eval/loss"].values == [pytest.approx(expected["loss"])]
+    assert outer.history["eval/accuracy"].values == [pytest.approx(expected["accuracy"])]
