@@ -110,8 +110,8 @@ class History:
         loop's mean over examples, a computed clu metric) one value at `step`.
 
         The values are read from the device when the history is next read or recorded to
-        (by then the next loop has usually run, so the host does not wait for the device at
-        this loop's end); only scalar outputs are kept until then, picked by shape.
+        (by then the next loop has usually run: recording adds no wait of its own at this
+        loop's end); only scalar outputs are kept until then, picked by shape.
         """
         # (The example counts stay: eval means are weighted by them.)
         scalars = {k: list(v) if type(v) is list else v for k, v in (outputs or {}).items()
