@@ -14,7 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -33,6 +35,29 @@ def is_abstract(state: Any) -> bool:
     `Step.abstract_state`) instead of holding them."""
     leaves = jax.tree.leaves(state)
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+@contextlib.contextmanager
+def _model_input_spec(spec: types.BatchSpec, batch: Any) -> Iterator[None]:
+    """Names what went wrong when a whole batch (a dict with labels, say) was given where
+    the model's input is wanted: flax fails deep inside with "'dict' object has no attribute
+    'dtype'". A model that takes a dict initialises as before."""
+    try:
+        yield
+    except (AttributeError, TypeError, ValueError) as e:
+        if not isinstance(spec, Mapping):
+            raise
+        shapes = {k: tuple(getattr(v, "shape", ())) for k, v in batch.items()}
+        examples = "; ".join(
+            f"for {k!r}: initialize_model({[1, *shape[1:]]})" for k, shape in shapes.items()
+            if shape)
+        raise TypeError(
+            f"The model could not be initialised from the spec {shapes}: a dict with keys "
+            f"{sorted(batch)} looks like a whole batch (labels included). initialize_model "
+            "and abstract_state want the spec of the model's input, the array the step "
+            f"passes to apply_fn ({examples}); memory_estimate is the one that takes the "
+            f"whole batch's spec. (The model raised {type(e).__name__}: {e})"
+        ) from e
 
 
 class StateBuilder:
@@ -78,7 +103,8 @@ class StateBuilder:
         create = functools.partial(self.create, state_class=state_class)
         held = self._adapter.held_variables()
         if held is None:
-            return partitioner.shard_init_fn(create)(batch)
+            with _model_input_spec(spec, batch):
+                return partitioner.shard_init_fn(create)(batch)
         # An nnx instance holds its values already: each goes from where it is straight to
         # its place, and enters the init program as an argument, not a constant.
         specs = partitioner.state_specs(held)
@@ -91,4 +117,6 @@ class StateBuilder:
         """The state `initialize` would make, as `jax.ShapeDtypeStruct` leaves with their
         shardings (nothing is built)."""
         create = functools.partial(self.create, state_class=state_class)
-        return partitioner.abstract_init_fn(create)(staging.zeros_from_spec(spec))
+        batch = staging.zeros_from_spec(spec)
+        with _model_input_spec(spec, batch):
+            return partitioner.abstract_init_fn(create)(batch)

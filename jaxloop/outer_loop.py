@@ -59,6 +59,7 @@ from etils import epath
 from jaxloop import actions as actions_lib
 from jaxloop import agreement, async_action_context, checkpoint, preemption, stop_handler, types
 from jaxloop import eval_loop as eval_loop_lib
+from jaxloop import history as history_lib
 from jaxloop import train_loop as train_loop_lib
 
 Output = types.Output
@@ -68,6 +69,7 @@ STOP_LOOP = "jaxloop/stop_loop"
 _STOP_FILE_NAME = "STOPPED"
 _EARLY_STOPPING_META = "early_stopping"
 _EVALS_PENDING_META = "evals_pending"
+_HISTORY_META = "history"
 # Whether the checkpoint's loop ended before its boundary (a preemption inside a loop, or
 # ``train_total_steps`` off a multiple of ``train_loop_steps``): its saved loop count then
 # includes a loop that the resumed run finishes.
@@ -257,6 +259,8 @@ class OuterLoop:
         self._evals_pending = False
         self._planned_steps: int | None = None
         self._cut_by_total = False
+        # The scalars of every loop this OuterLoop ran, across calls (`jaxloop.history`).
+        self.history = history_lib.History()
 
     @property
     def train_loop(self) -> train_loop_lib.TrainLoop | None:
@@ -314,17 +318,19 @@ class OuterLoop:
         """
         specs = self._check_eval_specs(eval_specs)
         if self._train_loop is None:
-            return self._evaluate_only(state, specs)
+            with self.history.recording(None, self._eval_loops):
+                return self._evaluate_only(state, specs)
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
         for name, value in (("train_total_steps", train_total_steps),
                             ("train_loop_steps", train_loop_steps)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        return self._train(
-            state, train_dataset, train_total_steps, train_loop_steps, specs,
-            log_train_total_steps,
-        )
+        with self.history.recording(self._train_loop, self._eval_loops):
+            return self._train(
+                state, train_dataset, train_total_steps, train_loop_steps, specs,
+                log_train_total_steps,
+            )
 
     def _early_stopping_actions(self) -> list[actions_lib.EarlyStoppingAction]:
         loops = [self._train_loop, *self._eval_loops]
@@ -374,6 +380,7 @@ class OuterLoop:
         saved = meta.get(_EARLY_STOPPING_META) or []
         for action, progress in zip(self._early_stopping_actions(), saved, strict=False):
             action.load_state_dict(progress)
+        self.history.load_state_dict(meta.get(_HISTORY_META))
         # A checkpoint inside a loop has no evaluations after it (earlier releases said so
         # at a preemption inside a loop).
         self._evals_pending = bool(meta.get(_EVALS_PENDING_META)) and not partial
@@ -402,7 +409,11 @@ class OuterLoop:
         step = int(state.step)
         if log_total_steps:
             log.info("Training from step %d to %s.", step, total_steps)
-        progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress)
+        if total_steps is not None and step >= total_steps:
+            log.warning("Nothing to train: the state is at step %d and train_total_steps is "
+                        "%d (raise train_total_steps to train further).", step, total_steps)
+        progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress,
+                                              history=self.history)
         outputs: Output | None = None
         stop = False
         self.preempted = False
@@ -412,6 +423,7 @@ class OuterLoop:
                         if isinstance(a, actions_lib.CheckpointAction)]
         for action in ckpt_actions:
             action.add_meta(_EARLY_STOPPING_META, self._early_stopping_meta)
+            action.add_meta(_HISTORY_META, self.history.state_dict)
             action.add_meta(_LOOP_PARTIAL_META, self._loop_partial)
             # A checkpoint at a loop's end (its end actions', or a preemption's right after
             # it) is written before that loop's evaluations run; one inside a loop (a

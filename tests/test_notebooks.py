@@ -104,7 +104,21 @@ def test_saved_notebook_is_clean(name):
 def test_01_quick_start(kernel_env, tmp_path):
     text, outputs, seconds = execute("01_quick_start", tmp_path)
     assert number(r"final eval accuracy: ([0-9.]+)", text) >= 0.9
-    assert any("image/png" in out.get("data", {}) for out in outputs)  # the plots
+    # outer.history: a train loss per step from 21 to 500, an evaluation per loop (at 70,
+    # 120, ..., 470 and 500), and the plot draws them all.
+    train_points = number(r"train loss points: (\d+)", text)
+    eval_points = number(r"eval accuracy points: (\d+)", text)
+    assert (train_points, eval_points) == (480, 10)
+    plotted = re.search(r"plotted points: .*'accuracy': \[(\d+), (\d+)\]", text)
+    assert plotted and tuple(map(int, plotted.groups())) == (eval_points, train_points), text
+    assert number(r"(\d+) rows; the last:", text) > train_points
+    pngs = [out for out in outputs
+            if out.output_type == "display_data" and "image/png" in out.get("data", {})]
+    assert pngs  # the history's plot, shown
+    # log_num_params=True shows in a kernel where nobody configured logging, once.
+    logged = "".join(out.get("text", "") for out in outputs
+                     if out.output_type == "stream" and out.get("name") == "stderr")
+    assert logged.count("Number of parameters: ") == 1, logged
     assert "tensorflow imported: False" in text
     print(f"01_quick_start ran in {seconds:.1f} s")
 
