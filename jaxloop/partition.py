@@ -149,18 +149,30 @@ class Partitioner(abc.ABC):
     def state_shardings(self, state: PyTree) -> PyTree:
         """The `NamedSharding` of each state leaf under this partitioner's rule.
 
-        Leaves that already carry a sharding (placed arrays, `jax.ShapeDtypeStruct`s with
-        one) keep it; otherwise the rule decides (`state_specs`). Used to place a state
-        restored from a checkpoint exactly where training expects it.
+        Decided leaf by leaf: a leaf already placed on this mesh's devices (an array, or a
+        `jax.ShapeDtypeStruct` with a sharding) keeps its sharding; any other leaf (a Python
+        scalar such as flax's ``TrainState.create`` step, a numpy array, an array on other
+        devices) gets the rule (`state_specs`). Used to pin a step's state and to place a
+        state restored from a checkpoint exactly where training expects it.
+
+        Example::
+
+            params = jax.device_put(params, NamedSharding(mesh, P(None, 'model')))
+            state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+            partitioner.state_shardings(state).params  # P(None, 'model'); .step: the rule's
         """
-        leaves = jax.tree.leaves(state, is_leaf=annotations.is_box)
-        placed = [getattr(x, "sharding", None) for x in leaves]
-        if leaves and all(isinstance(p, jax.sharding.Sharding) for p in placed):
-            # Placement is a property of the arrays: keep it (a restore lands where the
-            # target state's arrays are, whichever partitioner instance asks).
-            return jax.tree.map(lambda x: x.sharding, state)
-        specs = self.state_specs(state)
-        return jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
+        # Placement is a property of the arrays, so the same state gets the same shardings
+        # whichever partitioner instance asks (a restore lands where the target's arrays are).
+        devices = set(self._mesh.devices.flat)
+        rule = jax.tree.map(lambda s: NamedSharding(self._mesh, s), self.state_specs(state))
+
+        def keep_or_rule(leaf: Any, ruled: NamedSharding) -> jax.sharding.Sharding:
+            placed = getattr(leaf, "sharding", None)
+            if isinstance(placed, jax.sharding.Sharding) and placed.device_set == devices:
+                return placed
+            return ruled
+
+        return jax.tree.map(keep_or_rule, annotations.unboxed(state), rule)
 
     def placement(self, state: PyTree) -> PyTree:
         """The `NamedSharding` of each leaf where this partitioner runs an existing state: its
@@ -243,6 +255,10 @@ class Partitioner(abc.ABC):
         """Turns this process's local batch into global arrays split along the data axis
         (`batch_shardings`); with P processes the global batch is P times larger. Leaves
         already placed so pass through untouched.
+
+        This is the one place a step's batch is placed (`Step.shard_batch` calls it), so a
+        subclass or a patched method (``SPMDPartitioner.shard_batch = my_fn``, as google's
+        notebooks do) decides how batches land.
 
         Example::
 

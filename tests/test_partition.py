@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import partition
+from jaxloop import partition, train_loop, types
 
 
 class GuideCNN(nn.Module):
@@ -230,3 +230,38 @@ def test_replicated_leaves_report_the_plain_replicated_sharding():
     assert all(x.sharding == replicated for x in jax.tree.leaves(state))
     fsdp = partition.FSDPPartitioner(mesh, "data", min_weight_size=1)
     assert fsdp.leaf_spec((8, 3)) == P("data") and fsdp.leaf_spec((3, 5)) == P()
+
+
+def test_spmd_state_with_params_the_user_placed_and_a_python_int_step_trains_in_place():
+    # google's Transformer notebook: the parameters put on 'model' by the user, the state
+    # made by flax's TrainState.create (its step the Python int 0, nowhere on the mesh).
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    part = partition.SPMDPartitioner(mesh, "data")
+    model = LinenMLP()
+    params = model.init(jax.random.key(0), np.zeros((1, 16), np.float32))["params"]
+    on_model = jax.tree.map(
+        lambda p: NamedSharding(mesh, P(*[None] * (p.ndim - 1), "model")), params)
+    params = jax.device_put(params, on_model)
+    state = types.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+    assert isinstance(state.step, int)
+
+    shardings = part.state_shardings(state)
+    assert shardings.params == on_model  # placed leaves keep their placement
+    assert shardings.step == NamedSharding(mesh, P())  # the rest follow the rule
+    # A policy: another instance gives the same answer for the same state.
+    assert partition.SPMDPartitioner(mesh, "data").state_shardings(state) == shardings
+    # Host leaves and leaves on other devices get the rule too.
+    mixed = part.state_shardings({"host": np.zeros(4), "one_device": jax.device_put(
+        np.zeros(4), jax.devices()[0]), "placed": params["dense1"]["bias"]})
+    assert mixed == {"host": NamedSharding(mesh, P()), "one_device": NamedSharding(mesh, P()),
+                     "placed": on_model["dense1"]["bias"]}
+
+    step = ClassifierStep(jax.random.key(0), model, optimizer=optax.adam(1e-2),
+                          partitioner=part, train=True)
+    data = toy_data(64)
+    batches = [{k: v[i:i + 16] for k, v in data.items()} for i in range(0, 64, 16)]
+    state, outputs = train_loop.TrainLoop(step)(state, iter(batches * 2), num_steps=8)
+    assert int(state.step) == 8
+    assert jax.tree.map(lambda x: x.sharding, state.params) == on_model
+    losses = [float(loss) for loss in outputs["loss"]]
+    assert losses[-1] < losses[0]

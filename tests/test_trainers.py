@@ -297,6 +297,65 @@ def test_custom_step_and_loop_classes_get_their_keywords():
     assert params_close(trainer.model_state.params, before)
 
 
+class EpochEnds(actions.Action):
+    def __init__(self):
+        super().__init__(interval=1)
+        self.steps = []
+
+    def __call__(self, state, outputs, **kwargs):
+        self.steps.append(int(state.step))
+
+
+class CountingOuterLoop(outer_loop.OuterLoop):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+def test_subclass_hooks_and_attributes_are_googles():
+    # google/jaxloop's SimpleTrainer builds its parts through `_build_actions` and `_setup`
+    # and trains by calling `_outer_loop`; its notebooks' subclasses rely on that.
+    ends = EpochEnds()
+    warm = jax.device_get(SimpleTrainer(MLP(), epochs=1, steps_per_epoch=1,
+                                        batch_spec=SPEC).model_state.params)
+    warm = jax.tree.map(lambda x: x + 0.5, warm)  # "pretrained" parameters
+
+    class WarmStartTrainer(SimpleTrainer):
+        def _build_actions(self, additional_begin_actions, additional_end_actions):
+            begin, end = super()._build_actions(additional_begin_actions,
+                                                additional_end_actions)
+            return begin, [*end, ends]
+
+        def _setup(self, **kwargs):
+            super()._setup(**kwargs)
+            self._model_state = self._model_state.replace(params=warm)
+
+    trainer = WarmStartTrainer(MLP(), epochs=4, steps_per_epoch=2, batch_spec=SPEC,
+                               optimizer=optax.adam(1e-2))
+    assert params_close(trainer.model_state.params, warm)
+    assert trainer._train_loop is trainer.train_loop
+    assert trainer.train_loop.end_actions == [ends]
+    # `_eval_loop` is the eval loop on the eval step (an attribute, as google's).
+    assert trainer._eval_loop.step is trainer.eval_step
+    # `train` runs `_outer_loop`: one the subclass swapped in is the one that trains (here
+    # until the data runs out, half way).
+    trainer._outer_loop = CountingOuterLoop(trainer._train_loop)
+    trainer.train(regression_batches(4))
+    assert trainer._outer_loop.calls == 1
+    assert ends.steps[:2] == [2, 4]
+    # The next cell goes on from there; its EvalSpec runs on `_eval_loop`.
+    trainer.train(regression_batches(4, seed=1),
+                  eval_specs=[outer_loop.EvalSpec(dataset=regression_batches(1, seed=2))])
+    assert int(trainer.model_state.step) == 8
+    assert ends.steps[-2:] == [6, 8]
+    assert trainer.eval_loops == [trainer._eval_loop]
+    assert trainer._eval_loop.num_steps_run == 1  # the last evaluation's one batch
+
+
 def test_dropout_keys_differ_per_step_and_are_reproducible():
     def masks(seed):
         step = SimpleStep({"params": jax.random.key(0), "dropout": jax.random.key(seed)},

@@ -108,7 +108,20 @@ class SimpleTrainer:
         ``global_batch_size``, ``stat_names``) and the outer loop (``progress``,
         ``prefetch``). With an nnx module class as `model`, the others are its constructor
         arguments. Anything no part accepts raises TypeError naming it.
+
+    Subclassing: the structure is google/jaxloop's. ``__init__`` builds ``_train_step``,
+    the train loop's actions (``_build_actions(additional_begin_actions,
+    additional_end_actions)`` returns ``(begin_actions, end_actions)``), ``_train_loop``,
+    ``_eval_step``, ``_eval_loop`` (the first EvalSpec's loop), ``_outer_loop``, and then
+    ``_setup(**kwargs)`` initialises ``_model_state``; `train` runs ``_outer_loop`` on
+    ``_model_state``. Override a hook, or write an ``__init__`` that builds these
+    attributes itself (as google's notebooks do); `train` runs such an ``_outer_loop`` as
+    built.
     """
+
+    # Set only by this class's __init__, which then gives the outer loop an eval loop per
+    # EvalSpec; a subclass building `_outer_loop` itself leaves it None.
+    _outer_kw: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -153,6 +166,7 @@ class SimpleTrainer:
 
         self._model = model
         self._batch_spec = batch_spec
+        self._log_num_params = log_num_params
         self._checkpointing_config = checkpointing_config
         self._summary_config = summary_config
         self._eval_loop_class = eval_loop_class
@@ -165,46 +179,31 @@ class SimpleTrainer:
         if base_prng is None:
             base_prng = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
 
-        step_kw, loop_kw, outer_kw = self._route_kwargs(
+        step_kw, train_loop_kw, self._eval_loop_kw, self._outer_kw = self._route_kwargs(
             kwargs, model, step_class, train_loop_class, eval_loop_class, outer_loop_class
         )
-        self._loop_kw = loop_kw
-        self._outer_kw = outer_kw
 
+        # The parts are built in google/jaxloop's order, through its overridable hooks
+        # (`_build_actions`, `_setup`), so a subclass may replace any of them.
         self._train_step = step_class(
             model=model, base_prng=base_prng, train=True, optimizer=self._optimizer,
             partitioner=self._partitioner, **step_kw,
+        )
+        begin_actions, end_actions = self._build_actions(
+            additional_begin_actions, additional_end_actions
+        )
+        self._train_loop = train_loop_class(
+            step=self._train_step, begin_actions=begin_actions, end_actions=end_actions,
+            **train_loop_kw,
         )
         self._eval_step = step_class(
             model=model, base_prng=base_prng, train=False, partitioner=self._partitioner,
             **step_kw,
         )
-
-        begin_actions = list(additional_begin_actions or [])
-        end_actions = list(additional_end_actions or [])
-        self._checkpoint_manager = None
-        if checkpointing_config is not None:
-            self._checkpoint_manager = checkpoint.make_manager(
-                checkpointing_config.checkpoint_spec.checkpoint_dir,
-                max_to_keep=checkpointing_config.max_checkpoints,
-            )
-            end_actions.append(actions_lib.CheckpointAction(
-                self._checkpoint_manager, checkpointing_config.checkpoint_interval
-            ))
-        self._writers: list[Any] = []
-        if summary_config is not None:
-            end_actions.append(self._summary_action("train"))
-        self._train_loop = train_loop_class(
-            step=self._train_step, begin_actions=begin_actions, end_actions=end_actions,
-            **loop_kw,
-        )
-        self._eval_loops: list[Any] = []
-
-        self._model_state = self._train_step.initialize_model(batch_spec, log_num_params)
-        if not isinstance(model, nn.Module):
-            # Non-linen models (nnx) keep per-step model structure: initialise the eval
-            # step too, as google/jaxloop does. A linen model is stateless: nothing to do.
-            self._eval_step.initialize_model(batch_spec)
+        self._eval_loop = self._new_eval_loop(0)
+        self._more_eval_loops: list[Any] = []
+        self._outer_loop = self._build_outer_loop([])
+        self._setup()
 
     # -- construction helpers -------------------------------------------------------------------
 
@@ -212,7 +211,7 @@ class SimpleTrainer:
     def _route_kwargs(
         kwargs: dict[str, Any], model: Any, step_class: type, train_loop_class: type,
         eval_loop_class: type, outer_loop_class: type,
-    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
         """Splits the trainer's extra keyword arguments among the parts that accept them."""
         for name in ("begin_actions", "end_actions"):
             if name in kwargs:
@@ -220,16 +219,15 @@ class SimpleTrainer:
                     f"SimpleTrainer got {name}=: pass additional_{name}= for the train loop"
                 )
         step_names = _accepted_names(step_class) - _STEP_SET
-        loop_names = (
-            _accepted_names(train_loop_class) | _accepted_names(eval_loop_class)
-        ) - _LOOP_SET
+        train_loop_names = _accepted_names(train_loop_class) - _LOOP_SET
+        eval_loop_names = _accepted_names(eval_loop_class) - _LOOP_SET
         outer_names = _accepted_names(outer_loop_class) - _OUTER_SET
         nnx_class = isinstance(model, type) and issubclass(model, nnx.Module)
-        step_kw, loop_kw, outer_kw = {}, {}, {}
+        step_kw, train_loop_kw, eval_loop_kw, outer_kw = {}, {}, {}, {}
         for name, value in kwargs.items():
             taken = False
-            for names, target in ((step_names, step_kw), (loop_names, loop_kw),
-                                  (outer_names, outer_kw)):
+            for names, target in ((step_names, step_kw), (train_loop_names, train_loop_kw),
+                                  (eval_loop_names, eval_loop_kw), (outer_names, outer_kw)):
                 if name in names:
                     target[name] = value
                     taken = True
@@ -249,7 +247,7 @@ class SimpleTrainer:
                 f"SimpleTrainer got an unexpected keyword argument {name!r}: none of {parts} "
                 "accepts it"
             )
-        return step_kw, loop_kw, outer_kw
+        return step_kw, train_loop_kw, eval_loop_kw, outer_kw
 
     def _summary_action(self, collection: str) -> actions_lib.SummaryAction:
         config = self._summary_config
@@ -261,16 +259,72 @@ class SimpleTrainer:
             writer, interval=config.interval, flush_each_call=config.flush_each_call
         )
 
-    def _eval_loop(self, index: int) -> Any:
-        """The eval loop for the `index`-th EvalSpec (built once, on first use)."""
-        while len(self._eval_loops) <= index:
-            i = len(self._eval_loops)
-            kwargs = dict(self._loop_kw)
-            if self._summary_config is not None:
-                name = "eval" if i == 0 else f"eval_{i}"
-                kwargs["end_actions"] = [self._summary_action(name)]
-            self._eval_loops.append(self._eval_loop_class(step=self._eval_step, **kwargs))
-        return self._eval_loops[index]
+    def _build_actions(
+        self,
+        additional_begin_actions: Sequence[actions_lib.Action] | None,
+        additional_end_actions: Sequence[actions_lib.Action] | None,
+    ) -> tuple[list[actions_lib.Action], list[actions_lib.Action]]:
+        """The train loop's begin and end actions (google/jaxloop's hook): copies of the
+        additional ones, then a `CheckpointAction` and a `SummaryAction` when the configs ask
+        for them. Sets `_checkpoint_manager` and starts `_writers`."""
+        begin_actions = list(additional_begin_actions or [])
+        end_actions = list(additional_end_actions or [])
+        self._checkpoint_manager = None
+        config = self._checkpointing_config
+        if config is not None:
+            self._checkpoint_manager = checkpoint.make_manager(
+                config.checkpoint_spec.checkpoint_dir, max_to_keep=config.max_checkpoints
+            )
+            end_actions.append(actions_lib.CheckpointAction(
+                self._checkpoint_manager, config.checkpoint_interval
+            ))
+        self._writers: list[Any] = []
+        if self._summary_config is not None:
+            end_actions.append(self._summary_action("train"))
+        return begin_actions, end_actions
+
+    def _setup(self, **kwargs: Any) -> None:
+        """Initialises `_model_state` from the batch spec (google/jaxloop's hook); `kwargs` go
+        to `initialize_model`."""
+        self._model_state = self._train_step.initialize_model(
+            self._batch_spec, self._log_num_params, **kwargs
+        )
+        if not isinstance(self._model, nn.Module):
+            # Non-linen models (nnx) keep per-step model structure: initialise the eval
+            # step too, as google/jaxloop does. A linen model is stateless: nothing to do.
+            self._eval_step.initialize_model(self._batch_spec, False, **kwargs)
+
+    def _new_eval_loop(self, index: int) -> Any:
+        """A new eval loop on the eval step for the `index`-th EvalSpec, with its own summary
+        collection (``eval``, ``eval_1``, ...) when summaries are on."""
+        kwargs = dict(self._eval_loop_kw)
+        if self._summary_config is not None:
+            kwargs["end_actions"] = [
+                self._summary_action("eval" if index == 0 else f"eval_{index}")
+            ]
+        return self._eval_loop_class(step=self._eval_step, **kwargs)
+
+    def _eval_loop_at(self, index: int) -> Any:
+        """The eval loop for the `index`-th EvalSpec: `_eval_loop` for the first, the others
+        built on first use."""
+        if index == 0:
+            return self._eval_loop
+        while len(self._more_eval_loops) < index:
+            self._more_eval_loops.append(self._new_eval_loop(len(self._more_eval_loops) + 1))
+        return self._more_eval_loops[index - 1]
+
+    def _build_outer_loop(self, eval_loops: list[Any]) -> outer_loop.OuterLoop:
+        """An outer loop over the train loop and `eval_loops`, resuming from the checkpoint
+        directory when checkpointing is on."""
+        checkpoint_spec = (
+            self._checkpointing_config.checkpoint_spec if self._checkpointing_config else None
+        )
+        kwargs = dict(self._outer_kw)
+        if eval_loops:
+            kwargs["eval_loops"] = eval_loops
+        return self._outer_loop_class(
+            self._train_loop, checkpoint_spec=checkpoint_spec, **kwargs
+        )
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -293,17 +347,14 @@ class SimpleTrainer:
           **kwargs: passed to the outer loop's call.
         """
         specs = list(eval_specs or [])
-        eval_loops = [self._eval_loop(i) for i in range(len(specs))]
-        checkpoint_spec = (
-            self._checkpointing_config.checkpoint_spec if self._checkpointing_config else None
-        )
-        outer_kw = dict(self._outer_kw)
-        if eval_loops:
-            outer_kw["eval_loops"] = eval_loops
-        outer = self._outer_loop_class(
-            self._train_loop, checkpoint_spec=checkpoint_spec, **outer_kw
-        )
-        state, outputs = outer(
+        if self._outer_kw is not None:
+            # Built by this class's __init__: the outer loop gets one eval loop per spec. A
+            # subclass whose __init__ builds `_outer_loop` itself (google/jaxloop's structure)
+            # runs that one as it is.
+            eval_loops = [self._eval_loop_at(i) for i in range(len(specs))]
+            if self._outer_loop.eval_loops != eval_loops:
+                self._outer_loop = self._build_outer_loop(eval_loops)
+        state, outputs = self._outer_loop(
             self._model_state,
             train_dataset,
             self._epochs * self._steps_per_epoch,
@@ -340,8 +391,8 @@ class SimpleTrainer:
 
     @property
     def eval_loops(self) -> list[Any]:
-        """The eval loops built so far, one per EvalSpec position."""
-        return list(self._eval_loops)
+        """The eval loops `train` runs, one per EvalSpec of its last call."""
+        return list(self._outer_loop.eval_loops)
 
     @property
     def checkpoint_manager(self) -> Any:
