@@ -57,6 +57,7 @@ from etils import epath
 from jaxloop import actions as actions_lib
 from jaxloop import agreement, async_action_context, checkpoint, preemption, stop_handler, types
 from jaxloop import eval_loop as eval_loop_lib
+from jaxloop import param_table as param_table_lib
 from jaxloop import train_loop as train_loop_lib
 
 Output = types.Output
@@ -384,6 +385,7 @@ class OuterLoop:
         self._remove_stale_marker()
         # A run resumed inside a loop finishes that loop first, to its boundary.
         state, align = self._restore(state, iterator, loop_steps)
+        param_table_lib.log_table(state)  # process 0 logs the state's layout
         step = int(state.step)
         if log_total_steps:
             log.info("Training from step %d to %s.", step, total_steps)
