@@ -5,9 +5,11 @@ name (all of them for a fully replicated leaf, ``data`` for an FSDP x TP leaf sp
 ``model`` only). Its copies should stay equal bit for bit; a faulty device, a
 non-deterministic collective or a bug in a custom step can make them drift apart silently.
 `check_replicas` compares each copy with the first one of its group (the devices that hold
-the same slice), on the devices: one all-reduce of each replicated leaf's local slice
-(about a data-parallel gradient all-reduce) and no host copy but one number per device
-and leaf. It works the same across processes (every process must call it: a collective).
+the same slice), on the devices. First each device reduces its slice of each leaf to a
+32-bit fingerprint (a position-weighted sum of its bits: one read of the state, one small
+all-gather of the fingerprints); only leaves whose copies' fingerprints differ are then
+compared value by value (an all-reduce each), for the tolerance and the largest
+difference. It works the same across processes (every process must call it: a collective).
 
 Example::
 
@@ -45,7 +47,44 @@ def _replicated_axes(sharding: NamedSharding) -> tuple[str, ...]:
                  if a not in named and sharding.mesh.shape[a] > 1)
 
 
-@functools.lru_cache(maxsize=64)  # one compiled check per layout, not one per call
+# Odd multiplier of the position-weighted sum: a change of any one element changes the
+# fingerprint (an odd weight times a nonzero difference is nonzero modulo 2**32).
+_GOLDEN = 0x9E3779B1
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """The bits of `x` as uint32 (wider elements give several words each)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    width = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+
+
+@functools.lru_cache(maxsize=64)  # one compiled fingerprint per layout, not one per call
+def _fingerprints(mesh: jax.sharding.Mesh, specs: tuple[P, ...]):
+    """A function of the leaves giving each device's fingerprint of its slice of each
+    leaf, as a ``[devices, leaves]`` uint32 array (mesh order) on every device."""
+
+    def per_device(*leaves):
+        prints = []
+        for x in leaves:
+            bits = _bits(x).ravel()
+            weights = (jnp.arange(bits.size, dtype=jnp.uint32) * 2 + 1) * jnp.uint32(_GOLDEN)
+            prints.append(jnp.sum(bits * weights, dtype=jnp.uint32))
+        return jax.lax.all_gather(jnp.stack(prints), tuple(mesh.axis_names), tiled=False)
+
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P(),
+                                 check_vma=False))
+
+
+def _differs(prints: np.ndarray, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> bool:
+    """Whether any device's fingerprint differs from the first copy's of its slice
+    (`prints` in mesh shape)."""
+    first = prints[tuple(slice(0, 1) if a in axes else slice(None) for a in mesh.axis_names)]
+    return bool(np.any(prints != first))
+
+
+@functools.lru_cache(maxsize=64)  # one compiled comparison per layout, not one per call
 def _deviation(mesh: jax.sharding.Mesh, specs: Sequence[P], axes: Sequence[tuple[str, ...]],
                rtol: float):
     """A function of the leaves giving, per leaf, the largest |copy - first copy| and the
@@ -103,6 +142,20 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
     found: dict[str, float] = {}
     problems = []
     for mesh, leaves in by_mesh.items():
+        # Cheap first: one fingerprint per device and leaf. Only leaves whose copies'
+        # fingerprints differ are compared value by value (an all-reduce each).
+        prints = np.asarray(jax.device_get(_fingerprints(
+            mesh, tuple(leaf.sharding.spec for _, leaf, _ in leaves),
+        )(*[leaf for _, leaf, _ in leaves]))).reshape(*mesh.devices.shape, len(leaves))
+        suspects = []
+        for i, (name, leaf, axes) in enumerate(leaves):
+            if _differs(prints[..., i], mesh, axes):
+                suspects.append((name, leaf, axes))
+            else:
+                found[name] = 0.0
+        leaves = suspects
+        if not leaves:
+            continue
         fn = _deviation(mesh, tuple(leaf.sharding.spec for _, leaf, _ in leaves),
                         tuple(axes for _, _, axes in leaves), rtol)
         results = jax.device_get(fn(*[leaf for _, leaf, _ in leaves]))
