@@ -113,7 +113,7 @@ class ActionLoop(stat_loop.StatLoop):
         offset = (self._first_step or 0) if getattr(step, "train", False) else 0
         for action in [*getattr(step, "begin_actions", []), *getattr(step, "end_actions", [])]:
             if getattr(action, "trigger", None) is not None:
-                action.trigger.step_offset = offset
+                action.trigger.start_loop(offset)
         state, dataset = super().begin(state, dataset)
         self._dataset = dataset
         self._fire(self._begin_actions, state, None)

@@ -48,8 +48,8 @@ from jaxloop import agreement
 
 __all__ = ["Trigger"]
 
-# Time decisions are kept per step so that a loop planning an execution and the step
-# firing its actions see the same answer; older ones are dropped.
+# A Step's own actions keep their time decisions per step (within a loop) so that a loop
+# planning an execution and the step firing its actions see the same answer.
 _KEPT_DECISIONS = 256
 
 
@@ -119,8 +119,7 @@ class Trigger:
         self._last_fired = clock()
         self._process_start: int | None = None
         self._time_decisions: dict[int, bool] = {}
-        self.step_offset = 0
-        """Added to a Step's per-loop step numbers to make them global (set by the loop)."""
+        self._step_offset = 0
 
     def __repr__(self) -> str:
         parts = {"every_n_steps": self._every_n, "at_steps": tuple(sorted(self._at)) or None,
@@ -140,33 +139,38 @@ class Trigger:
                 return True
         return step in self._at
 
-    def _time_due(self, step: int) -> bool:
-        if step not in self._time_decisions:
-            due = bool(agreement.agreed(
-                lambda: self._clock() - self._last_fired >= self._every_secs))
-            if due:
-                self._last_fired = self._clock()
-            self._time_decisions[step] = due
-            while len(self._time_decisions) > _KEPT_DECISIONS:
-                del self._time_decisions[next(iter(self._time_decisions))]
-        return self._time_decisions[step]
+    def _time_due(self) -> bool:
+        due = bool(agreement.agreed(
+            lambda: self._clock() - self._last_fired >= self._every_secs))
+        if due:
+            self._last_fired = self._clock()
+        return due
 
     def fires(self, first: int, last: int | None = None) -> bool:
         """Whether any step of ``first .. last`` (default: `first` alone) matches a step
-        condition, or the time condition is due (read once per call, or once per step
-        where `first` equals `last`).
+        condition, or the time condition is due (read at each call).
 
         The first step this trigger is ever asked about is where this process started
         (for ``first_n_process_steps``).
         """
-        last = first if last is None else last
+        return self._fires(first, first if last is None else last, None)
+
+    def _fires(self, first: int, last: int, decisions: dict[int, bool] | None) -> bool:
         if self._process_start is None:
             self._process_start = first
         if self._every_n is not None and last // self._every_n > (first - 1) // self._every_n:
             return True
         if any(self._step_matches(s) for s in self._candidates(first, last)):
             return True
-        return self._every_secs is not None and self._time_due(last)
+        if self._every_secs is None:
+            return False
+        if decisions is None:
+            return self._time_due()
+        if last not in decisions:
+            decisions[last] = self._time_due()
+            while len(decisions) > _KEPT_DECISIONS:
+                del decisions[next(iter(decisions))]
+        return decisions[last]
 
     def _candidates(self, first: int, last: int) -> Iterable[int]:
         # The few steps where a condition other than every_n can first hold in the range.
@@ -175,7 +179,16 @@ class Trigger:
             points.add(self._process_start)
         return points
 
+    def start_loop(self, step_offset: int) -> None:
+        """A loop starts: a Step's own actions number its steps from ``step_offset + 1``
+        (the loop calls this; without it steps count within the loop)."""
+        self._step_offset = step_offset
+        self._time_decisions.clear()
+
     def fires_within_loop(self, per_loop_step_number: int) -> bool:
         """Whether a Step's own action fires on this step of its loop (counted from 1):
-        the global step is ``step_offset + per_loop_step_number``."""
-        return self.fires(self.step_offset + per_loop_step_number)
+        the global step is the loop's offset plus `per_loop_step_number`. A time decision is
+        made once per step, so a loop planning fused executions and the step firing its
+        actions agree."""
+        step = self._step_offset + per_loop_step_number
+        return self._fires(step, step, self._time_decisions)

@@ -97,6 +97,18 @@ def test_every_secs_fires_after_the_time_has_passed():
     assert timed.steps == [3, 6]
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_every_secs_on_a_step_action_with_fused_steps(k):
+    # The clock advances one second each time it is read: the planned executions and the
+    # fired actions must agree (an action firing inside an execution would be an error).
+    ticks = itertools.count()
+    timed = StepRecorder(triggers.Trigger(every_secs=3, clock=lambda: float(next(ticks))))
+    step = make_step(end_actions=[timed])
+    state = train(step, 6, 2, steps_per_execution=k)
+    assert int(state.step) == 12 and timed.steps
+    assert timed.steps == sorted(set(timed.steps)) and timed.steps != list(range(1, 13))
+
+
 def test_first_n_process_steps_restarts_with_the_process(tmp_path):
     def run(total):
         # What a restarted script does: new objects, resuming from the checkpoints.
