@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxloop import actions as actions_lib
-from jaxloop import async_action_context, stat_loop, triggers, types
+from jaxloop import async_action_context, stat_loop, stop_handler, triggers, types
 
 Output = types.Output
 State = types.TrainState
@@ -87,13 +87,19 @@ class ActionLoop(stat_loop.StatLoop):
             if trigger is None and self._loop_count % action.interval == 0 or (
                 trigger is not None and self._triggered(trigger, state, outputs is None)
             ):
-                action(
-                    state,
-                    outputs,
-                    loop=self,
-                    loop_count=self._loop_count,
-                    first_step=self._first_step,
-                )
+                try:
+                    action(
+                        state,
+                        outputs,
+                        loop=self,
+                        loop_count=self._loop_count,
+                        first_step=self._first_step,
+                    )
+                except stop_handler.StopTrainingError as e:
+                    # The loop's own state is live here; the one its caller passed in may
+                    # have been donated.
+                    e.state = state
+                    raise
 
     def _triggered(self, trigger: triggers.Trigger, state: State, begin: bool) -> bool:
         """Whether a loop-level trigger fires: at the loop's start on the step it starts

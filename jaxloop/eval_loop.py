@@ -75,6 +75,13 @@ class EvalLoop(action_loop.ActionLoop):
         self, step: Any, *args: Any, mask_key: str = "mask", use_ema: bool = False,
         **kwargs: Any,
     ):
+        if getattr(step, "train", False):
+            raise ValueError(
+                f"EvalLoop needs an evaluation step, got {type(step).__name__} built with "
+                "train=True (it would update the state at every batch). Build a second step "
+                "for evaluation with train=False, e.g. MyStep(key, model, "
+                "partitioner=partitioner), and pass that to EvalLoop."
+            )
         super().__init__(step, *args, **kwargs)
         self._mask_key = mask_key
         self.use_ema = use_ema

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -54,34 +55,40 @@ class StateBuilder:
         # Wrapped once: the state keeps apply_fn in its tree structure.
         self._apply_fn = adapter.apply if policy is None else policy.wrap_apply(adapter.apply)
 
-    def create(self, batch: types.Batch, variables: Any = None) -> State:
-        """The state for this example batch (traced: `initialize` jits it on the mesh)."""
+    def create(self, batch: types.Batch, variables: Any = None,
+               state_class: type[State] = State) -> State:
+        """The `state_class` state for this example batch (traced: `initialize` jits it on
+        the mesh). Fields the class adds keep their defaults."""
         if variables is None:
             variables = self._adapter.init(self._base_prng, batch)
         params = variables["params"]
         if self._policy is not None:
             params = self._policy.cast_to_param(params)
-        return State.create(apply_fn=self._apply_fn, params=params, tx=self._optimizer,
+        return state_class.create(apply_fn=self._apply_fn, params=params, tx=self._optimizer,
                             batch_stats=variables.get("batch_stats"))
 
-    def initialize(self, partitioner: Any, spec: types.BatchSpec) -> State:
-        """The state, each leaf created where `partitioner` places it.
+    def initialize(self, partitioner: Any, spec: types.BatchSpec,
+                   state_class: type[State] = State) -> State:
+        """The state (a `state_class`), each leaf created where `partitioner` places it.
 
         The spec only fixes shapes and dtypes (a zero batch is built), so its batch size
         need not divide by the device count.
         """
         batch = staging.zeros_from_spec(spec)
+        create = functools.partial(self.create, state_class=state_class)
         held = self._adapter.held_variables()
         if held is None:
-            return partitioner.shard_init_fn(self.create)(batch)
+            return partitioner.shard_init_fn(create)(batch)
         # An nnx instance holds its values already: each goes from where it is straight to
         # its place, and enters the init program as an argument, not a constant.
         specs = partitioner.state_specs(held)
         held = jax.device_put(
             held, jax.tree.map(lambda s: NamedSharding(partitioner.mesh, s), specs))
-        return partitioner.shard_init_fn(self.create)(batch, held)
+        return partitioner.shard_init_fn(create)(batch, held)
 
-    def abstract(self, partitioner: Any, spec: types.BatchSpec) -> State:
+    def abstract(self, partitioner: Any, spec: types.BatchSpec,
+                 state_class: type[State] = State) -> State:
         """The state `initialize` would make, as `jax.ShapeDtypeStruct` leaves with their
         shardings (nothing is built)."""
-        return partitioner.abstract_init_fn(self.create)(staging.zeros_from_spec(spec))
+        create = functools.partial(self.create, state_class=state_class)
+        return partitioner.abstract_init_fn(create)(staging.zeros_from_spec(spec))

@@ -25,7 +25,9 @@ preemption's own save).
 
 Training ends at ``train_total_steps``, when the train iterator is exhausted (with a
 warning), when a train or eval loop puts a truthy ``STOP_LOOP`` in its outputs, or when an
-action raises `StopTrainingError` (early stopping). It returns the state and the outputs of
+action raises `StopTrainingError` (early stopping); a stop by Ctrl-C or a preemption raises
+instead (`preemption.Interrupted` / `preemption.Preempted`, see `OuterLoop`). It returns the
+state and the outputs of
 the last train loop that advanced the step, with ``outputs[STOP_LOOP]`` telling whether a
 train or eval loop asked to stop (as google/jaxloop does).
 
@@ -230,6 +232,14 @@ class OuterLoop:
       disable_jit / post_mortem: debugging switches (`jaxloop.debugging`): steps run
         without jit; an error in a step or action enters the post-mortem debugger in an
         interactive session. None: from ``JAXLOOP_DISABLE_JIT`` / ``JAXLOOP_POST_MORTEM``.
+
+    Stopping: Ctrl-C (a notebook's Stop) ends training at the next step boundary (an
+    evaluation at its next batch), SIGTERM or `preemption.request()` at the next step (the
+    same step on every process). The run saves with the train loop's checkpoint action if
+    it has one, then raises `preemption.Interrupted` (a `KeyboardInterrupt`, so "Run all"
+    stops) or `preemption.Preempted` (a `SystemExit` with status 143 when uncaught), each
+    carrying the live state, its step and whether it was saved. `preempted` is then True
+    and `stopped_state` holds the live state (None after a run that was not stopped).
     """
 
     def __init__(
@@ -248,6 +258,7 @@ class OuterLoop:
         self._train_loop = train_loop
         self._prefetch = prefetch
         self.preempted = False
+        self.stopped_state: State | None = None
         self._eval_loops = list(eval_loops or [])
         self._checkpoint_spec = checkpoint_spec
         self._progress = progress
@@ -392,9 +403,13 @@ class OuterLoop:
         train_loop = self._train_loop
         iterator = data.as_iterator(train_dataset)
         self._remove_stale_marker()
+        given = state
         # A run resumed inside a loop finishes that loop first, to its boundary.
         state, align = self._restore(state, iterator, loop_steps)
         param_table_lib.log_table(state)  # process 0 logs the state's layout
+        # A state restored or built here is this run's own: the train loop donates it
+        # without a copy. The caller's own state is copied once by the first train loop.
+        owned = state is not given
         step = int(state.step)
         if log_total_steps:
             log.info("Training from step %d to %s.", step, total_steps)
@@ -402,6 +417,7 @@ class OuterLoop:
         outputs: Output | None = None
         stop = False
         self.preempted = False
+        self.stopped_state = None
         # Early-stopping progress travels in the checkpoints' JSON item.
         ckpt_actions = [a for a in train_loop.end_actions
                         if isinstance(a, actions_lib.CheckpointAction)]
@@ -438,9 +454,15 @@ class OuterLoop:
                 self._planned_steps = num_steps
                 self._cut_by_total = full is not None and num_steps < full
                 try:
+                    if owned:
+                        train_loop.adopt(state)
                     state, new_outputs = train_loop(state, iterator, num_steps=num_steps)
+                    owned = True
                 except stop_handler.StopTrainingError as e:
                     log.info("Training stopped by an action: %s", e)
+                    # The state the action saw, at its step: the one passed in was donated.
+                    if e.state is not None:
+                        state = e.state
                     stop = True
                     break
                 # A loop that ran no step (the data ended at a loop boundary) does not
@@ -450,8 +472,7 @@ class OuterLoop:
                 step = int(state.step)
                 progress(state, new_outputs, first_step=train_loop.first_step)
                 if train_loop.preempted or preemption.requested():
-                    self._save_on_preemption(state, new_outputs)
-                    return state, self._with_stop(outputs, stop)
+                    self._stop(state, new_outputs)
                 if train_loop.dataset_exhausted:
                     log.warning("The train dataset is exhausted at step %d; stopping.", step)
                     break
@@ -464,6 +485,8 @@ class OuterLoop:
                 except stop_handler.StopTrainingError as e:
                     log.info("Training stopped by an eval action: %s", e)
                     stop = True
+                if preemption.interrupted():  # Ctrl-C during the evaluations
+                    self._stop(state, new_outputs)
         self._finish(step)
         return state, self._with_stop(outputs, stop)
 
@@ -493,25 +516,20 @@ class OuterLoop:
         managers = [a for a in all_actions if isinstance(a, actions_lib.CheckpointAction)]
         return writers, managers
 
-    def _save_on_preemption(self, state: State, outputs: Output | None) -> None:
-        """Saves the state at this step boundary, waits for the write, flushes writers."""
+    def _stop(self, state: State, outputs: Output | None) -> None:
+        """Ends a run stopped by Ctrl-C or a preemption at this step boundary: saves (with
+        the train loop's checkpoint action), flushes the writers, then raises
+        `preemption.Interrupted` or `preemption.Preempted` with the live state."""
         self.preempted = True
+        self.stopped_state = state
+        saved = self._train_loop.save_checkpoint(state, outputs)
         writers, _ = self._writers_and_managers()
-        ckpt_actions = [
-            a for a in self._train_loop.end_actions
-            if isinstance(a, actions_lib.CheckpointAction)
-            and not isinstance(a, actions_lib.BestCheckpointAction)
-        ]
-        step = int(state.step)
-        for action in ckpt_actions[:1]:
-            if step not in action.ckpt_manager.all_steps():
-                action(state, outputs, loop=self._train_loop, force=True)
-            action.ckpt_manager.wait_until_finished()
-        if not ckpt_actions:
-            log.warning("Preempted at step %d, but no CheckpointAction saves the state.", step)
         for writer in writers:
             writer.flush()
-        log.warning("Preempted: stopped at step %d after saving.", step)
+        step = int(state.step)
+        log.warning("Stopped at step %d; %s.", step,
+                    "a checkpoint was saved" if saved else "nothing was saved")
+        raise preemption.stopped(state, step, saved)
 
     def _finish(self, step: int) -> None:
         """Waits for checkpoint writes, flushes writers, marks training as finished."""

@@ -81,12 +81,14 @@ class StatLoop(loop_lib.Loop):
         unroll: int | bool = 1,
         model_flops_per_example: float | str | None = None,
         recorder: Any = None,
+        donate_input_state: bool = False,
     ):
         super().__init__(
             step,
             max_steps_in_flight=max_steps_in_flight,
             steps_per_execution=steps_per_execution,
             unroll=unroll,
+            donate_input_state=donate_input_state,
         )
         stat_names = DEFAULT_STATS if stat_names is None else tuple(stat_names)
         unknown = sorted(set(stat_names) - set(ALL_STATS))

@@ -21,7 +21,8 @@ nbclient = pytest.importorskip("nbclient")
 kernelspec = pytest.importorskip("ipykernel.kernelspec")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["01_quick_start", "02_intermediate", "03_custom_loop_and_action", "04_simple_trainer"]
+NAMES = ["01_quick_start", "02_intermediate", "03_custom_loop_and_action", "04_simple_trainer",
+         "05_keep_your_state"]
 
 # Appended to the executed copy only: TensorFlow must stay out of the notebooks even where it
 # is installed (the kernel does not inherit the TF-free tier's import block), and the kernel
@@ -153,3 +154,18 @@ def test_04_simple_trainer(kernel_env, tmp_path):
     assert any("image/png" in out.get("data", {}) for out in outputs)
     assert "tensorflow imported: False" in text
     print(f"04_simple_trainer ran in {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_05_keep_your_state(kernel_env, tmp_path):
+    text, outputs, seconds = execute("05_keep_your_state", tmp_path)
+    assert "state class: MetricsState" in text
+    assert number(r"untrained still at step (\d+)", text) == 0
+    assert number(r"untrained accuracy: ([0-9.]+)", text) < 0.3
+    assert number(r"(?m)^trained accuracy: ([0-9.]+)", text) >= 0.9
+    assert number(r"the first state is at step (\d+)", text) == 0
+    assert number(r"continued to step (\d+)", text) == 250
+    assert "passed-in state deleted: True" in text
+    assert any("image/png" in out.get("data", {}) for out in outputs)
+    assert "tensorflow imported: False" in text
+    print(f"05_keep_your_state ran in {seconds:.1f} s")

@@ -41,6 +41,7 @@ from jaxloop import (
     guard,
     outer_loop,
     partition,
+    preemption,
     run_record,
     telemetry,
     train_loop,
@@ -55,7 +56,6 @@ log = logging.getLogger("digits")
 NUM_CLASSES = 10
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0  # fixed, so accuracies are comparable across --seed values
-PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what schedulers expect of a terminated job
 
 
 class CNN(nn.Module):
@@ -330,19 +330,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         # checkpoint straight into place, or initialises the state when there is none, so a
         # resumed job never holds a fresh state beside the restored one.
         state = train_step.abstract_state([1, 8, 8, 1], log_num_params=True)
-    state, _ = outer(
-        state,
-        train_dataset=iter(train_ds),
-        train_total_steps=args.train_steps,
-        train_loop_steps=args.train_loop_steps,
-        eval_specs=[outer_loop.EvalSpec(dataset=eval_ds)],
-    )
-    if outer.preempted:
+    try:
+        state, _ = outer(
+            state,
+            train_dataset=iter(train_ds),
+            train_total_steps=args.train_steps,
+            train_loop_steps=args.train_loop_steps,
+            eval_specs=[outer_loop.EvalSpec(dataset=eval_ds)],
+        )
+    except (preemption.Preempted, preemption.Interrupted) as stopped:
         manager.close()
         train_writer.close()
         eval_writer.close()
-        log.warning("Preempted at step %d; run the same command to resume.", int(state.step))
-        sys.exit(PREEMPTED_EXIT_CODE)
+        log.warning("Preempted at step %d; run the same command to resume.", stopped.step)
+        if isinstance(stopped, preemption.Interrupted):
+            sys.exit(130)  # 128 + SIGINT, as a shell reports Ctrl-C, without a traceback
+        raise
     if args.checkpoint_every_secs and int(state.step) not in manager.all_steps():
         # A time-based policy need not fall on the last step: keep the final state too.
         save(state, None, loop=trainer, force=True)
