@@ -58,8 +58,10 @@ from etils import epath
 
 from jaxloop import actions as actions_lib
 from jaxloop import agreement, async_action_context, checkpoint, preemption, stop_handler, types
+from jaxloop import debugging as debugging_lib
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import history as history_lib
+from jaxloop import param_table as param_table_lib
 from jaxloop import train_loop as train_loop_lib
 
 Output = types.Output
@@ -229,6 +231,9 @@ class OuterLoop:
         current step runs (0: none), through `Loop.prefetching`: the loops still receive
         the very iterator you pass (custom loops may check it, read its attributes, call
         its methods), and its saved position counts only the batches trained on.
+      disable_jit / post_mortem: debugging switches (`jaxloop.debugging`): steps run
+        without jit; an error in a step or action enters the post-mortem debugger in an
+        interactive session. None: from ``JAXLOOP_DISABLE_JIT`` / ``JAXLOOP_POST_MORTEM``.
 
     Stopping: Ctrl-C (a notebook's Stop) ends training at the next step boundary (an
     evaluation at its next batch), SIGTERM or `preemption.request()` at the next step (the
@@ -246,7 +251,10 @@ class OuterLoop:
         checkpoint_spec: CheckpointSpec | None = None,
         progress: bool | None = None,
         prefetch: int = 2,
+        disable_jit: bool | None = None,
+        post_mortem: bool | None = None,
     ):
+        self._debugging = (disable_jit, post_mortem)
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self._train_loop = train_loop
@@ -318,7 +326,8 @@ class OuterLoop:
         """
         specs = self._check_eval_specs(eval_specs)
         if self._train_loop is None:
-            with self.history.recording(None, self._eval_loops):
+            with (self.history.recording(None, self._eval_loops),
+                  debugging_lib.session(*self._debugging)):
                 return self._evaluate_only(state, specs)
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
@@ -326,7 +335,8 @@ class OuterLoop:
                             ("train_loop_steps", train_loop_steps)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        with self.history.recording(self._train_loop, self._eval_loops):
+        with (self.history.recording(self._train_loop, self._eval_loops),
+              debugging_lib.session(*self._debugging)):
             return self._train(
                 state, train_dataset, train_total_steps, train_loop_steps, specs,
                 log_train_total_steps,
@@ -403,6 +413,7 @@ class OuterLoop:
         given = state
         # A run resumed inside a loop finishes that loop first, to its boundary.
         state, align = self._restore(state, iterator, loop_steps)
+        param_table_lib.log_table(state)  # process 0 logs the state's layout
         # A state restored or built here is this run's own: the train loop donates it
         # without a copy. The caller's own state is copied once by the first train loop.
         owned = state is not given
