@@ -7,13 +7,18 @@ early-stopping progress). The host data never enters the state, so it never ente
 pickle.
 
 Managers built the way the Jaxloop guide builds them (one unnamed `Checkpointer`) hold a
-single item; jaxloop saves the state arrays there and restores either layout, including
+single item; jaxloop saves the state arrays there. Each checkpoint keeps the layout it was
+saved with (orbax names the item directories), and `restore` reads either, including
 checkpoints of a whole `TrainState` saved with ``args.PyTreeSave(state)`` by a user or by
 google/jaxloop (orbax stores tuples as lists there, and no data position), and those of
 jaxloop releases whose TrainState carried a ``dataset_state`` field.
 
-Step directories are found with orbax's own step naming: a manager's ``step_prefix`` and
-``step_format_fixed_length`` (``ckpt_000100``) restore like plain ``100``.
+`restore` is the one reader: a whole state, a state described abstractly
+(`Step.abstract_state`), the best checkpoint by a metric, and partial or renamed restores
+through orbax's restore transforms (`warm_start` plans those). `Step.restore_model`,
+`OuterLoop` and the helpers below call it. Step directories are found with orbax's own step
+naming: a manager's ``step_prefix`` and ``step_format_fixed_length`` (``ckpt_000100``)
+restore like plain ``100``.
 
 With several processes, each process's data position is saved (gathered into the JSON
 item), so per-process pipelines resume where each of them stood.
@@ -32,7 +37,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import flax.serialization
@@ -48,9 +54,14 @@ log = logging.getLogger(__name__)
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
+# The item of a manager holding one unnamed item (the guide's way), as orbax names it.
+_SINGLE_ITEM = ocp.checkpoint_manager.DEFAULT_ITEM_NAME
 # The field where jaxloop's TrainState held the data position before it moved to META_ITEM:
 # a whole state saved the guide's way may still hold it.
 _LEGACY_POSITION = "dataset_state"
+# Whether a manager holds one unnamed item: known for `make_manager`'s, learnt at the first
+# `save` to any other.
+_SINGLE_LAYOUT: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def make_manager(
@@ -71,9 +82,11 @@ def make_manager(
     opts = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, **options
     )
-    return ocp.CheckpointManager(
+    manager = ocp.CheckpointManager(
         epath.Path(directory), options=opts, item_names=(STATE_ITEM, META_ITEM)
     )
+    _SINGLE_LAYOUT[manager] = False
+    return manager
 
 
 def make_best_manager(
@@ -100,33 +113,9 @@ def make_best_manager(
     )
 
 
-def restore_best(
-    state: State, directory: Any, metric: str, mode: str = "min", partitioner: Any = None,
-    skip_optimizer: bool = False,
-) -> State:
-    """Restores the best checkpoint (by `metric`, as saved by BestCheckpointAction)."""
-    manager = make_best_manager(directory, metric, mode=mode)
-    try:
-        best = manager.best_step()
-    finally:
-        manager.close()
-    if best is None:
-        raise ValueError(f"No checkpoint with metric {metric!r} in {directory}")
-    return restore_state(state, directory, best, partitioner, skip_optimizer)
-
-
 def state_arrays(state: State) -> dict[str, Any]:
     """The array part of a TrainState as a plain nested dict (what goes into ``state``)."""
     return flax.serialization.to_state_dict(state)
-
-
-def _single_item(manager: ocp.CheckpointManager) -> bool | None:
-    """Whether `manager`'s checkpoints hold one unnamed item (the guide's way), from the
-    layout of its newest checkpoint; None when it has none yet."""
-    paths = _step_paths(epath.Path(manager.directory))
-    if not paths:
-        return None
-    return (paths[max(paths)] / ocp.checkpoint_manager.DEFAULT_ITEM_NAME).exists()
 
 
 def save(
@@ -161,25 +150,25 @@ def save(
         "dataset_states": positions,
         "process_count": len(positions),
     }
-    arrays = state_arrays(state)
-    single = ocp.args.PyTreeSave(arrays)
-    composite = ocp.args.Composite(
-        **{STATE_ITEM: single, META_ITEM: ocp.args.JsonSave(meta)}
-    )
-    layout = _single_item(manager)
-    if layout is not None:
-        args = single if layout else composite
+    single = ocp.args.PyTreeSave(state_arrays(state))
+    composite = ocp.args.Composite(**{STATE_ITEM: single, META_ITEM: ocp.args.JsonSave(meta)})
+    if manager in _SINGLE_LAYOUT:
+        args = single if _SINGLE_LAYOUT[manager] else composite
         return manager.save(step, args=args, metrics=metrics, force=force)
-    # A manager without checkpoints: orbax's public API does not say how many items it was
-    # made for, but it validates the arguments before doing anything else, so the layout it
-    # refuses (a ValueError, whatever its words) is not the one it holds.
+    # The first save learns the manager's layout from the manager itself, the same on every
+    # process: orbax validates the arguments before doing anything else, and a manager made
+    # for one unnamed item (the guide's) refuses a composite (a ValueError, whatever its
+    # words). The answer is kept for the manager's later saves.
     try:
-        return manager.save(step, args=composite, metrics=metrics, force=force)
+        saved = manager.save(step, args=composite, metrics=metrics, force=force)
+        _SINGLE_LAYOUT[manager] = False
     except ValueError as refused:
         try:
-            return manager.save(step, args=single, metrics=metrics, force=force)
+            saved = manager.save(step, args=single, metrics=metrics, force=force)
         except ValueError:
             raise refused from None
+        _SINGLE_LAYOUT[manager] = True
+    return saved
 
 
 def _looks_process_independent(position: Any) -> bool:
@@ -238,11 +227,12 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_compatible(saved: Any, target: Any, where: str) -> None:
-    """Raises ValueError naming the first leaf whose structure or shape differs."""
+def check_compatible(saved: Any, target: Any, where: str, partial: bool = False) -> None:
+    """Raises ValueError naming the first leaf whose structure or shape differs (with
+    `partial`, leaves only in the checkpoint are fine)."""
     saved_shapes, target_shapes = _flat_shapes(saved), _flat_shapes(target)
     missing = sorted(set(target_shapes) - set(saved_shapes))
-    extra = sorted(set(saved_shapes) - set(target_shapes))
+    extra = [] if partial else sorted(set(saved_shapes) - set(target_shapes))
     if missing or extra:
         raise ValueError(
             f"Checkpoint {where} does not match the state's structure: leaves missing from "
@@ -284,58 +274,78 @@ def _step_paths(directory: epath.Path) -> dict[int, epath.Path]:
     }
 
 
-def _name_format(path: epath.Path, step: int) -> Any:
-    """orbax's NameFormat that names `path` for `step` (``100``, ``ckpt_100``,
-    ``000100``, ``ckpt_000100``)."""
-    prefix, _, digits = path.name.rpartition("_")
-    fixed = len(digits) if len(digits) > len(str(step)) else None
-    return ocp.path.step.standard_name_format(
-        step_prefix=prefix or None, step_format_fixed_length=fixed
-    )
-
-
-def _reader(directory: epath.Path, path: epath.Path, step: int,
-            handlers: Any) -> ocp.CheckpointManager:
-    """A read-only manager for the checkpoint at `path` (of `step`) with these item
-    handlers (one handler for a single unnamed item, else a dict by item name)."""
-    # Each process reads its own shards and answers for itself: no barrier across processes
-    # inside the restore, so a process whose read fails (a checkpoint deleted by the
-    # trainer's max_to_keep meanwhile) cannot leave the others waiting there. Callers that
-    # must act alike on a failure agree on it afterwards (see `OuterLoop`).
-    own = jax.process_index()
-    options = ocp.CheckpointManagerOptions(
-        step_name_format=_name_format(path, step), read_only=True, create=False,
-        multiprocessing_options=ocp.options.MultiprocessingOptions(
-            primary_host=own, active_processes={own}
-        ),
-    )
-    return ocp.CheckpointManager(directory, item_handlers=handlers, options=options)
-
-
 def all_steps(directory: Any) -> list[int]:
     """The steps of the complete checkpoints in `directory` (half-written ones excluded),
     whatever the step naming (``step_prefix``, ``step_format_fixed_length``)."""
     return sorted(_step_paths(epath.Path(directory)))
 
 
+def _reader(handlers: dict[str, Any]) -> ocp.Checkpointer:
+    """A checkpointer reading these items (by name) of one checkpoint step directory."""
+    # Each process reads its own shards and answers for itself: no barrier across processes
+    # inside the restore, so a process whose read fails (a checkpoint deleted by the
+    # trainer's max_to_keep meanwhile) cannot leave the others waiting there. Callers that
+    # must act alike on a failure agree on it afterwards (see `OuterLoop`).
+    own = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=own, active_processes={own})
+    return ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(
+            composite_options=ocp.CompositeOptions(multiprocessing_options=alone), **handlers),
+        multiprocessing_options=alone,
+    )
+
+
+def _step_path(directory: epath.Path, step: int | None) -> tuple[int, epath.Path] | None:
+    """(step, its directory): `step`'s, or the newest with None; None when there is none."""
+    paths = _step_paths(directory)
+    if step is None:
+        return (max(paths), paths[max(paths)]) if paths else None
+    if step not in paths:
+        raise ValueError(
+            f"There is no checkpoint for step {step} in {directory}; it has {sorted(paths)}")
+    return step, paths[step]
+
+
+def _layout(path: epath.Path) -> tuple[str, dict[str, Any]]:
+    """(the name of the state's item, the handlers of the items) of the checkpoint at `path`:
+    the layout it was saved with, told by the directory orbax names a single item by."""
+    if (path / _SINGLE_ITEM).exists():
+        return _SINGLE_ITEM, {_SINGLE_ITEM: ocp.PyTreeCheckpointHandler()}
+    return STATE_ITEM, {STATE_ITEM: ocp.PyTreeCheckpointHandler(),
+                        META_ITEM: ocp.JsonCheckpointHandler()}
+
+
+def _saved_tree(reader: ocp.Checkpointer, path: epath.Path, name: str) -> dict[str, Any]:
+    """The tree metadata (names, shapes, dtypes) of the state item `name` at `path`."""
+    saved = reader.metadata(path).item_metadata[name]
+    return dict(getattr(saved, "tree", saved))
+
+
 def read_meta(directory: Any, step: int) -> dict[str, Any]:
     """The JSON metadata saved with the checkpoint at `step` (loop count, data positions,
     early-stopping progress, a tracker's run id); {} for a single-item checkpoint, which
     has none. Any step naming (``step_prefix``, fixed length) is found."""
-    directory = epath.Path(directory)
-    paths = _step_paths(directory)
-    if step not in paths:
-        raise ValueError(f"No checkpoint for step {step} in {directory}; have {sorted(paths)}")
-    if not (paths[step] / META_ITEM).exists():
+    _, path = _step_path(epath.Path(directory), step)
+    if not (path / META_ITEM).exists():
         return {}
-    manager = _reader(directory, paths[step], step, {META_ITEM: ocp.JsonCheckpointHandler()})
-    try:
-        restored = manager.restore(
-            step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
-        )
-    finally:
-        manager.close()
+    with _reader({META_ITEM: ocp.JsonCheckpointHandler()}) as reader:
+        restored = reader.restore(
+            path, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
     return dict(restored[META_ITEM] or {})
+
+
+def _best_step(directory: epath.Path, metric: str, mode: str) -> int:
+    """The step whose saved metrics have the best `metric` (orbax's choice of the best)."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    options = ocp.CheckpointManagerOptions(
+        create=False, best_fn=lambda metrics: metrics.get(metric), best_mode=mode,
+        keep_checkpoints_without_metrics=False)
+    with ocp.CheckpointManager(directory, options=options) as manager:
+        best = manager.best_step()
+    if best is None:
+        raise ValueError(f"No checkpoint with metric {metric!r} in {directory}")
+    return best
 
 
 def _has_arrays(tree: Any) -> bool:
@@ -379,22 +389,6 @@ def _unconform(restored: Any, target: Any) -> Any:
     return restored
 
 
-def restore_state(
-    state: State,
-    directory: Any,
-    step: int | None = None,
-    partitioner: Any = None,
-    skip_optimizer: bool = False,
-    transforms: Any = None,
-    dataset: Iterator[Any] | None = None,
-) -> State:
-    """Restores the checkpoint at `step` (latest if None) from `directory` into `state`.
-
-    See `restore`, which also returns the checkpoint's metadata (loop counters).
-    """
-    return restore(state, directory, step, partitioner, skip_optimizer, transforms, dataset)[0]
-
-
 def restore(
     state: State,
     directory: Any,
@@ -403,11 +397,25 @@ def restore(
     skip_optimizer: bool = False,
     transforms: Any = None,
     dataset: Iterator[Any] | None = None,
+    *,
+    best: str | None = None,
+    mode: str = "min",
+    partial: bool = False,
 ) -> tuple[State, dict[str, Any]]:
     """Restores the checkpoint at `step` (latest if None); returns (state, metadata).
 
-    With `skip_optimizer` the optimizer state is not read and the given one is kept (an
-    evaluation state has no optimizer to restore into).
+    The one function that reads a checkpoint: `Step.restore_model`, `OuterLoop`,
+    `restore_state`, `restore_best` and `warm_start` call it. It reads the checkpoint's
+    metadata once, then the arrays and the JSON item together, and logs "Resumed from step
+    <N> of <dir>".
+
+    `state` may be abstract (`Step.abstract_state`): the arrays are read straight into
+    place. With `skip_optimizer` the optimizer state is not read and the given one is kept
+    (an evaluation state has no optimizer to restore into). With `best`, the checkpoint
+    whose saved metrics have the lowest (`mode` ``'min'``) or highest (``'max'``) `best`
+    (as `BestCheckpointAction` saves them) is restored instead of `step`. With `partial`,
+    `state` may hold only some of the checkpoint's leaves (a dict of its names) and only
+    those are read (`warm_start` reads parameters this way).
 
     Arrays are placed where `partitioner` places `state` (or where the given state's arrays
     are). Given the train iterator as `dataset`, this also moves it to the data position
@@ -423,7 +431,7 @@ def restore(
     by '/'-joined paths of the state dict (regular expressions allowed), e.g. to start a
     new head from the given state while restoring the rest::
 
-        state = checkpoint.restore_state(
+        state, _ = checkpoint.restore(
             state, ckpt_dir, transforms={r'params/head/.*': ocp.Transform(use_fallback=True)})
 
     Keys the transforms do not name are restored from the checkpoint unchanged.
@@ -434,65 +442,46 @@ def restore(
         state, outputs = train_loop(state, it, num_steps=100)
 
     Raises:
-      ValueError: no checkpoint for `step`; a structure or shape mismatch; with `dataset`,
-        positions saved by another number of processes for a per-process pipeline, or an
-        iterator that cannot take a position.
+      ValueError: no checkpoint for `step` (or none with metric `best`); a structure or
+        shape mismatch; with `dataset`, positions saved by another number of processes for
+        a per-process pipeline, or an iterator that cannot take a position.
     """
     directory = epath.Path(directory)
-    paths = _step_paths(directory)
-    if not paths:
+    if best is not None:
+        step = _best_step(directory, best, mode)
+    found = _step_path(directory, step)
+    if found is None:
         log.info("No checkpoint found in %s. Returning the original model state.", directory)
         return state, {}
-    step = max(paths) if step is None else step
-    if step not in paths:
-        raise ValueError(f"No checkpoint for step {step} in {directory}; have {sorted(paths)}")
-    single = (paths[step] / ocp.checkpoint_manager.DEFAULT_ITEM_NAME).exists()
-    handlers = (
-        ocp.PyTreeCheckpointHandler() if single
-        else {STATE_ITEM: ocp.PyTreeCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
-    )
-    manager = _reader(directory, paths[step], step, handlers)
-    arrays_now = state_arrays(state)
-    try:
-        skip = ("opt_state",) if skip_optimizer else ()
-        target = _abstract_target(state, partitioner, skip)
-        saved = manager.item_metadata(step)
-        saved = saved if single else saved[STATE_ITEM]
+    step, path = found
+    name, handlers = _layout(path)
+    skip = ("opt_state",) if skip_optimizer else ()
+    target = _abstract_target(state, partitioner, skip)
+    with _reader(handlers) as reader:
         saved = {
-            k: v for k, v in getattr(saved, "tree", saved).items()
+            k: v for k, v in _saved_tree(reader, path, name).items()
             if k not in skip and not (k == _LEGACY_POSITION and k not in target)
         }
         if transforms is None:
             item = _conform(target, saved)
-            check_compatible(saved, item, str(paths[step]))
-            restore_args = ocp.checkpoint_utils.construct_restore_args(item)
-            restore = ocp.args.PyTreeRestore(
-                item=item, restore_args=restore_args, partial_restore=True
-            )
+            check_compatible(saved, item, str(path), partial)
+            args = ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                partial_restore=True)
         else:
             # Values the transforms take from the given state ("use_fallback") must be
             # real arrays, not shapes.
-            restore = ocp.args.PyTreeRestore(
-                item={k: v for k, v in arrays_now.items() if k not in skip},
+            args = ocp.args.PyTreeRestore(
+                item={k: v for k, v in state_arrays(state).items() if k not in skip},
                 restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                transforms=transforms,
-            )
-        if single:
-            arrays, meta = manager.restore(step, args=restore), {}
-        else:
-            restored = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{STATE_ITEM: restore, META_ITEM: ocp.args.JsonRestore()}
-                ),
-            )
-            arrays, meta = restored[STATE_ITEM], restored[META_ITEM] or {}
-    finally:
-        manager.close()
+                transforms=transforms)
+        items = {k: args if k == name else ocp.args.JsonRestore() for k in handlers}
+        restored = reader.restore(path, args=ocp.args.Composite(**items))
+    arrays, meta = restored[name], dict(restored.get(META_ITEM) or {})
     arrays = _unconform(arrays, target) if transforms is None else arrays
-    kept = {k: v for k, v in arrays_now.items() if k in skip}
+    kept = {k: v for k, v in state_arrays(state).items() if k in skip}
     new_state = flax.serialization.from_state_dict(state, {**arrays, **kept})
-    log.info("Restored checkpoint step %d from %s.", step, directory)
+    log.info("Resumed from step %d of %s.", step, directory)
     if dataset is not None:
         restore_data_position(dataset, meta)
     elif not skip_optimizer:
@@ -504,6 +493,29 @@ def restore(
                 "loop given this state reads its data from the start. %s", step, directory, e
             )
     return new_state, meta
+
+
+def restore_state(
+    state: State,
+    directory: Any,
+    step: int | None = None,
+    partitioner: Any = None,
+    skip_optimizer: bool = False,
+    transforms: Any = None,
+    dataset: Iterator[Any] | None = None,
+) -> State:
+    """`restore` without the metadata: the state alone."""
+    return restore(state, directory, step, partitioner, skip_optimizer, transforms, dataset)[0]
+
+
+def restore_best(
+    state: State, directory: Any, metric: str, mode: str = "min", partitioner: Any = None,
+    skip_optimizer: bool = False,
+) -> State:
+    """Restores the best checkpoint (by `metric`, as saved by BestCheckpointAction): `restore`
+    with ``best=metric``."""
+    return restore(state, directory, partitioner=partitioner, skip_optimizer=skip_optimizer,
+                   best=metric, mode=mode)[0]
 
 
 def restore_data_position(dataset: Iterator[Any], meta: Mapping[str, Any]) -> bool:
@@ -596,32 +608,12 @@ def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[Any, Any]:
     return out
 
 
-def _warm_start_item(directory: epath.Path, step: int | None) -> epath.Path:
-    """The directory of the state item (jaxloop's ``state`` or the guide's single item) of
-    the checkpoint at `step` (latest if None), whatever the manager's step naming."""
-    paths = _step_paths(directory)
-    if not paths:
-        raise ValueError(f"Warm start: no checkpoint in {directory}")
-    step = max(paths) if step is None else step
-    if step not in paths:
-        raise ValueError(
-            f"Warm start: no checkpoint for step {step} in {directory}; have {sorted(paths)}"
-        )
-    for name in (STATE_ITEM, ocp.checkpoint_manager.DEFAULT_ITEM_NAME):
-        if (paths[step] / name).exists():
-            return paths[step] / name
-    raise ValueError(
-        f"Warm start: {paths[step]} holds neither a {STATE_ITEM!r} item (jaxloop) nor a "
-        f"single unnamed item (the Jaxloop guide's way)"
-    )
-
-
 def warm_start(
     state: State,
     directory: Any,
     step: int | None = None,
     *,
-    rename: dict[str, str | None] | Any = None,
+    rename: dict[str, str | None] | Callable[[str], str | None] | None = None,
     strict: bool = True,
     partitioner: Any = None,
 ) -> State:
@@ -641,7 +633,8 @@ def warm_start(
     ValueError listing them; otherwise they are logged. A parameter whose shape differs is
     always a ValueError naming it and both shapes (drop it with `rename` to keep it fresh).
     Each loaded parameter is cast to the dtype of, and placed like, the state's parameter
-    (by `partitioner` where given, else where the given array lives).
+    (by `partitioner` where given, else where the given array lives). The read is `restore`
+    with orbax transforms that rename the loaded parameters and keep everything else.
 
     Example, fine-tune with a new 3-class head from a 10-class run::
 
@@ -649,10 +642,11 @@ def warm_start(
         state = checkpoint.warm_start(state, 'runs/a/checkpoints', rename={'head/': None},
                                       strict=False, partitioner=partitioner)
     """
-    item_dir = _warm_start_item(epath.Path(directory), step)
-    where = str(item_dir.parent)
+    found = _step_path(epath.Path(directory), step)
+    if found is None:
+        raise ValueError(f"Warm start: no checkpoint in {directory}")
+    step, path = found
     rename_fn = _renamer(rename)
-
     # The state's parameters as saved (the same names the checkpoint uses) and as targets:
     # shape, dtype and placement of each.
     arrays = state_arrays(state)
@@ -660,82 +654,63 @@ def warm_start(
         raise ValueError(f"Warm start: the state has no {PARAMS_KEY!r}; it has {sorted(arrays)}")
     others = tuple(k for k in arrays if k != PARAMS_KEY)
     targets = _named_leaves(_abstract_target(state, partitioner, others)[PARAMS_KEY])
+    name, handlers = _layout(path)
+    with _reader(handlers) as reader:
+        saved = _saved_tree(reader, path, name)
+    if PARAMS_KEY not in saved:
+        raise ValueError(
+            f"Warm start: checkpoint {path} holds no {PARAMS_KEY!r}; it has {sorted(saved)}")
+    sources = _named_leaves(saved[PARAMS_KEY])
 
-    # orbax's PyTree checkpointer reads the one item directly, whatever the step naming.
-    reader = ocp.PyTreeCheckpointer()
-    try:
-        saved = reader.metadata(item_dir)
-        saved = getattr(saved, "item_metadata", saved)
-        saved = getattr(saved, "tree", saved)
-        if PARAMS_KEY not in saved:
+    loads: dict[str, str] = {}  # target name -> checkpoint name
+    unexpected, mismatched = [], []
+    for source, (_, meta) in sources.items():
+        new = rename_fn(source)
+        if new is None:
+            continue
+        if new not in targets:
+            unexpected.append(source if new == source else f"{source} (as {new})")
+            continue
+        if new in loads:
             raise ValueError(
-                f"Warm start: checkpoint {where} holds no {PARAMS_KEY!r}; it has {sorted(saved)}"
-            )
-        sources = _named_leaves({PARAMS_KEY: saved[PARAMS_KEY]})
+                f"Warm start: checkpoint parameters {loads[new]} and {source} both map to {new}")
+        target_shape = tuple(targets[new][1].shape)
+        saved_shape = tuple(getattr(meta, "shape", ()) or ())
+        if saved_shape != target_shape:
+            mismatched.append(f"{source} {saved_shape} -> {new} {target_shape}")
+            continue
+        loads[new] = source
+    missing = sorted(set(targets) - set(loads))
+    if mismatched:
+        raise ValueError(
+            f"Warm start from {path}: parameter shapes differ (checkpoint -> state): "
+            f"{mismatched}. Skip them with `rename` (a prefix mapped to None).")
+    if (missing or unexpected) and strict:
+        raise ValueError(
+            f"Warm start from {path}: missing from the checkpoint (kept fresh if "
+            f"strict=False): {missing}; unexpected in the checkpoint (not in the state): "
+            f"{sorted(unexpected)}. Use `rename` to map names or strict=False.")
+    if missing:
+        log.warning("Warm start from %s: parameters missing from the checkpoint, kept "
+                    "fresh: %s", path, missing)
+    if unexpected:
+        log.warning("Warm start from %s: checkpoint parameters not in the state, not "
+                    "loaded: %s", path, sorted(unexpected))
 
-        loads: dict[str, str] = {}  # target name -> checkpoint name
-        unexpected, mismatched = [], []
-        for full_name, (_, meta) in sources.items():
-            name = full_name[len(PARAMS_KEY) + 1:]
-            new = rename_fn(name)
-            if new is None:
-                continue
-            if new not in targets:
-                unexpected.append(name if new == name else f"{name} (as {new})")
-                continue
-            if new in loads:
-                raise ValueError(
-                    f"Warm start: checkpoint parameters {loads[new]} and {name} both map to {new}"
-                )
-            target_shape = tuple(targets[new][1].shape)
-            saved_shape = tuple(getattr(meta, "shape", ()) or ())
-            if saved_shape != target_shape:
-                mismatched.append(f"{name} {saved_shape} -> {new} {target_shape}")
-                continue
-            loads[new] = name
-        missing = sorted(set(targets) - set(loads))
-        if mismatched:
-            raise ValueError(
-                f"Warm start from {where}: parameter shapes differ (checkpoint -> state): "
-                f"{mismatched}. Skip them with `rename` (a prefix mapped to None)."
-            )
-        if (missing or unexpected) and strict:
-            raise ValueError(
-                f"Warm start from {where}: missing from the checkpoint (kept fresh if "
-                f"strict=False): {missing}; unexpected in the checkpoint (not in the state): "
-                f"{sorted(unexpected)}. Use `rename` to map names or strict=False."
-            )
-        if missing:
-            log.warning("Warm start from %s: parameters missing from the checkpoint, kept "
-                        "fresh: %s", where, missing)
-        if unexpected:
-            log.warning("Warm start from %s: checkpoint parameters not in the state, not "
-                        "loaded: %s", where, sorted(unexpected))
-
-        # A partial restore of just the chosen leaves, each shaped, typed and placed as its
-        # target; the rest of the checkpoint (optimizer state, step) is never read.
-        item = _nest({
-            sources[f"{PARAMS_KEY}/{name}"][0]: targets[new][1] for new, name in loads.items()
-        })
-        restored = {}
-        if loads:
-            args = ocp.args.PyTreeRestore(
-                item=item,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                partial_restore=True,
-            )
-            restored = reader.restore(item_dir, args=args)
-    finally:
-        reader.close()
-
-    loaded = {name: leaf for name, (_, leaf) in _named_leaves(restored).items()}
+    loaded = {}
+    if loads:
+        # A partial restore of just the chosen leaves under their checkpoint names, each
+        # shaped, typed and placed as its target; the rest (optimizer state, step) is never
+        # read. (Orbax's renaming transforms would match every name against every other.)
+        item = {PARAMS_KEY: _nest({sources[old][0]: targets[new][1]
+                                   for new, old in loads.items()})}
+        # (skip_optimizer: another run's data positions are no concern of this state's.)
+        restored, _ = restore(item, directory, step, skip_optimizer=True, partial=True)
+        loaded = {n: leaf for n, (_, leaf) in _named_leaves(restored[PARAMS_KEY]).items()}
     current = _named_leaves(arrays[PARAMS_KEY])
-    leaves = [
-        loaded[f"{PARAMS_KEY}/{loads[name]}"] if name in loads else leaf
-        for name, (_, leaf) in current.items()
-    ]
-    treedef = jax.tree_util.tree_structure(arrays[PARAMS_KEY])
-    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    leaves = [loaded[loads[n]] if n in loads else leaf for n, (_, leaf) in current.items()]
+    params = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(arrays[PARAMS_KEY]), leaves)
     new_state = flax.serialization.from_state_dict(state, {**arrays, PARAMS_KEY: params})
-    log.info("Warm start: loaded %d of %d parameters from %s.", len(loads), len(targets), where)
+    log.info("Warm start: loaded %d of %d parameters from %s.", len(loads), len(targets), path)
     return new_state
