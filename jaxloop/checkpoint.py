@@ -335,17 +335,22 @@ def read_meta(directory: Any, step: int) -> dict[str, Any]:
 
 
 def _best_step(directory: epath.Path, metric: str, mode: str) -> int:
-    """The step whose saved metrics have the best `metric` (orbax's choice of the best)."""
+    """The step whose saved metrics have the best `metric` (the latest of equals, as orbax's
+    ``best_step`` picks)."""
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-    options = ocp.CheckpointManagerOptions(
-        create=False, best_fn=lambda metrics: metrics.get(metric), best_mode=mode,
-        keep_checkpoints_without_metrics=False)
-    with ocp.CheckpointManager(directory, options=options) as manager:
-        best = manager.best_step()
-    if best is None:
+    scores = {}
+    name = ocp.checkpoint_manager.METRIC_ITEM_NAME
+    with _reader({name: ocp.JsonCheckpointHandler(filename=name)}) as reader:
+        for step, path in _step_paths(directory).items():
+            if (path / name).exists():
+                args = ocp.args.Composite(**{name: ocp.args.JsonRestore()})
+                saved = reader.restore(path, args=args)[name] or {}
+                if metric in saved:
+                    scores[step] = float(saved[metric]) * (1 if mode == "max" else -1)
+    if not scores:
         raise ValueError(f"No checkpoint with metric {metric!r} in {directory}")
-    return best
+    return max(scores, key=lambda step: (scores[step], step))
 
 
 def _has_arrays(tree: Any) -> bool:
