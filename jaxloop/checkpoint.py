@@ -1,27 +1,18 @@
 """Saving and restoring the whole training state with orbax.
 
-A checkpoint step directory holds two items: ``state`` (the TrainState's arrays: step, params,
-optimizer state, batch stats, written by orbax's PyTree handler, sharded and multi-process
-aware) and ``meta`` (JSON host data: each process's data-iterator position, loop counters,
-early-stopping progress). The host data never enters the state, so it never enters jit. No
-pickle.
+A checkpoint step directory holds two items: ``state`` (the TrainState's arrays, written by
+orbax's PyTree handler, sharded and multi-process aware) and ``meta`` (JSON host data: each
+process's data position, loop counters, early-stopping progress), so host data never enters
+jit. No pickle. A manager built the guide's way (one unnamed `Checkpointer`) holds the state
+arrays alone. Each checkpoint keeps the layout it was saved with (orbax names the item
+directories), and `restore` reads either, including a whole `TrainState` saved with
+``args.PyTreeSave(state)`` by a user or google/jaxloop (tuples stored as lists, no data
+position) and states of releases whose TrainState carried a ``dataset_state`` field.
 
-Managers built the way the Jaxloop guide builds them (one unnamed `Checkpointer`) hold a
-single item; jaxloop saves the state arrays there. Each checkpoint keeps the layout it was
-saved with (orbax names the item directories), and `restore` reads either, including
-checkpoints of a whole `TrainState` saved with ``args.PyTreeSave(state)`` by a user or by
-google/jaxloop (orbax stores tuples as lists there, and no data position), and those of
-jaxloop releases whose TrainState carried a ``dataset_state`` field.
-
-`restore` is the one reader: a whole state, a state described abstractly
-(`Step.abstract_state`), the best checkpoint by a metric, and partial or renamed restores
-through orbax's restore transforms (`warm_start` plans those). `Step.restore_model`,
-`OuterLoop` and the helpers below call it. Step directories are found with orbax's own step
-naming: a manager's ``step_prefix`` and ``step_format_fixed_length`` (``ckpt_000100``)
-restore like plain ``100``.
-
-With several processes, each process's data position is saved (gathered into the JSON
-item), so per-process pipelines resume where each of them stood.
+`restore` is the one reader (a state, an abstract state, the best by a metric, some leaves,
+orbax's restore transforms); `Step.restore_model`, `OuterLoop`, `restore_state`,
+`restore_best` and `warm_start` call it. Steps are found with orbax's step naming
+(``step_prefix``, ``step_format_fixed_length``: ``ckpt_000100`` restores like ``100``).
 
 Example, resume a loop called directly (`OuterLoop` does this itself)::
 
@@ -46,6 +37,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import traverse_util
 
 from jaxloop import agreement, types
 
@@ -77,14 +69,11 @@ def make_manager(
         # (latest and best) in a multi-process job would collide without a distinct prefix.
         name = hashlib.blake2b(str(directory).encode(), digest_size=6).hexdigest()
         options["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
-            barrier_sync_key_prefix=f"jaxloop-{name}"
-        )
+            barrier_sync_key_prefix=f"jaxloop-{name}")
     opts = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, **options
-    )
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, **options)
     manager = ocp.CheckpointManager(
-        epath.Path(directory), options=opts, item_names=(STATE_ITEM, META_ITEM)
-    )
+        epath.Path(directory), options=opts, item_names=(STATE_ITEM, META_ITEM))
     _SINGLE_LAYOUT[manager] = False
     return manager
 
@@ -107,10 +96,8 @@ def make_best_manager(
             raise ValueError(f"Best-checkpoint metric {metric!r} not in {sorted(metrics)}")
         return metrics[metric]
 
-    return make_manager(
-        directory, max_to_keep=k, async_save=async_save, best_fn=best_fn, best_mode=mode,
-        keep_checkpoints_without_metrics=False,
-    )
+    return make_manager(directory, max_to_keep=k, async_save=async_save, best_fn=best_fn,
+                        best_mode=mode, keep_checkpoints_without_metrics=False)
 
 
 def state_arrays(state: State) -> dict[str, Any]:
@@ -118,15 +105,9 @@ def state_arrays(state: State) -> dict[str, Any]:
     return flax.serialization.to_state_dict(state)
 
 
-def save(
-    manager: ocp.CheckpointManager,
-    step: int,
-    state: State,
-    meta: dict[str, Any] | None = None,
-    metrics: dict[str, float] | None = None,
-    force: bool = False,
-    dataset_state: Any = None,
-) -> bool:
+def save(manager: ocp.CheckpointManager, step: int, state: State,
+         meta: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
+         force: bool = False, dataset_state: Any = None) -> bool:
     """Saves `state` at `step`, with `dataset_state` (this process's data position, JSON)
     and `meta` (JSON) beside it; asynchronous if the manager is.
 
@@ -144,21 +125,16 @@ def save(
     if not force and not manager.should_save(step):
         return False  # (before the gather below: no collective for a skipped step)
     positions = agreement.gathered(dataset_state)
-    meta = {
-        **(meta or {}),
-        "dataset_state": positions[0],
-        "dataset_states": positions,
-        "process_count": len(positions),
-    }
+    meta = {**(meta or {}), "dataset_state": positions[0], "dataset_states": positions,
+            "process_count": len(positions)}
     single = ocp.args.PyTreeSave(state_arrays(state))
     composite = ocp.args.Composite(**{STATE_ITEM: single, META_ITEM: ocp.args.JsonSave(meta)})
     if manager in _SINGLE_LAYOUT:
         args = single if _SINGLE_LAYOUT[manager] else composite
         return manager.save(step, args=args, metrics=metrics, force=force)
-    # The first save learns the manager's layout from the manager itself, the same on every
-    # process: orbax validates the arguments before doing anything else, and a manager made
-    # for one unnamed item (the guide's) refuses a composite (a ValueError, whatever its
-    # words). The answer is kept for the manager's later saves.
+    # The first save learns the layout from the manager itself, alike on every process: orbax
+    # validates the arguments first, and a manager of one unnamed item (the guide's) refuses
+    # a composite (a ValueError, whatever its words). Later saves keep the answer.
     try:
         saved = manager.save(step, args=composite, metrics=metrics, force=force)
         _SINGLE_LAYOUT[manager] = False
@@ -174,17 +150,12 @@ def save(
 def _looks_process_independent(position: Any) -> bool:
     # A GlobalBatchDataset position (next global batch) means the same in any process
     # count; other iterators can say so with a truthy 'process_independent' entry.
-    return isinstance(position, Mapping) and (
-        bool(position.get("process_independent"))
-        or {"next_batch", "global_batch_size"} <= set(position)
-    )
+    return isinstance(position, Mapping) and (bool(position.get("process_independent")) or
+                                              {"next_batch", "global_batch_size"} <= set(position))
 
 
-def dataset_state_for_process(
-    meta: Mapping[str, Any],
-    process_index: int | None = None,
-    process_count: int | None = None,
-) -> Any:
+def dataset_state_for_process(meta: Mapping[str, Any], process_index: int | None = None,
+                              process_count: int | None = None) -> Any:
     """This process's data position from a checkpoint's metadata (None if none saved).
 
     A checkpoint written by the same number of processes gives each process its own
@@ -197,9 +168,8 @@ def dataset_state_for_process(
     """
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
-    positions = meta.get("dataset_states")
-    if positions is None:  # written by one process, or by an older jaxloop
-        positions = [meta.get("dataset_state")]
+    # (Only "dataset_state": written by one process, or by an older jaxloop.)
+    positions = meta.get("dataset_states") or [meta.get("dataset_state")]
     saved_count = int(meta.get("process_count", len(positions)))
     if all(p is None for p in positions):
         return None
@@ -212,38 +182,44 @@ def dataset_state_for_process(
         f"job has {process_count}: a per-process pipeline (e.g. grain with "
         "ShardByJaxProcess) cannot resume on another process count. Resume with "
         f"{saved_count} processes, or read the data with data.GlobalBatchDataset, whose "
-        "position does not depend on the process count."
-    )
+        "position does not depend on the process count.")
 
 
-def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shape = getattr(leaf, "shape", None)
-        if shape is not None:
-            out["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)] = tuple(
-                shape
-            )
-    return out
+def _key(k: Any) -> Any:
+    """A pytree path entry's key, as the tree spells it (dict key, attribute, index)."""
+    return next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    """'backbone/kernel' for a pytree key path."""
+    return "/".join(str(_key(k)) for k in path)
+
+
+def _named_leaves(tree: Any) -> dict[str, tuple[tuple[Any, ...], Any]]:
+    """name -> (key path, leaf) for every leaf of `tree`."""
+    return {_path_name(path): (path, leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(leaf.shape) for name, (_, leaf) in _named_leaves(tree).items()
+            if getattr(leaf, "shape", None) is not None}
 
 
 def check_compatible(saved: Any, target: Any, where: str, partial: bool = False) -> None:
     """Raises ValueError naming the first leaf whose structure or shape differs (with
     `partial`, leaves only in the checkpoint are fine)."""
-    saved_shapes, target_shapes = _flat_shapes(saved), _flat_shapes(target)
+    saved_shapes, target_shapes = _shapes(saved), _shapes(target)
     missing = sorted(set(target_shapes) - set(saved_shapes))
     extra = [] if partial else sorted(set(saved_shapes) - set(target_shapes))
     if missing or extra:
         raise ValueError(
             f"Checkpoint {where} does not match the state's structure: leaves missing from "
-            f"the checkpoint: {missing[:5]}; leaves only in the checkpoint: {extra[:5]}"
-        )
+            f"the checkpoint: {missing[:5]}; leaves only in the checkpoint: {extra[:5]}")
     for key, shape in target_shapes.items():
         if saved_shapes[key] != shape:
-            raise ValueError(
-                f"Checkpoint {where}: leaf {key} has shape {saved_shapes[key]}, but the state "
-                f"expects {shape}"
-            )
+            raise ValueError(f"Checkpoint {where}: leaf {key} has shape {saved_shapes[key]}, "
+                             f"but the state expects {shape}")
 
 
 def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> Any:
@@ -259,19 +235,15 @@ def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> A
     # shardings are read, so the restore needs no initialised state.
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype), sharding=s),
-        arrays,
-        shardings,
-    )
+        arrays, shardings)
 
 
 def _step_paths(directory: epath.Path) -> dict[int, epath.Path]:
     """Finalized step directories by step, whatever the manager's step naming."""
     if not directory.exists():
         return {}
-    return {
-        ocp.path.step.step_from_checkpoint_name(path.name): path
-        for path in ocp.path.step.checkpoint_steps_paths(directory)
-    }
+    return {ocp.path.step.step_from_checkpoint_name(path.name): path
+            for path in ocp.path.step.checkpoint_steps_paths(directory)}
 
 
 def all_steps(directory: Any) -> list[int]:
@@ -282,17 +254,14 @@ def all_steps(directory: Any) -> list[int]:
 
 def _reader(handlers: dict[str, Any]) -> ocp.Checkpointer:
     """A checkpointer reading these items (by name) of one checkpoint step directory."""
-    # Each process reads its own shards and answers for itself: no barrier across processes
-    # inside the restore, so a process whose read fails (a checkpoint deleted by the
-    # trainer's max_to_keep meanwhile) cannot leave the others waiting there. Callers that
-    # must act alike on a failure agree on it afterwards (see `OuterLoop`).
+    # Each process reads its own shards, with no barrier across processes: a process whose
+    # read fails (a checkpoint deleted by max_to_keep meanwhile) cannot leave the others
+    # waiting there. Callers that must act alike on a failure agree afterwards (`OuterLoop`).
     own = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=own, active_processes={own})
-    return ocp.Checkpointer(
-        ocp.CompositeCheckpointHandler(
-            composite_options=ocp.CompositeOptions(multiprocessing_options=alone), **handlers),
-        multiprocessing_options=alone,
-    )
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(multiprocessing_options=alone), **handlers),
+        multiprocessing_options=alone)
 
 
 def _step_path(directory: epath.Path, step: int | None) -> tuple[int, epath.Path] | None:
@@ -321,17 +290,20 @@ def _saved_tree(reader: ocp.Checkpointer, path: epath.Path, name: str) -> dict[s
     return dict(getattr(saved, "tree", saved))
 
 
+def _json(path: epath.Path, name: str, filename: str | None = None) -> dict[str, Any]:
+    """The JSON item `name` of the checkpoint at `path` ({} where it has none)."""
+    if not (path / name).exists():
+        return {}
+    with _reader({name: ocp.JsonCheckpointHandler(filename)}) as reader:
+        restored = reader.restore(path, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))
+    return dict(restored[name] or {})
+
+
 def read_meta(directory: Any, step: int) -> dict[str, Any]:
     """The JSON metadata saved with the checkpoint at `step` (loop count, data positions,
     early-stopping progress, a tracker's run id); {} for a single-item checkpoint, which
     has none. Any step naming (``step_prefix``, fixed length) is found."""
-    _, path = _step_path(epath.Path(directory), step)
-    if not (path / META_ITEM).exists():
-        return {}
-    with _reader({META_ITEM: ocp.JsonCheckpointHandler()}) as reader:
-        restored = reader.restore(
-            path, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
-    return dict(restored[META_ITEM] or {})
+    return _json(_step_path(epath.Path(directory), step)[1], META_ITEM)
 
 
 def _best_step(directory: epath.Path, metric: str, mode: str) -> int:
@@ -340,14 +312,11 @@ def _best_step(directory: epath.Path, metric: str, mode: str) -> int:
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     scores = {}
-    name = ocp.checkpoint_manager.METRIC_ITEM_NAME
-    with _reader({name: ocp.JsonCheckpointHandler(filename=name)}) as reader:
-        for step, path in _step_paths(directory).items():
-            if (path / name).exists():
-                args = ocp.args.Composite(**{name: ocp.args.JsonRestore()})
-                saved = reader.restore(path, args=args)[name] or {}
-                if metric in saved:
-                    scores[step] = float(saved[metric]) * (1 if mode == "max" else -1)
+    for step, path in _step_paths(directory).items():
+        name = ocp.checkpoint_manager.METRIC_ITEM_NAME  # (orbax's file is named alike)
+        saved = _json(path, name, filename=name)
+        if metric in saved:
+            scores[step] = float(saved[metric]) * (1 if mode == "max" else -1)
     if not scores:
         raise ValueError(f"No checkpoint with metric {metric!r} in {directory}")
     return max(scores, key=lambda step: (scores[step], step))
@@ -370,11 +339,8 @@ def _conform(target: Any, saved: Any) -> Any:
         if set(target) == {str(i) for i in range(len(saved))}:
             return [_conform(target[str(i)], saved[i]) for i in range(len(saved))]
     if isinstance(saved, Mapping) and isinstance(target, Mapping):
-        return {
-            k: _conform(v, saved[k]) if k in saved else v
-            for k, v in target.items()
-            if k in saved or _has_arrays(v)
-        }
+        return {k: _conform(v, saved[k]) if k in saved else v
+                for k, v in target.items() if k in saved or _has_arrays(v)}
     if saved is None and not _has_arrays(target):
         return None
     return target
@@ -386,51 +352,36 @@ def _unconform(restored: Any, target: Any) -> Any:
         if isinstance(restored, list | tuple):
             return {k: _unconform(restored[int(k)], v) for k, v in target.items()}
         restored = restored if isinstance(restored, Mapping) else {}
-        return {
-            k: _unconform(restored[k], v) if k in restored else v for k, v in target.items()
-        }
+        return {k: _unconform(restored[k], v) if k in restored else v
+                for k, v in target.items()}
     if restored is None and not _has_arrays(target):
         return target
     return restored
 
 
-def restore(
-    state: State,
-    directory: Any,
-    step: int | None = None,
-    partitioner: Any = None,
-    skip_optimizer: bool = False,
-    transforms: Any = None,
-    dataset: Iterator[Any] | None = None,
-    *,
-    best: str | None = None,
-    mode: str = "min",
-    partial: bool = False,
-) -> tuple[State, dict[str, Any]]:
+def restore(state: State, directory: Any, step: int | None = None, partitioner: Any = None,
+            skip_optimizer: bool = False, transforms: Any = None,
+            dataset: Iterator[Any] | None = None, *, best: str | None = None,
+            mode: str = "min", partial: bool = False) -> tuple[State, dict[str, Any]]:
     """Restores the checkpoint at `step` (latest if None); returns (state, metadata).
 
-    The one function that reads a checkpoint: `Step.restore_model`, `OuterLoop`,
-    `restore_state`, `restore_best` and `warm_start` call it. It reads the checkpoint's
-    metadata once, then the arrays and the JSON item together, and logs "Resumed from step
-    <N> of <dir>".
+    The one function that reads a checkpoint: its tree metadata once, then the arrays and
+    the JSON item together; it logs "Resumed from step <N> of <dir>".
 
-    `state` may be abstract (`Step.abstract_state`): the arrays are read straight into
-    place. With `skip_optimizer` the optimizer state is not read and the given one is kept
-    (an evaluation state has no optimizer to restore into). With `best`, the checkpoint
-    whose saved metrics have the lowest (`mode` ``'min'``) or highest (``'max'``) `best`
-    (as `BestCheckpointAction` saves them) is restored instead of `step`. With `partial`,
-    `state` may hold only some of the checkpoint's leaves (a dict of its names) and only
-    those are read (`warm_start` reads parameters this way).
+    `state` may be abstract (`Step.abstract_state`): arrays are read straight into place.
+    `skip_optimizer` keeps the given optimizer state (an eval state has none to restore).
+    `best` restores the checkpoint whose saved metrics (`BestCheckpointAction`'s) have the
+    lowest (`mode` ``'min'``) or highest (``'max'``) value of that metric. With `partial`,
+    `state` may hold some of the checkpoint's leaves only (a dict of its names): only those
+    are read (`warm_start` reads parameters this way).
 
-    Arrays are placed where `partitioner` places `state` (or where the given state's arrays
-    are). Given the train iterator as `dataset`, this also moves it to the data position
-    saved for this process (`restore_data_position`), so a loop called directly continues
-    where the run stood; the metadata holds the positions either way. A training restore
-    (no `skip_optimizer`) without `dataset` whose saved positions do not fit this job's
-    process count logs a warning: the data would start over. With no checkpoint in
-    `directory`, logs "No checkpoint found in <dir>" and returns `state` unchanged. A
-    checkpoint whose structure or shapes differ from `state` is a ValueError naming the
-    leaf; an unreadable one raises, never a silent fresh start.
+    Arrays are placed where `partitioner` places `state` (else where its arrays are). Given
+    the train iterator as `dataset`, this moves it to this process's saved data position
+    (`restore_data_position`), so a loop called directly continues where the run stood; a
+    training restore (no `skip_optimizer`) without it whose saved positions do not fit this
+    job's process count logs a warning. With no checkpoint in `directory`, logs "No
+    checkpoint found in <dir>" and returns `state`. A structure or shape mismatch is a
+    ValueError naming the leaf; an unreadable checkpoint raises, never a silent fresh start.
 
     `transforms` are orbax restore transforms (``PyTreeRestore(transforms=...)``), keyed
     by '/'-joined paths of the state dict (regular expressions allowed), e.g. to start a
@@ -438,13 +389,6 @@ def restore(
 
         state, _ = checkpoint.restore(
             state, ckpt_dir, transforms={r'params/head/.*': ocp.Transform(use_fallback=True)})
-
-    Keys the transforms do not name are restored from the checkpoint unchanged.
-
-    Example, resume a train loop called directly::
-
-        state, meta = checkpoint.restore(state, ckpt_dir, partitioner=partitioner, dataset=it)
-        state, outputs = train_loop(state, it, num_steps=100)
 
     Raises:
       ValueError: no checkpoint for `step` (or none with metric `best`); a structure or
@@ -463,10 +407,8 @@ def restore(
     skip = ("opt_state",) if skip_optimizer else ()
     target = _abstract_target(state, partitioner, skip)
     with _reader(handlers) as reader:
-        saved = {
-            k: v for k, v in _saved_tree(reader, path, name).items()
-            if k not in skip and not (k == _LEGACY_POSITION and k not in target)
-        }
+        saved = {k: v for k, v in _saved_tree(reader, path, name).items()
+                 if k not in skip and not (k == _LEGACY_POSITION and k not in target)}
         if transforms is None:
             item = _conform(target, saved)
             check_compatible(saved, item, str(path), partial)
@@ -493,30 +435,21 @@ def restore(
         try:
             dataset_state_for_process(meta)
         except ValueError as e:
-            log.warning(
-                "Checkpoint step %d in %s: its data positions are not restored, so a train "
-                "loop given this state reads its data from the start. %s", step, directory, e
-            )
+            log.warning("Checkpoint step %d in %s: its data positions are not restored, so a "
+                        "train loop given this state reads its data from the start. %s",
+                        step, directory, e)
     return new_state, meta
 
 
-def restore_state(
-    state: State,
-    directory: Any,
-    step: int | None = None,
-    partitioner: Any = None,
-    skip_optimizer: bool = False,
-    transforms: Any = None,
-    dataset: Iterator[Any] | None = None,
-) -> State:
+def restore_state(state: State, directory: Any, step: int | None = None,
+                  partitioner: Any = None, skip_optimizer: bool = False, transforms: Any = None,
+                  dataset: Iterator[Any] | None = None) -> State:
     """`restore` without the metadata: the state alone."""
     return restore(state, directory, step, partitioner, skip_optimizer, transforms, dataset)[0]
 
 
-def restore_best(
-    state: State, directory: Any, metric: str, mode: str = "min", partitioner: Any = None,
-    skip_optimizer: bool = False,
-) -> State:
+def restore_best(state: State, directory: Any, metric: str, mode: str = "min",
+                 partitioner: Any = None, skip_optimizer: bool = False) -> State:
     """Restores the best checkpoint (by `metric`, as saved by BestCheckpointAction): `restore`
     with ``best=metric``."""
     return restore(state, directory, partitioner=partitioner, skip_optimizer=skip_optimizer,
@@ -526,11 +459,6 @@ def restore_best(
 def restore_data_position(dataset: Iterator[Any], meta: Mapping[str, Any]) -> bool:
     """Moves `dataset` (the train iterator) to this process's data position in a
     checkpoint's metadata (`restore`, `read_meta`); returns whether one was saved.
-
-    Example::
-
-        state, meta = checkpoint.restore(state, ckpt_dir)
-        checkpoint.restore_data_position(it, meta)  # what restore(..., dataset=it) does
 
     Raises:
       ValueError: positions saved by another number of processes that only fit their own
@@ -551,27 +479,6 @@ def restore_data_position(dataset: Iterator[Any], meta: Mapping[str, Any]) -> bo
 PARAMS_KEY = "params"
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
-    """'backbone/kernel' for a pytree key path (dict keys, attributes, sequence indices)."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
-def _named_leaves(tree: Any) -> dict[str, tuple[tuple[Any, ...], Any]]:
-    """name -> (key path, leaf) for every leaf of `tree`."""
-    return {
-        _path_name(path): (path, leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
-
-
 def _renamer(rename: Any) -> Any:
     """A function checkpoint name -> target name (None: not loaded) from `rename`."""
     if rename is None:
@@ -579,54 +486,29 @@ def _renamer(rename: Any) -> Any:
     if callable(rename):
         return rename
     if not isinstance(rename, dict):
-        raise TypeError(
-            f"`rename` must be a dict of name prefixes or a callable, got {type(rename).__name__}"
-        )
+        raise TypeError(f"`rename` must be a dict of name prefixes or a callable, got "
+                        f"{type(rename).__name__}")
     for old, new in rename.items():
         if not isinstance(old, str) or not (new is None or isinstance(new, str)):
-            raise TypeError(
-                f"`rename` maps checkpoint name prefixes (str) to target prefixes (str, or None "
-                f"to skip them); got {old!r}: {new!r}"
-            )
+            raise TypeError(f"`rename` maps checkpoint name prefixes (str) to target prefixes "
+                            f"(str, or None to skip them); got {old!r}: {new!r}")
     # The longest matching prefix wins, so {'a/': 'x/', 'a/b/': None} drops a/b/ only.
     prefixes = sorted(rename, key=len, reverse=True)
 
     def apply(name: str) -> str | None:
-        for old in prefixes:
-            if name.startswith(old):
-                new = rename[old]
-                return None if new is None else new + name[len(old):]
-        return name
+        old = next((old for old in prefixes if name.startswith(old)), None)
+        if old is None:
+            return name
+        return None if rename[old] is None else rename[old] + name[len(old):]
 
     return apply
 
 
-def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[Any, Any]:
-    """A nested dict from {key path: leaf} (dict keys as the checkpoint spells them)."""
-    out: dict[Any, Any] = {}
-    for path, leaf in flat.items():
-        node = out
-        keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = leaf
-    return out
-
-
-def warm_start(
-    state: State,
-    directory: Any,
-    step: int | None = None,
-    *,
-    rename: dict[str, str | None] | Callable[[str], str | None] | None = None,
-    strict: bool = True,
-    partitioner: Any = None,
-) -> State:
-    """Loads only the parameters of another run's checkpoint into a fresh `state`.
-
-    The optimizer state, the step and everything else in `state` stay as given. `directory`
-    holds checkpoints written by jaxloop (`CheckpointAction`, `save`) or the Jaxloop guide's
-    way (a single-item manager saving a whole state); `step` picks one (latest if None).
+def warm_start(state: State, directory: Any, step: int | None = None, *,
+               rename: dict[str, str | None] | Callable[[str], str | None] | None = None,
+               strict: bool = True, partitioner: Any = None) -> State:
+    """Loads only the parameters of another run's checkpoint (jaxloop's or the guide's
+    layout; `step`, latest if None) into a fresh `state`; all else stays as given.
 
     Names are the parameters' paths joined by '/', e.g. ``'backbone/Dense_0/kernel'``.
     `rename` maps checkpoint names to the state's names: a dict of prefixes
@@ -638,8 +520,7 @@ def warm_start(
     ValueError listing them; otherwise they are logged. A parameter whose shape differs is
     always a ValueError naming it and both shapes (drop it with `rename` to keep it fresh).
     Each loaded parameter is cast to the dtype of, and placed like, the state's parameter
-    (by `partitioner` where given, else where the given array lives). The read is `restore`
-    with orbax transforms that rename the loaded parameters and keep everything else.
+    (by `partitioner`, else where the given array lives): a partial `restore` of them alone.
 
     Example, fine-tune with a new 3-class head from a 10-class run::
 
@@ -652,11 +533,10 @@ def warm_start(
         raise ValueError(f"Warm start: no checkpoint in {directory}")
     step, path = found
     rename_fn = _renamer(rename)
-    # The state's parameters as saved (the same names the checkpoint uses) and as targets:
-    # shape, dtype and placement of each.
     arrays = state_arrays(state)
     if PARAMS_KEY not in arrays:
         raise ValueError(f"Warm start: the state has no {PARAMS_KEY!r}; it has {sorted(arrays)}")
+    # Each parameter's shape, dtype and placement, by name.
     others = tuple(k for k in arrays if k != PARAMS_KEY)
     targets = _named_leaves(_abstract_target(state, partitioner, others)[PARAMS_KEY])
     name, handlers = _layout(path)
@@ -695,20 +575,18 @@ def warm_start(
             f"Warm start from {path}: missing from the checkpoint (kept fresh if "
             f"strict=False): {missing}; unexpected in the checkpoint (not in the state): "
             f"{sorted(unexpected)}. Use `rename` to map names or strict=False.")
-    if missing:
-        log.warning("Warm start from %s: parameters missing from the checkpoint, kept "
-                    "fresh: %s", path, missing)
-    if unexpected:
-        log.warning("Warm start from %s: checkpoint parameters not in the state, not "
-                    "loaded: %s", path, sorted(unexpected))
+    if missing or unexpected:
+        log.warning("Warm start from %s: parameters missing from the checkpoint, kept fresh: "
+                    "%s; checkpoint parameters not in the state, not loaded: %s",
+                    path, missing, sorted(unexpected))
 
     loaded = {}
     if loads:
         # A partial restore of just the chosen leaves under their checkpoint names, each
         # shaped, typed and placed as its target; the rest (optimizer state, step) is never
         # read. (Orbax's renaming transforms would match every name against every other.)
-        item = {PARAMS_KEY: _nest({sources[old][0]: targets[new][1]
-                                   for new, old in loads.items()})}
+        item = {PARAMS_KEY: traverse_util.unflatten_dict(
+            {tuple(map(_key, sources[old][0])): targets[new][1] for new, old in loads.items()})}
         # (skip_optimizer: another run's data positions are no concern of this state's.)
         restored, _ = restore(item, directory, step, skip_optimizer=True, partial=True)
         loaded = {n: leaf for n, (_, leaf) in _named_leaves(restored[PARAMS_KEY]).items()}
