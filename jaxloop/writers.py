@@ -216,6 +216,9 @@ class SummaryWriter(_ContextManagerMixin):
         self._lock = threading.Lock()
         self._closed = False
         self._events = _events_file(self._logdir)
+        # Closes the file once: at `close`, or when the writer is collected or Python exits
+        # (what is written is then on disk even if nobody closed the writer).
+        self._close_events = weakref.finalize(self, self._events.close)
         self._flushed_at = time.monotonic()
 
     @property
@@ -312,8 +315,7 @@ class SummaryWriter(_ContextManagerMixin):
 
     def close(self) -> None:
         with self._lock:
-            if not self._closed:
-                self._events.close()
+            self._close_events()
             self._closed = True
 
 
