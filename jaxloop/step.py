@@ -299,7 +299,7 @@ class Step:
         """
         from jaxloop import checkpoint  # noqa: PLC0415 (orbax is heavy; import when used)
 
-        restored = checkpoint.restore_state(
+        restored, _ = checkpoint.restore(
             state, checkpoint_dir, step, self._partitioner, skip_optimizer=not self._train,
             transforms=transforms,
         )
