@@ -56,14 +56,23 @@ _LEGACY_POSITION = "dataset_state"
 _SINGLE_LAYOUT: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
+def _absolute(directory: Any) -> epath.Path:
+    """`directory` as an absolute path (orbax's array readers and writers refuse relative
+    ones): a notebook's ``'ckpt'`` is taken from the current directory."""
+    path = epath.Path(directory)
+    return path if path.is_absolute() else path.absolute()
+
+
 def make_manager(
     directory: Any, *, max_to_keep: int | None = 3, async_save: bool = True, **options: Any
 ) -> ocp.CheckpointManager:
     """A CheckpointManager for jaxloop's two-item layout (state arrays + JSON metadata).
 
     Extra keyword arguments go to `ocp.CheckpointManagerOptions` (for example
-    ``best_fn=...``, ``keep_period=...``).
+    ``best_fn=...``, ``keep_period=...``). A relative `directory` is taken from the current
+    directory (a notebook's ``make_manager('ckpt')``: orbax's writers need absolute paths).
     """
+    directory = _absolute(directory)
     if "multiprocessing_options" not in options:
         # orbax names its cross-process barriers by step; two managers saving the same step
         # (latest and best) in a multi-process job would collide without a distinct prefix.
@@ -72,8 +81,7 @@ def make_manager(
             barrier_sync_key_prefix=f"jaxloop-{name}")
     opts = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, **options)
-    manager = ocp.CheckpointManager(
-        epath.Path(directory), options=opts, item_names=(STATE_ITEM, META_ITEM))
+    manager = ocp.CheckpointManager(directory, options=opts, item_names=(STATE_ITEM, META_ITEM))
     _SINGLE_LAYOUT[manager] = False
     return manager
 
@@ -395,7 +403,7 @@ def restore(state: State, directory: Any, step: int | None = None, partitioner: 
         shape mismatch; with `dataset`, positions saved by another number of processes for
         a per-process pipeline, or an iterator that cannot take a position.
     """
-    directory = epath.Path(directory)
+    directory = _absolute(directory)
     if best is not None:
         step = _best_step(directory, best, mode)
     found = _step_path(directory, step)

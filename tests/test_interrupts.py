@@ -248,7 +248,7 @@ SETUP = textwrap.dedent("""
 
     step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
     evaluate = ClassifierStep(jax.random.key(0), LinenMLP())
-    manager = checkpoint.make_manager(os.path.abspath("ckpt"))
+    manager = checkpoint.make_manager("ckpt")  # relative, as a notebook writes it
     outer = outer_loop.OuterLoop(
         train_loop=train_loop.TrainLoop(
             step, end_actions=[Ready(), actions.CheckpointAction(manager, interval=10**6)]),

@@ -163,3 +163,17 @@ def test_a_jaxloop_manager_continuing_a_guide_way_directory_saves_jaxloop_s_layo
     assert checkpoint.all_steps(tmp_path) == [2, 4]
     assert checkpoint.read_meta(tmp_path, 2) == {}
     assert checkpoint.read_meta(tmp_path, 4)["loop_count"] == 2
+
+
+def test_a_relative_checkpoint_directory_saves_and_restores(tmp_path, monkeypatch):
+    # A notebook writes make_manager('ckpt'); orbax's writers need absolute paths.
+    monkeypatch.chdir(tmp_path)
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    state = step.initialize_model([1, 16])
+    manager = checkpoint.make_manager("ckpt")
+    checkpoint.save(manager, 0, state)
+    manager.wait_until_finished()
+    assert checkpoint.all_steps(tmp_path / "ckpt") == [0]
+    restored = step.restore_model(step.abstract_state([1, 16]), "ckpt")
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.params),
+                 jax.tree.map(np.asarray, state.params))
