@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jaxloop import agreement, checkpoint, stop_handler, types
+from jaxloop import agreement, checkpoint, stop_handler, triggers, types
 from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
 
 Output = types.Output
@@ -46,16 +46,35 @@ log = logging.getLogger(__name__)
 
 
 class Action:
-    """Base class for actions: holds the interval and defines the call signature."""
+    """Base class for actions: holds the interval (or a `triggers.Trigger`, which then
+    decides when it fires, in global train steps or seconds) and defines the call signature.
 
-    def __init__(self, interval: int = 1):
+    Example::
+
+        SummaryAction(writer).with_trigger(triggers.Trigger(at_steps=(1, 10), every_secs=60))
+    """
+
+    def __init__(self, interval: int = 1, trigger: triggers.Trigger | None = None):
         if not isinstance(interval, int) or interval <= 0:
             raise ValueError(f"`interval` must be a positive integer, got {interval!r}")
         self._interval = interval
+        self.with_trigger(trigger)
 
     @property
     def interval(self) -> int:
         return self._interval
+
+    @property
+    def trigger(self) -> triggers.Trigger | None:
+        """What decides when this action fires (None: every `interval`)."""
+        return getattr(self, "_trigger", None)
+
+    def with_trigger(self, trigger: triggers.Trigger | None) -> Action:
+        """Has `trigger` decide when this action fires; returns the action."""
+        if trigger is not None and not isinstance(trigger, triggers.Trigger):
+            raise TypeError(f"`trigger` must be a triggers.Trigger, got {trigger!r}")
+        self._trigger = trigger
+        return self
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> Any:
         raise NotImplementedError("Action subclasses implement __call__(state, outputs, **kw)")

@@ -8,12 +8,15 @@ Modes:
   ``STOPPED`` marker (beside the checkpoint directory, see `stop_marker_path`) or
   ``iterate_stop_fn()`` says stop; without one it evaluates the given state once. It
   returns the last eval loop's state and outputs. A checkpoint the trainer's
-  ``max_to_keep`` deletes before it is read is skipped with a warning.
+  ``max_to_keep`` deletes before it is read (its directory is gone) is skipped with a
+  warning; one that is there but does not restore (a corrupt file, another model's shapes)
+  is a ValueError naming its step and the cause.
 
 With several processes every decision that gates a collective is process 0's, taken by all
 (`agreement`): which checkpoint training resumes from, which checkpoints continuous eval
 reads, whether the marker or ``iterate_stop_fn()`` ends it, and whether a checkpoint that
-failed to restore on any process is skipped; so every process evaluates the same steps.
+failed to restore on any process is gone (skipped) or an error; so every process evaluates
+the same steps.
 
 The schedule is a function of the step: with ``train_loop_steps=n`` train loops end at
 multiples of n (and at ``train_total_steps``). A resumed run keeps it: the loop count comes
@@ -58,8 +61,10 @@ from etils import epath
 
 from jaxloop import actions as actions_lib
 from jaxloop import agreement, async_action_context, checkpoint, preemption, stop_handler, types
+from jaxloop import debugging as debugging_lib
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import history as history_lib
+from jaxloop import param_table as param_table_lib
 from jaxloop import train_loop as train_loop_lib
 
 Output = types.Output
@@ -75,6 +80,9 @@ _HISTORY_META = "history"
 # includes a loop that the resumed run finishes.
 _LOOP_PARTIAL_META = "loop_partial"
 DEFAULT_ITERATE_INTERVAL_SECS = 10.0
+# How long continuous eval waits for the directory of a checkpoint that failed to restore to
+# disappear (a deletion under way) before it takes the failure for an error.
+_DELETION_SECS = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +237,9 @@ class OuterLoop:
         current step runs (0: none), through `Loop.prefetching`: the loops still receive
         the very iterator you pass (custom loops may check it, read its attributes, call
         its methods), and its saved position counts only the batches trained on.
+      disable_jit / post_mortem: debugging switches (`jaxloop.debugging`): steps run
+        without jit; an error in a step or action enters the post-mortem debugger in an
+        interactive session. None: from ``JAXLOOP_DISABLE_JIT`` / ``JAXLOOP_POST_MORTEM``.
 
     Stopping: Ctrl-C (a notebook's Stop) ends training at the next step boundary (an
     evaluation at its next batch), SIGTERM or `preemption.request()` at the next step (the
@@ -246,7 +257,10 @@ class OuterLoop:
         checkpoint_spec: CheckpointSpec | None = None,
         progress: bool | None = None,
         prefetch: int = 2,
+        disable_jit: bool | None = None,
+        post_mortem: bool | None = None,
     ):
+        self._debugging = (disable_jit, post_mortem)
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self._train_loop = train_loop
@@ -318,7 +332,8 @@ class OuterLoop:
         """
         specs = self._check_eval_specs(eval_specs)
         if self._train_loop is None:
-            with self.history.recording(None, self._eval_loops):
+            with (self.history.recording(None, self._eval_loops),
+                  debugging_lib.session(*self._debugging)):
                 return self._evaluate_only(state, specs)
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
@@ -326,7 +341,8 @@ class OuterLoop:
                             ("train_loop_steps", train_loop_steps)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        with self.history.recording(self._train_loop, self._eval_loops):
+        with (self.history.recording(self._train_loop, self._eval_loops),
+              debugging_lib.session(*self._debugging)):
             return self._train(
                 state, train_dataset, train_total_steps, train_loop_steps, specs,
                 log_train_total_steps,
@@ -365,15 +381,14 @@ class OuterLoop:
         # directory may show processes different contents at the same moment).
         steps = agreement.agreed(lambda: checkpoint.all_steps(spec.checkpoint_dir))
         latest = max(steps) if steps else None
-        restored = step.restore_model(
-            state, spec.checkpoint_dir, step=latest, transforms=spec.transforms
-        )
+        # One read: the arrays, and the host data that lives beside them (the iterator
+        # takes its position here, the loop its count and early stopping its progress below).
+        restored, meta = checkpoint.restore(
+            state, spec.checkpoint_dir, step=latest, partitioner=step.partitioner,
+            skip_optimizer=not step.train, transforms=spec.transforms, dataset=iterator)
+        restored = step.materialize(restored)
         if latest is None:
             return restored, False
-        # Host data lives beside the state: the iterator takes its position, the loop its
-        # count, early stopping its progress.
-        meta = checkpoint.read_meta(spec.checkpoint_dir, latest)
-        checkpoint.restore_data_position(iterator, meta)
         loop_count, partial = _resumed_loop_count(meta, latest, loop_steps)
         if loop_count is not None:
             self._train_loop.loop_count = loop_count
@@ -403,6 +418,7 @@ class OuterLoop:
         given = state
         # A run resumed inside a loop finishes that loop first, to its boundary.
         state, align = self._restore(state, iterator, loop_steps)
+        param_table_lib.log_table(state)  # process 0 logs the state's layout
         # A state restored or built here is this run's own: the train loop donates it
         # without a copy. The caller's own state is copied once by the first train loop.
         owned = state is not given
@@ -588,7 +604,12 @@ class OuterLoop:
 
     def _restore_for_eval(self, state: State, directory: epath.Path, step: int) -> State | None:
         """The checkpoint at `step` restored into `state`, or None (on every process) when
-        the trainer's max_to_keep removed it meanwhile."""
+        its directory is gone (the trainer's max_to_keep removed it meanwhile).
+
+        Raises:
+          ValueError: the checkpoint is there but does not restore (a corrupt file, another
+            model's shapes), naming the step and the cause, on every process.
+        """
         restored, error = None, None
         try:
             restored = self._eval_loops[0].step.restore_model(
@@ -599,24 +620,26 @@ class OuterLoop:
         failures = agreement.gathered(None if error is None else f"{type(error).__name__}: {error}")
         if not any(failures):
             return restored
+        causes = "; ".join(f"process {i}: {text}" for i, text in enumerate(failures) if text)
+        # Process 0 looks, and every process skips or raises alike.
+        if agreement.agreed(lambda: _deleted(directory, step)):
+            log.warning("Checkpoint step %d in %s was deleted before it could be evaluated "
+                        "(max_to_keep?); skipping it. (%s)", step, directory, causes)
+            return None
+        raise ValueError(f"Checkpoint step {step} in {directory} failed to restore for "
+                         f"evaluation: {causes}") from error
 
-        def taken_away() -> bool:
-            # Gone, or older than the newest checkpoint (max_to_keep deletes older ones
-            # only, so it may be deleting this one); the newest failing is an error.
-            steps = checkpoint.all_steps(directory)
-            return step not in steps or max(steps) > step
 
-        if not agreement.agreed(taken_away):  # process 0 looks: all skip or raise alike
-            if error is not None:
-                raise error
-            failed = {i: text for i, text in enumerate(failures) if text}
-            raise RuntimeError(f"Checkpoint step {step} in {directory} failed to restore on "
-                               f"other processes: {failed}")
-        log.warning(
-            "Checkpoint step %d in %s was deleted before it could be evaluated "
-            "(max_to_keep?); skipping it. (%s)", step, directory,
-            "; ".join(f"process {i}: {text}" for i, text in enumerate(failures) if text))
-        return None
+def _deleted(directory: epath.Path, step: int) -> bool:
+    """Whether checkpoint `step` has left `directory`, or is leaving it: a deletion
+    (max_to_keep's) removes the files first and the step's directory last, so a read that
+    failed midway may still see it for a moment."""
+    deadline = time.monotonic() + _DELETION_SECS
+    while step in checkpoint.all_steps(directory):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _last(results: Sequence[Output | None]) -> Output | None:

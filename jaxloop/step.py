@@ -40,6 +40,7 @@ from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
 from jaxloop import precision as precision_lib
 from jaxloop import program as program_lib
+from jaxloop import sown as sown_lib
 
 Batch = types.Batch
 Output = types.Output
@@ -88,6 +89,9 @@ class Step:
         `precision.get_policy`). The model's ``apply_fn`` casts parameters and floating
         inputs to the compute dtype and outputs to the output dtype; new parameters are
         stored in the param dtype. None (the default) leaves the model untouched.
+      sown: flax collections the model sows into (e.g. ``('intermediates',)``), added to
+        the outputs as ``'<collection>/<path>'`` (see `jaxloop.sown`); scalars only unless
+        ``sown_scalars_only=False``.
       **nnx_model_kwargs: keyword arguments for an nnx module class.
     """
 
@@ -118,8 +122,12 @@ class Step:
         begin_actions: Sequence[Any] | None = None,
         end_actions: Sequence[Any] | None = None,
         dtype_policy: precision_lib.Policy | str | None = None,
+        sown: Sequence[str] = (),
+        sown_scalars_only: bool = True,
         **nnx_model_kwargs: Any,
     ):
+        self._sown = (sown,) if isinstance(sown, str) else tuple(sown)
+        self._sown_scalars_only = sown_scalars_only
         self._dtype_policy = precision_lib.get_policy(dtype_policy)
         self._state_builder = model_state.StateBuilder(
             model_lib.adapt(model, nnx_model_args, nnx_model_kwargs), optimizer,
@@ -291,7 +299,7 @@ class Step:
         """
         from jaxloop import checkpoint  # noqa: PLC0415 (orbax is heavy; import when used)
 
-        restored = checkpoint.restore_state(
+        restored, _ = checkpoint.restore(
             state, checkpoint_dir, step, self._partitioner, skip_optimizer=not self._train,
             transforms=transforms,
         )
@@ -472,7 +480,11 @@ class Step:
                      **kwargs: Any) -> tuple[State, Output | None]:
         # nnx models follow this step's mode while `run` is traced (see model.training_mode).
         with model_lib.training_mode(self._train):
-            return self.run(state, batch, *args, **kwargs)
+            if not self._sown:
+                return self.run(state, batch, *args, **kwargs)
+            recording, recorder = sown_lib.record(state, self._sown, self._sown_scalars_only)
+            new_state, outputs = self.run(recording, batch, *args, **kwargs)
+            return sown_lib.restored(new_state, state), recorder.outputs(outputs)
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         """Runs on the host after each compiled call, on the outputs it returned.
