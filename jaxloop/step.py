@@ -60,7 +60,8 @@ _IDENTITY = optax.identity()
 
 
 def _index(tree: Any, i: int) -> Any:
-    return jax.tree.map(lambda x: x[i], tree)
+    # A static slice: `x[i]` would send the index to the devices first.
+    return jax.tree.map(lambda x: jax.lax.index_in_dim(x, i, keepdims=False), tree)
 
 
 class Step:
