@@ -534,6 +534,11 @@ class GlobalBatchDataset(Iterable[Batch]):
         return {**batch, self.mask_key: real}
 
 
+# Batches a GlobalBatchIterator with workers keeps to step back without restarting them:
+# more than an OuterLoop prefetcher reads ahead (2 * prefetch + 1 at its default of 2).
+_REPLAYABLE = 8
+
+
 def _absl_flags_usable() -> None:
     """Lets grain's worker processes start where absl never parsed the command line (a
     script or notebook not run by ``absl.app``): grain reads an absl flag of its own when it
@@ -559,6 +564,12 @@ class GlobalBatchIterator(Iterator[Batch]):
         self._dataset = dataset
         self._next_batch = 0
         self._iterator: Any = None  # made at the first read: workers start only if used
+        # With workers, the last batches returned, so that a position a few batches back
+        # (where a prefetcher that read ahead hands the iterator back) is restored without
+        # restarting the workers; and the batches to return again before reading on.
+        self._recent: collections.deque = collections.deque(
+            maxlen=_REPLAYABLE if dataset.num_workers else 0)
+        self._replay: collections.deque = collections.deque()
 
     def _open(self) -> Iterator[Batch]:
         ds = self._dataset
@@ -570,15 +581,21 @@ class GlobalBatchIterator(Iterator[Batch]):
         return iter(pipeline)
 
     def __next__(self) -> Batch:
-        if self._iterator is None:
-            self._iterator = self._open()
-        batch = next(self._iterator)
+        if self._replay:
+            batch = self._replay.popleft()
+        else:
+            if self._iterator is None:
+                self._iterator = self._open()
+            batch = next(self._iterator)
+        self._recent.append(batch)
         self._next_batch += 1
         return batch
 
     def close(self) -> None:
         """Stops the worker processes (if any); a later read starts them again."""
         iterator, self._iterator = self._iterator, None
+        self._recent.clear()
+        self._replay.clear()
         close = getattr(iterator, "close", None)
         if callable(close):
             close()
@@ -611,9 +628,13 @@ class GlobalBatchIterator(Iterator[Batch]):
                 f"next_batch={next_batch} is outside this dataset's "
                 f"{len(self._dataset.batches)} batches."
             )
-        if next_batch != self._next_batch:
+        back = self._next_batch - next_batch
+        if 0 < back <= len(self._recent):
+            for _ in range(back):  # read again, the workers running on
+                self._replay.appendleft(self._recent.pop())
+        elif back:
             self.close()
-            self._next_batch = next_batch
+        self._next_batch = next_batch
 
 
 def pad_to_global_batches(
