@@ -3,8 +3,9 @@
 The loops accept a dataset in whichever form the user has it and turn it into an iterator
 with `as_iterator`. For multi-host training `GlobalBatchDataset` defines the batches
 globally, so the data a run sees does not depend on how many processes read it, and its
-iterator state (a global batch index) restores under any process count.
-`prefetch_to_device` overlaps host-side reading and the host-to-device copy with the step.
+iterator state (a global batch index) restores under any process count; with
+``num_workers`` its per-record work runs in grain worker processes. `prefetch_to_device`
+overlaps host-side reading and the host-to-device copy with the step.
 `pad_to_global_batches` gives every process the same number of eval steps and a mask that
 marks the real examples, so eval covers each example exactly once.
 

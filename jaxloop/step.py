@@ -117,6 +117,7 @@ class Step:
         self._should_shard_batch = should_shard_batch
         self._begin_actions = list(begin_actions or [])
         self._end_actions = list(end_actions or [])
+        self._overrides_shard_batch = type(self).shard_batch is not Step.shard_batch
         self._jit_kwargs: dict[str, Any] = {}
         # The single step's program (key None) and those of executions of several steps
         # (`call_steps`), by (size, carry_state, unrolled): a loop uses one of the latter
@@ -478,15 +479,23 @@ class Step:
         size = count if size is None else size
         first, last = per_loop_step_number, per_loop_step_number + count - 1
         step_actions.check_none_inside(self._begin_actions, self._end_actions, first, last)
-        # Each batch is placed once (a prefetched one already is); the stack holds only
-        # the real batches' data, and the entries past them are made on the devices.
-        placed = [self._placed(b) for b in batches]
-        stacked = staging.stack(placed, size, self._partitioner, shard=self._should_shard_batch)
-        if self._begin_actions:  # the first step's batch, placed: no slice of the stack
-            step_actions.fire(self._begin_actions, True, first, state, batch=placed[0])
+        # The stack holds only the real batches' data: prefetched ones are on the devices
+        # already; host ones are stacked on the host and sent in one transfer (placed one
+        # by one only through an overridden `shard_batch`). Entries past them are made on
+        # the devices.
+        ready = [b.batch if isinstance(b, PreparedBatch)
+                 else self._placed(b) if self._overrides_shard_batch
+                 else self.preprocess_batch(b) for b in batches]
+        stacked = staging.stack(ready, size, self._partitioner, shard=self._should_shard_batch)
+        first_batch = ready[0]
+        if any(action_fires(a, first, True) for a in self._begin_actions):
+            # Placed for the actions only on the steps where one fires.
+            first_batch = self._placed(first_batch, preprocessed=True)
+            step_actions.fire(self._begin_actions, True, first, state, batch=first_batch)
         state, stacked = self.begin(state, stacked)
         if log_num_flops:
-            self.compute_num_flops(state, placed[0], **kwargs)
+            self.compute_num_flops(state, self._placed(first_batch, preprocessed=True),
+                                   **kwargs)
         program = self._program(size, carry_state, unroll)
         new_state, outputs = program(state, stacked, count, **kwargs)
         state = new_state if carry_state else state
