@@ -429,6 +429,9 @@ class Step:
         ``batch_preprocessed=True`` (a keyword the reference reads, passed on to `run` with
         the others) skips `preprocess_batch`."""
         program = self._program()
+        # Placed even where nothing looks at it before the program: jit traces a host batch
+        # and a placed one as two programs (measured: a second compile), so every path
+        # hands the program placed arrays.
         batch = self._placed(batch, kwargs.get("batch_preprocessed", False))
         step_actions.fire(self._begin_actions, True, per_loop_step_number, state, batch=batch)
         state, batch = self.begin(state, batch)
