@@ -133,29 +133,32 @@ def for_program(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
 def place(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
     """This process's batch as global arrays placed by `batch_shardings`: with P processes
     the global batch is P times larger. Leaves already placed so pass through."""
-    shardings = batch_shardings(partitioner, batch, stacked)
     if jax.process_count() == 1:
-        # One process holds the whole global batch: one transfer of all leaves. On one
-        # device through jit's own argument transfer (C++): 7 us for a 2-leaf batch on this
-        # machine's CPU, where jax.device_put took 53 us; on 8 devices the jitted copy ran a
-        # program on each (210 us) and device_put took 80 us.
-        if partitioner.mesh.size == 1:
-            leaves, treedef = jax.tree_util.tree_flatten(shardings)
-            return _placer(treedef, tuple(leaves))(batch)
-        return jax.device_put(batch, shardings)
+        # One process holds the whole global batch: one transfer of all leaves, by a
+        # function made once per batch layout (this runs for every batch).
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        shapes = tuple(tuple(np.shape(x)) for x in leaves)
+        return _placer(partitioner.mesh, partitioner.data_axis, treedef, shapes, stacked)(batch)
     return jax.tree.map(
         lambda x, s: x
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
         else jax.make_array_from_process_local_data(s, np.asarray(x)),
-        batch, shardings,
+        batch, batch_shardings(partitioner, batch, stacked),
     )
 
 
-@functools.lru_cache(maxsize=64)
-def _placer(treedef: Any, shardings: tuple) -> Any:
-    """A jitted identity whose input shardings place a batch of this layout."""
-    tree = jax.tree_util.tree_unflatten(treedef, list(shardings))
-    return jax.jit(lambda batch: batch, in_shardings=(tree,), out_shardings=tree)
+@functools.lru_cache(maxsize=256)
+def _placer(mesh: jax.sharding.Mesh, axis: str | None, treedef: Any, shapes: tuple,
+            stacked: bool) -> Any:
+    """Places a batch of this layout in one process. On one device through a jitted
+    identity's input shardings (jit's own C++ transfer): 7 us for a 2-leaf batch on this
+    machine's CPU, where jax.device_put took 53 us. On several devices by device_put: the
+    jitted copy ran a program on each (210 us against 80 us)."""
+    shardings = jax.tree_util.tree_unflatten(
+        treedef, _leaf_shardings(mesh, axis, treedef, shapes, stacked))
+    if mesh.size == 1:
+        return jax.jit(lambda batch: batch, in_shardings=(shardings,), out_shardings=shardings)
+    return functools.partial(jax.device_put, device=shardings)
 
 
 def _is_shape(x: Any) -> bool:
