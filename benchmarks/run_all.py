@@ -30,6 +30,8 @@ BENCHMARKS = [
     ("accumulation_memory", ["benchmarks/accumulation_memory.py", "--batch-size", "4096"]),
     ("goodput", ["benchmarks/goodput.py"]),
     ("startup", ["benchmarks/startup.py", "--train-steps", "20"]),
+    ("state_memory", ["benchmarks/state_memory.py"]),
+    ("replica_check", ["benchmarks/replica_check.py"]),
     ("resume_memory", ["-m", "pytest", "tests/test_resume_memory.py", "-q", "-s",
                        "-p", "no:cacheprovider"]),
 ]

@@ -9,13 +9,17 @@ Example::
     from jaxloop import step as step_lib, partition, train_loop, eval_loop, outer_loop
 """
 
+import sys
+
 from jaxloop import (
     action_loop,
     actions,
     async_action_context,
     checkpoint,
     eval_loop,
+    history,
     loop,
+    notebook_logging,
     outer_loop,
     partition,
     stat_loop,
@@ -52,6 +56,9 @@ from jaxloop.types import MetricType, MetricWithMetadata, TrainState
 
 __version__ = "0.1.0"
 
+if "ipykernel" in sys.modules:  # a notebook: show the INFO lines a user asks for
+    notebook_logging.show_info_if_unconfigured()
+
 __all__ = [
     "STOP_LOOP",
     "Action",
@@ -83,7 +90,9 @@ __all__ = [
     "async_action_context",
     "checkpoint",
     "eval_loop",
+    "history",
     "loop",
+    "notebook_logging",
     "outer_loop",
     "partition",
     "stat_loop",

@@ -2,7 +2,8 @@
 
 An action with interval k fires on loops k, 2k, 3k, ... (counted by `loop_count`, which
 starts at 1 for the first loop and is saved with checkpoints so a resumed run keeps the
-rhythm).
+rhythm). An action holding a `triggers.Trigger` fires where the trigger says, in global
+train steps (or seconds).
 
 Example::
 
@@ -15,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxloop import actions as actions_lib
-from jaxloop import async_action_context, stat_loop, types
+from jaxloop import async_action_context, stat_loop, stop_handler, triggers, types
 
 Output = types.Output
 State = types.TrainState
@@ -82,19 +83,43 @@ class ActionLoop(stat_loop.StatLoop):
         # A loop boundary: errors of background work (async writes, checkpoint saves) surface.
         async_action_context.get_async_action_context().check_exceptions_and_raise(wait=False)
         for action in actions:
-            if self._loop_count % action.interval == 0:
-                action(
-                    state,
-                    outputs,
-                    loop=self,
-                    loop_count=self._loop_count,
-                    first_step=self._first_step,
-                )
+            trigger = getattr(action, "trigger", None)
+            if trigger is None and self._loop_count % action.interval == 0 or (
+                trigger is not None and self._triggered(trigger, state, outputs is None)
+            ):
+                try:
+                    action(
+                        state,
+                        outputs,
+                        loop=self,
+                        loop_count=self._loop_count,
+                        first_step=self._first_step,
+                    )
+                except stop_handler.StopTrainingError as e:
+                    # The loop's own state is live here; the one its caller passed in may
+                    # have been donated.
+                    e.state = state
+                    raise
+
+    def _triggered(self, trigger: triggers.Trigger, state: State, begin: bool) -> bool:
+        """Whether a loop-level trigger fires: at the loop's start on the step it starts
+        from; at its end on the steps it ran (on its step, if it ran none: evaluations)."""
+        first = self._first_step or 0
+        if begin:
+            return trigger.fires(first)
+        last = int(state.step) if state is not None else first
+        return trigger.fires(first + 1, last) if last > first else trigger.fires(last)
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         self._loop_count += 1
         # Read on the host once per loop: an action boundary, not a per-step sync.
         self._first_step = int(state.step) if state is not None else None
+        # A train step's triggered actions count global steps from where this loop starts.
+        step = self._step
+        offset = (self._first_step or 0) if getattr(step, "train", False) else 0
+        for action in [*getattr(step, "begin_actions", []), *getattr(step, "end_actions", [])]:
+            if getattr(action, "trigger", None) is not None:
+                action.trigger.start_loop(offset)
         state, dataset = super().begin(state, dataset)
         self._dataset = dataset
         self._fire(self._begin_actions, state, None)

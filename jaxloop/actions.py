@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jaxloop import agreement, checkpoint, stop_handler, types
+from jaxloop import agreement, checkpoint, stop_handler, triggers, types
 from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
 
 Output = types.Output
@@ -46,16 +46,35 @@ log = logging.getLogger(__name__)
 
 
 class Action:
-    """Base class for actions: holds the interval and defines the call signature."""
+    """Base class for actions: holds the interval (or a `triggers.Trigger`, which then
+    decides when it fires, in global train steps or seconds) and defines the call signature.
 
-    def __init__(self, interval: int = 1):
+    Example::
+
+        SummaryAction(writer).with_trigger(triggers.Trigger(at_steps=(1, 10), every_secs=60))
+    """
+
+    def __init__(self, interval: int = 1, trigger: triggers.Trigger | None = None):
         if not isinstance(interval, int) or interval <= 0:
             raise ValueError(f"`interval` must be a positive integer, got {interval!r}")
         self._interval = interval
+        self.with_trigger(trigger)
 
     @property
     def interval(self) -> int:
         return self._interval
+
+    @property
+    def trigger(self) -> triggers.Trigger | None:
+        """What decides when this action fires (None: every `interval`)."""
+        return getattr(self, "_trigger", None)
+
+    def with_trigger(self, trigger: triggers.Trigger | None) -> Action:
+        """Has `trigger` decide when this action fires; returns the action."""
+        if trigger is not None and not isinstance(trigger, triggers.Trigger):
+            raise TypeError(f"`trigger` must be a triggers.Trigger, got {trigger!r}")
+        self._trigger = trigger
+        return self
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> Any:
         raise NotImplementedError("Action subclasses implement __call__(state, outputs, **kw)")
@@ -350,6 +369,7 @@ class CheckpointAction(Action):
         self._last_save_time = clock()
         self._ckpt_manager = ckpt_manager
         self._warned_no_position = False
+        self._warned_later = False  # said once that a later checkpoint blocks saving
         self._extra_meta = meta
         self._meta: dict[str, Any] = {}
 
@@ -432,6 +452,15 @@ class CheckpointAction(Action):
             )
         if saved:
             log.info("Saving checkpoint for step %d to %s.", step, self._ckpt_manager.directory)
+        elif not self._warned_later:
+            latest = self._ckpt_manager.latest_step()  # the manager's own record: no listing
+            if latest is not None and latest > step:
+                self._warned_later = True
+                log.warning(
+                    "CheckpointAction saves nothing at step %d: %s already holds a later "
+                    "checkpoint (step %d), and orbax saves only steps after the latest. Use a "
+                    "new directory, or resume from it (OuterLoop's checkpoint_spec).",
+                    step, self._ckpt_manager.directory, latest)
         return saved
 
 
@@ -463,7 +492,9 @@ class EarlyStoppingAction(Action):
 
     Raises `StopTrainingError` (carrying the best step and metric); `OuterLoop` catches it
     and ends training cleanly. Put it on an eval loop's end actions. The metric is the
-    mean of the loop's per-step values (or the computed clu metric). The messages are
+    mean of the loop's per-step values (or the computed clu metric); any name that
+    `scalar_metrics` reports works, e.g. ``'metrics/accuracy'`` for the ``accuracy`` member
+    of a clu Collection output ``'metrics'``. The messages are
     google/jaxloop's: a missing metric is a warning ("... is not available in the outputs
     dictionary ..."), a NaN raises "Metric '<name>' was NaN", and patience running out
     raises "Early stopping triggered for metric '<name>'".
@@ -496,16 +527,22 @@ class EarlyStoppingAction(Action):
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> Output | None:
         step = int(state.step)
-        if outputs is None or self.monitored_metric not in outputs:
-            log.warning(
-                "Early stopping action '%s' is monitoring metric '%s' which is not available "
-                "in the outputs dictionary. Available metrics are: %s",
-                type(self).__name__,
-                self.monitored_metric,
-                sorted(outputs) if outputs is not None else None,
-            )
-            return outputs
-        metric = scalar_summary(outputs[self.monitored_metric])
+        name = self.monitored_metric
+        if outputs is not None and name in outputs:
+            metric = scalar_summary(outputs[name])
+        else:
+            # Any name `scalar_metrics` reports, such as a clu Collection's ``key/member``.
+            reported = scalar_metrics(outputs)
+            if name not in reported:
+                log.warning(
+                    "Early stopping action '%s' is monitoring metric '%s' which is not "
+                    "available in the outputs dictionary. Available metrics are: %s",
+                    type(self).__name__,
+                    name,
+                    sorted({*(outputs or {}), *reported}) if outputs is not None else None,
+                )
+                return outputs
+            metric = reported[name]
         if metric is None:
             raise ValueError(
                 f"EarlyStoppingAction monitors {self.monitored_metric!r}, but that output is "
@@ -575,14 +612,21 @@ class StepNumberAction(Action):
 class ProgressAction(Action):
     """A progress bar (tqdm.auto: a widget in notebooks, a bar in terminals).
 
-    Shows step/total, steps per second and the latest value of `metric`, updated at each
-    loop end (never per step, which would need a host sync). `enabled=None` shows it only
-    when the output is interactive.
+    Shows step/total, one rate, the latest train `metric` and, given a `history` (as
+    `OuterLoop` gives its own), the latest evaluation results; updated at each loop end (never
+    per step, which would need a host sync). The rate is steps per second of wall-clock time
+    between two updates, each taken once the loop's values are on the host: the first loop
+    (which compiles) shows none. `enabled=None` shows the bar only when the output is
+    interactive.
 
     Example::
 
         TrainLoop(step, end_actions=[ProgressAction(total_steps=1000)])
     """
+
+    # tqdm's own rate and estimate would count the compilation and dispatch: left out.
+    _BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+    _COUNTER_FORMAT = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"  # no total_steps
 
     def __init__(
         self,
@@ -591,19 +635,39 @@ class ProgressAction(Action):
         interval: int = 1,
         enabled: bool | None = None,
         desc: str = "train",
+        history: Any = None,
     ):
         super().__init__(interval)
         self._total = total_steps
         self._metric = metric
         self._enabled = enabled
         self._desc = desc
+        self._history = history
         self._bar: Any = None
+        self._last: tuple[int, float] | None = None  # (step, time) of the last update
+        self._postfix: dict[str, str] = {}
 
     @staticmethod
     def _interactive() -> bool:
         # A notebook kernel (widget) or a terminal; never a log file or a test run, and no
         # tqdm object (nor its monitor thread) is created when not shown.
         return "ipykernel" in sys.modules or sys.stderr.isatty()
+
+    def _latest(self, outputs: Output | None) -> dict[str, str]:
+        """The latest train metric and evaluation results, as the bar shows them."""
+        shown = {}
+        if self._history is not None:
+            train = self._history.latest("train")
+            if self._metric in train:
+                shown[self._metric] = f"{train[self._metric]:.4g}"
+            shown.update({f"eval {k}": f"{v:.4g}" for k, v in
+                          self._history.latest("eval").items()})
+            return shown
+        values = (outputs or {}).get(self._metric)
+        if isinstance(values, list) and values:
+            # The last step's value; a clu metric is computed first.
+            shown[self._metric] = f"{float(jax.device_get(_computed(values[-1]))):.4g}"
+        return shown
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
         if self._enabled is None:
@@ -615,21 +679,24 @@ class ProgressAction(Action):
             from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
 
             self._bar = tqdm(total=self._total, initial=kwargs.get("first_step") or 0,
-                             desc=self._desc, unit="step", dynamic_ncols=True)
+                             desc=self._desc, unit="step", dynamic_ncols=True,
+                             bar_format=self._COUNTER_FORMAT if self._total is None
+                             else self._BAR_FORMAT)
         bar = self._bar
         bar.update(max(step - bar.n, 0))
-        postfix = {}
-        values = (outputs or {}).get(self._metric)
-        if isinstance(values, list) and values:
-            # The last step's value; a clu metric is computed first.
-            postfix[self._metric] = f"{float(jax.device_get(_computed(values[-1]))):.4g}"
-        rate = (outputs or {}).get("jaxloop/steps_per_sec")
-        if rate is not None:
-            postfix["steps/s"] = f"{float(rate):.1f}"
-        bar.set_postfix(postfix, refresh=True)
+        postfix = self._latest(outputs)  # read from the device: the loop's steps are done
+        now = time.perf_counter()
+        if self._last is not None and step > self._last[0] and now > self._last[1]:
+            self._postfix["steps/s"] = f"{(step - self._last[0]) / (now - self._last[1]):.1f}"
+        self._last = (step, now)
+        self._postfix.update(postfix)
+        bar.set_postfix(self._postfix, refresh=True)
 
     def close(self) -> None:
-        """Closes the bar (OuterLoop does this when training ends)."""
+        """Closes the bar (OuterLoop does this when training ends), showing the last
+        evaluation's results first."""
         if self._bar is not None:
+            self._postfix.update(self._latest(None) if self._history is not None else {})
+            self._bar.set_postfix(self._postfix, refresh=True)
             self._bar.close()
             self._bar = None

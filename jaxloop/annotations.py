@@ -127,18 +127,22 @@ def leaf_axes(x: Any, path: tuple, mesh: Mesh, rules: Rules = ()) -> list:
     return axes
 
 
-def fsdp_axes(shape: tuple[int, ...], axes: Sequence[Any], axis: str, n: int,
-              min_size: int) -> list:
+def fsdp_axes(shape: tuple[int, ...], axes: Sequence[Any], axis: str | tuple[str, ...],
+              n: int, min_size: int) -> list:
     """FSDP: `axes` with `axis` (of `n` devices) on the largest free dimension that divides
     by `n`, for a leaf of at least `min_size` elements whose axes do not use it yet.
+    `axis` may be a tuple of mesh axes (`n` devices in all), split over together.
 
     Example::
 
         fsdp_axes((784, 256), [None, None], 'data', 8, 4096)  # ['data', None]
+        fsdp_axes((784, 256), [None, 'model'], ('replica', 'fsdp'), 8, 4096)
+        # [('replica', 'fsdp'), 'model']
     """
     axes = list(axes)
     used = {a for ax in axes for a in (ax if isinstance(ax, tuple) else (ax,))}
-    if n == 1 or axis in used or int(np.prod(shape, dtype=np.int64)) < min_size:
+    wanted = set(axis) if isinstance(axis, tuple) else {axis}
+    if n == 1 or used & wanted or int(np.prod(shape, dtype=np.int64)) < min_size:
         return axes
     free = [d for d, size in enumerate(shape) if axes[d] is None and size % n == 0]
     if free:

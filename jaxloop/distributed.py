@@ -17,7 +17,8 @@ Arguments not given are read from the environment:
 - ``JAXLOOP_INIT_TIMEOUT``: seconds to keep trying to reach the coordinator (default 300).
 
 Values still missing are left to JAX, which detects them from the cluster (Cloud TPU pods,
-SLURM, Open MPI, mpi4py, Kubernetes JobSets); with none of the three given anywhere this is
+SLURM, Open MPI, mpi4py, Kubernetes indexed Jobs and JobSets with the ``kubernetes`` package
+installed, see docs/multihost.md); with none of the three given anywhere this is
 ``jax.distributed.initialize()`` with no address. With ``num_processes=1`` and no coordinator
 there is nothing to connect and the call does nothing.
 

@@ -66,6 +66,12 @@ class EvalLoop(action_loop.ActionLoop):
     With ``use_ema=True`` the steps see the state's ``ema_params`` as ``params``
     (`jaxloop.ema`); the loop still returns the state it was given.
 
+    The steps run where the step's partitioner places the state
+    (`Partitioner.placement`): a state trained on another mesh or with another partitioner
+    (FSDP training, a replicated eval on one host's devices) is copied there once per
+    evaluation, at the start of `run`, and never per step; the state passed in stays where
+    it is. ``state_moves`` counts these copies.
+
     Args:
       mask_key: the batch entry that marks real examples.
       use_ema: evaluate the state's EMA parameters (`jaxloop.ema`).
@@ -75,6 +81,13 @@ class EvalLoop(action_loop.ActionLoop):
         self, step: Any, *args: Any, mask_key: str = "mask", use_ema: bool = False,
         **kwargs: Any,
     ):
+        if getattr(step, "train", False):
+            raise ValueError(
+                f"EvalLoop needs an evaluation step, got {type(step).__name__} built with "
+                "train=True (it would update the state at every batch). Build a second step "
+                "for evaluation with train=False, e.g. MyStep(key, model, "
+                "partitioner=partitioner), and pass that to EvalLoop."
+            )
         super().__init__(step, *args, **kwargs)
         self._mask_key = mask_key
         self.use_ema = use_ema
@@ -87,6 +100,24 @@ class EvalLoop(action_loop.ActionLoop):
         self._counts.append(_example_count(batch, self._mask_key))
         self._local.append(_is_local(batch))
         return batch
+
+    state_moves: int = 0
+    """How many evaluations copied the state to the eval step's placement."""
+
+    def _placed(self, state: State) -> State:
+        """`state` where the step's partitioner runs it: itself when it is there already,
+        else a copy made in one `jax.device_put`."""
+        partitioner = getattr(self.step, "partitioner", None)
+        leaves = jax.tree.leaves(state)
+        if partitioner is None or not leaves or not all(isinstance(x, jax.Array)
+                                                        for x in leaves):
+            return state  # host leaves: the program places them as it always has
+        target = partitioner.placement(state)
+        if all(x.sharding.is_equivalent_to(s, x.ndim)
+               for x, s in zip(leaves, jax.tree.leaves(target), strict=True)):
+            return state
+        self.state_moves += 1
+        return jax.device_put(state, target)
 
     def _global_counts(self) -> list[Any]:
         """Counts over all processes: host batches' local counts are summed across
@@ -116,6 +147,7 @@ class EvalLoop(action_loop.ActionLoop):
             from jaxloop import ema  # noqa: PLC0415
 
             evaluated = ema.swap_in(state)
+        evaluated = self._placed(evaluated)
         _, outputs = super().run(
             evaluated, dataset, num_steps, log_num_flops=log_num_flops, **kwargs
         )

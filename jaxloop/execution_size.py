@@ -63,7 +63,8 @@ def size_limit(actions: Sequence[Any]) -> int:
     smallest interval of an action that fires every `interval` steps, if smaller."""
     intervals = [
         a.interval for a in actions
-        if getattr(a, "fires_at", None) is None and isinstance(getattr(a, "interval", None), int)
+        if getattr(a, "fires_at", None) is None and getattr(a, "trigger", None) is None
+        and isinstance(getattr(a, "interval", None), int)
     ]
     return min([DEFAULT_MAX_SIZE, *intervals])
 

@@ -1,12 +1,15 @@
 """MFU and goodput: how much of the hardware and of the wall time went into training.
 
 * **MFU** (model-flops utilisation): achieved model flops per second per device, divided by
-  the device's peak (`PEAK_FLOPS`, dense bf16 figures from the vendors' data sheets).
-  `StatLoop(model_flops_per_example=...)` reports ``jaxloop/mfu`` from flops you give
-  (e.g. ``6 * num_params * tokens_per_example`` for a transformer), or, with
+  the device's peak (`PEAK_FLOPS`, dense bf16 figures from the vendors' data sheets, or the
+  ``peak_flops_per_device`` you give). `StatLoop(model_flops_per_example=...)` reports
+  ``jaxloop/mfu`` from flops you give (e.g. ``6 * num_params * tokens_per_example`` for a
+  transformer; or ``model_flops_per_token=6 * num_params`` with ``tokens_key``), or, with
   ``model_flops_per_example='xla'``, ``jaxloop/mfu_xla_cost_analysis`` from XLA's cost
   analysis of the compiled step (which counts what XLA runs, rematerialisation included).
-  Neither is reported where the peak is unknown (CPUs).
+  Beside it, the model TFLOP/s per device (``jaxloop/model_tflops_per_sec_per_device``).
+  Where the peak is unknown (CPUs, new chips) MFU is left out and a notice is logged once
+  per device kind.
 * **Goodput**: a `Recorder` splits the wall time into compile, waiting for input, device
   compute (the training steps as the host sees them), checkpoint blocking and evaluation;
   what is left is ``other`` (summaries, Python). `StatLoop(recorder=...)` reports the split
@@ -29,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -43,7 +47,10 @@ __all__ = [
     "compile_seconds",
     "mfu",
     "peak_flops",
+    "resolved_peak",
 ]
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 peak flop/s per device (chip), without sparsity, from the vendors' data sheets.
 # Matched against `jax.Device.device_kind` in this order (the first substring found wins).
@@ -72,6 +79,7 @@ _COMPILE_EVENTS = frozenset({
 _compile_lock = threading.Lock()
 _compile_total = [0.0]
 _listening = [False]
+_noticed: set[str] = set()  # device kinds whose unknown peak was logged
 
 
 def _on_duration(event: str, duration: float, **kwargs: Any) -> None:
@@ -108,15 +116,41 @@ def peak_flops(device: jax.Device | str | None = None) -> float | None:
     return None
 
 
-def mfu(flops_per_sec_per_device: float, device: jax.Device | str | None = None) -> float | None:
-    """Model-flops utilisation: achieved flop/s per device over the device's peak (None when
-    the peak is unknown).
+def resolved_peak(peak: float | None = None,
+                  device: jax.Device | str | None = None) -> float | None:
+    """`peak` when given, else the device's peak from the table (`peak_flops`); when
+    neither is known, None, and a notice is logged the first time per device kind.
+
+    Example::
+
+        resolved_peak()            # on CPU: None, and the notice once
+        resolved_peak(1e12)        # 1e12: a peak measured or read from a data sheet
+    """
+    if peak is not None:
+        return float(peak)
+    found = peak_flops(device)
+    if found is None:
+        kind = device if isinstance(device, str) else (device or jax.devices()[0]).device_kind
+        if kind not in _noticed:
+            _noticed.add(kind)
+            log.warning(
+                "No peak flop/s known for device kind %r, so MFU is not reported; give the "
+                "peak as StatLoop(peak_flops_per_device=...). Model TFLOP/s per device is "
+                "reported without it.", kind)
+    return found
+
+
+def mfu(flops_per_sec_per_device: float, device: jax.Device | str | None = None,
+        peak: float | None = None) -> float | None:
+    """Model-flops utilisation: achieved flop/s per device over the device's peak, or over
+    `peak` when given (None when neither is known).
 
     Example::
 
         mfu(6 * n_params * tokens_per_sec / jax.device_count())
+        mfu(2e12, peak=4e12)  # 0.5
     """
-    peak = peak_flops(device)
+    peak = peak if peak is not None else peak_flops(device)
     return None if peak is None else flops_per_sec_per_device / peak
 
 

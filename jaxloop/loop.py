@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import signal
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+import jax
 
 from jaxloop import execution_size, in_flight, outputs, preemption, staging, step_actions, types
 from jaxloop import prefetch as prefetch_lib
@@ -51,6 +54,12 @@ class Loop:
         trip count, which XLA cannot partly unroll: an integer means the same). XLA:CPU
         runs convolutions inside a loop body on a slower kernel, so unroll conv nets there
         (see `jaxloop.program`).
+      donate_input_state: False (the default) leaves the state you pass untouched: a
+        training loop copies it once on the devices, with its own shardings, and then
+        donates only the states its steps produce (one state plus the step's temporaries
+        in the steady state; two while you hold yours). True consumes the state you pass
+        instead (its arrays are deleted): for a model whose state does not fit twice.
+        A state the loop was handed with `adopt` is never copied.
 
     With ``steps_per_execution=k > 1`` the loop reads up to k batches and runs them with
     `Step.call_steps` through one compiled program, whatever the number of batches, so a
@@ -71,6 +80,7 @@ class Loop:
         max_steps_in_flight: int | None = None,
         steps_per_execution: int | str = 1,
         unroll: int | bool = 1,
+        donate_input_state: bool = False,
     ):
         if max_steps_in_flight is None:
             max_steps_in_flight = default_max_steps_in_flight(step)
@@ -89,12 +99,16 @@ class Loop:
         self._step = step
         self._steps_per_execution = steps_per_execution
         self._unroll = unroll
+        self._donate_input_state = donate_input_state
+        self._adopted: Any = None
         self._prefetch: prefetch_lib.Prefetcher | None = None
         # A batch read but left for the next execution (another layout than the one before).
         self._pending: Any = None
         self.dataset_exhausted = False
         self.preempted = False
         self.num_steps_run = 0
+        # The live state where Ctrl-C or a preemption stopped the last call (else None).
+        self.stopped_state: Any = None
 
     @property
     def step(self) -> Step:
@@ -114,6 +128,35 @@ class Loop:
         """With ``steps_per_execution='auto'``: the measurements (per-step seconds by
         size in ``per_step_secs``) and whether the choice is made (``done``)."""
         return None if self._auto is None else self._auto.tuner
+
+    def adopt(self, state: State) -> State:
+        """Hands the loop a state that no caller holds (one restored from a checkpoint,
+        built from `Step.abstract_state`, or produced by this loop's previous run and never
+        handed out): the next run donates it without copying it first. Returns `state`.
+
+        Example::
+
+            state, outputs = loop(loop.adopt(step.restore_model(abstract, ckpt_dir)), it)
+        """
+        self._adopted = state
+        return state
+
+    def _own(self, state: State) -> State:
+        """The state this run may donate: `state` itself when the loop may consume it (an
+        adopted state, ``donate_input_state``, a step that never donates or that the user
+        compiled to donate), else a copy on the devices with each array's own sharding."""
+        adopted, self._adopted = self._adopted, None
+        step = self._step
+        if (state is adopted or self._donate_input_state or not getattr(step, "train", False)
+                or getattr(step, "donates_input_state", True)):
+            return state
+        leaves, treedef = jax.tree.flatten(state)
+        at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+        copies = jax.device_put([leaves[i] for i in at], [leaves[i].sharding for i in at],
+                                may_alias=False)
+        for i, copy in zip(at, copies, strict=True):
+            leaves[i] = copy
+        return jax.tree.unflatten(treedef, leaves)
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         """Called before the first step of each loop; returns the state and iterator.
@@ -273,44 +316,53 @@ class Loop:
         # once here (a loop boundary) so the per-step check never waits for the device.
         check_preemption = preemption.active() and return_state_from_step
         host_step = int(state.step) if check_preemption else 0
+        # An evaluation may stop at any batch on Ctrl-C; a training loop at a step boundary.
+        check_interrupt = preemption.active() and not return_state_from_step
         auto = self._auto
         if auto is not None:
             auto.begin_loop(num_steps, None if num_steps is None else lambda k: (
                 execution_size.executions(lambda f, r: self._execution_size(f, r, k), num_steps)
             ))
         done = 0
-        while num_steps is None or done < num_steps:
-            if auto is not None:
-                self._steps_per_execution = auto.size(done)
-            first_flops = log_num_flops and done == 0
-            try:
-                if self._steps_per_execution == 1 and self._pending is None:
-                    size = 1
-                    state, loop_outputs = self._run_one_step(
-                        state, dataset, loop_outputs, done + 1, log_num_flops=first_flops,
-                        return_state_from_step=return_state_from_step, **kwargs,
-                    )
-                else:
-                    remaining = None if num_steps is None else num_steps - done
-                    state, loop_outputs, size = self._run_steps(
-                        state, dataset, loop_outputs, done + 1,
-                        self._execution_size(done + 1, remaining), log_num_flops=first_flops,
-                        return_state_from_step=return_state_from_step, **kwargs,
-                    )
-            except StopIteration:
-                self.dataset_exhausted = True
-                break
-            done += size
-            if auto is not None:
-                auto.executed(self._in_flight.last, done)
-            # Every step number is offered: with several processes the agreed sync step may
-            # fall inside an execution, and all processes then stop at that execution's end.
-            if check_preemption and any(preemption.reached_sync_point(host_step + n)
-                                        for n in range(done - size + 1, done + 1)):
-                self.preempted = True
-                break
-            if self.dataset_exhausted:
-                break
+        if return_state_from_step:
+            state = self._own(state)
+        donating = getattr(self._step, "donating_state", None)
+        with donating() if donating and return_state_from_step else contextlib.nullcontext():
+            while num_steps is None or done < num_steps:
+                if auto is not None:
+                    self._steps_per_execution = auto.size(done)
+                first_flops = log_num_flops and done == 0
+                try:
+                    if self._steps_per_execution == 1 and self._pending is None:
+                        size = 1
+                        state, loop_outputs = self._run_one_step(
+                            state, dataset, loop_outputs, done + 1, log_num_flops=first_flops,
+                            return_state_from_step=return_state_from_step, **kwargs,
+                        )
+                    else:
+                        remaining = None if num_steps is None else num_steps - done
+                        state, loop_outputs, size = self._run_steps(
+                            state, dataset, loop_outputs, done + 1,
+                            self._execution_size(done + 1, remaining), log_num_flops=first_flops,
+                            return_state_from_step=return_state_from_step, **kwargs,
+                        )
+                except StopIteration:
+                    self.dataset_exhausted = True
+                    break
+                done += size
+                if auto is not None:
+                    auto.executed(self._in_flight.last, done)
+                # Every step number is offered: with several processes the agreed sync step may
+                # fall inside an execution, and all processes then stop at that execution's end.
+                if check_preemption and any(preemption.reached_sync_point(host_step + n)
+                                            for n in range(done - size + 1, done + 1)):
+                    self.preempted = True
+                    break
+                if check_interrupt and preemption.interrupted():
+                    self.preempted = True
+                    break
+                if self.dataset_exhausted:
+                    break
         self._in_flight.clear()
         if auto is not None:
             self._steps_per_execution = auto.end_loop(done, self.dataset_exhausted)
@@ -328,7 +380,29 @@ class Loop:
         num_steps: int | None = None,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
-        """Runs `begin`, `run` and `end`; returns the final state and the loop outputs."""
-        state, dataset = self.begin(state, dataset)
-        state, outputs = self.run(state, dataset, num_steps, **kwargs)
-        return self.end(state, outputs)
+        """Runs `begin`, `run` and `end`; returns the final state and the loop outputs.
+
+        Ctrl-C (a notebook's Stop button) ends the loop at the next step boundary (an
+        evaluation at its next batch): `end` runs, a training loop saves with its
+        checkpoint action if it has one, then `preemption.Interrupted` (a
+        `KeyboardInterrupt`) is raised carrying the live state, which `stopped_state` also
+        holds. Inside an `OuterLoop` the outer loop ends the run instead.
+        """
+        self.stopped_state = None
+        owner = not preemption.active()
+        with (preemption.handling_preemption((signal.SIGINT,)) if owner
+              else contextlib.nullcontext()):
+            state, dataset = self.begin(state, dataset)
+            state, outputs = self.run(state, dataset, num_steps, **kwargs)
+            state, outputs = self.end(state, outputs)
+            if owner and self.preempted:
+                self.stopped_state = state
+                saved = self.save_checkpoint(state, outputs)
+                raise preemption.stopped(state, int(state.step), saved)
+        return state, outputs
+
+    def save_checkpoint(self, state: State, outputs: Output | None) -> bool:
+        """Saves `state` now, where the loop can (a training loop with a checkpoint
+        action); returns whether a checkpoint of its step exists. This loop saves
+        nothing."""
+        return False

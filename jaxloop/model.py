@@ -59,6 +59,7 @@ _TRAIN_MODE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
 
 # The collections an nnx model's non-parameter variables go to, by variable type.
 _BATCH_STATS = "batch_stats"
+_INTERMEDIATES = "intermediates"  # nnx.Intermediate (what `sow` makes), as linen names it
 
 
 @contextlib.contextmanager
@@ -247,7 +248,10 @@ class NnxAdapter(ModelAdapter):
         if not mutable:
             return out
         _, _, new_stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-        return out, {_BATCH_STATS: new_stats.to_pure_dict()}
+        mutated = {_BATCH_STATS: new_stats.to_pure_dict()}
+        if mutable is True or _INTERMEDIATES in mutable:  # what the model sowed
+            mutated[_INTERMEDIATES] = nnx.state(model, nnx.Intermediate).to_pure_dict()
+        return out, mutated
 
 
 def _stream_keys(rngs: Mapping[str, jax.Array] | jax.Array | None) -> dict[str, jax.Array]:

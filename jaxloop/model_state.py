@@ -14,6 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -32,6 +35,29 @@ def is_abstract(state: Any) -> bool:
     `Step.abstract_state`) instead of holding them."""
     leaves = jax.tree.leaves(state)
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+@contextlib.contextmanager
+def _model_input_spec(spec: types.BatchSpec, batch: Any) -> Iterator[None]:
+    """Names what went wrong when a whole batch (a dict with labels, say) was given where
+    the model's input is wanted: flax fails deep inside with "'dict' object has no attribute
+    'dtype'". A model that takes a dict initialises as before."""
+    try:
+        yield
+    except (AttributeError, TypeError, ValueError) as e:
+        if not isinstance(spec, Mapping):
+            raise
+        shapes = {k: tuple(getattr(v, "shape", ())) for k, v in batch.items()}
+        examples = "; ".join(
+            f"for {k!r}: initialize_model({[1, *shape[1:]]})" for k, shape in shapes.items()
+            if shape)
+        raise TypeError(
+            f"The model could not be initialised from the spec {shapes}: a dict with keys "
+            f"{sorted(batch)} looks like a whole batch (labels included). initialize_model "
+            "and abstract_state want the spec of the model's input, the array the step "
+            f"passes to apply_fn ({examples}); memory_estimate is the one that takes the "
+            f"whole batch's spec. (The model raised {type(e).__name__}: {e})"
+        ) from e
 
 
 class StateBuilder:
@@ -54,34 +80,43 @@ class StateBuilder:
         # Wrapped once: the state keeps apply_fn in its tree structure.
         self._apply_fn = adapter.apply if policy is None else policy.wrap_apply(adapter.apply)
 
-    def create(self, batch: types.Batch, variables: Any = None) -> State:
-        """The state for this example batch (traced: `initialize` jits it on the mesh)."""
+    def create(self, batch: types.Batch, variables: Any = None,
+               state_class: type[State] = State) -> State:
+        """The `state_class` state for this example batch (traced: `initialize` jits it on
+        the mesh). Fields the class adds keep their defaults."""
         if variables is None:
             variables = self._adapter.init(self._base_prng, batch)
         params = variables["params"]
         if self._policy is not None:
             params = self._policy.cast_to_param(params)
-        return State.create(apply_fn=self._apply_fn, params=params, tx=self._optimizer,
+        return state_class.create(apply_fn=self._apply_fn, params=params, tx=self._optimizer,
                             batch_stats=variables.get("batch_stats"))
 
-    def initialize(self, partitioner: Any, spec: types.BatchSpec) -> State:
-        """The state, each leaf created where `partitioner` places it.
+    def initialize(self, partitioner: Any, spec: types.BatchSpec,
+                   state_class: type[State] = State) -> State:
+        """The state (a `state_class`), each leaf created where `partitioner` places it.
 
         The spec only fixes shapes and dtypes (a zero batch is built), so its batch size
         need not divide by the device count.
         """
         batch = staging.zeros_from_spec(spec)
+        create = functools.partial(self.create, state_class=state_class)
         held = self._adapter.held_variables()
         if held is None:
-            return partitioner.shard_init_fn(self.create)(batch)
+            with _model_input_spec(spec, batch):
+                return partitioner.shard_init_fn(create)(batch)
         # An nnx instance holds its values already: each goes from where it is straight to
         # its place, and enters the init program as an argument, not a constant.
         specs = partitioner.state_specs(held)
         held = jax.device_put(
             held, jax.tree.map(lambda s: NamedSharding(partitioner.mesh, s), specs))
-        return partitioner.shard_init_fn(self.create)(batch, held)
+        return partitioner.shard_init_fn(create)(batch, held)
 
-    def abstract(self, partitioner: Any, spec: types.BatchSpec) -> State:
+    def abstract(self, partitioner: Any, spec: types.BatchSpec,
+                 state_class: type[State] = State) -> State:
         """The state `initialize` would make, as `jax.ShapeDtypeStruct` leaves with their
         shardings (nothing is built)."""
-        return partitioner.abstract_init_fn(self.create)(staging.zeros_from_spec(spec))
+        create = functools.partial(self.create, state_class=state_class)
+        batch = staging.zeros_from_spec(spec)
+        with _model_input_spec(spec, batch):
+            return partitioner.abstract_init_fn(create)(batch)

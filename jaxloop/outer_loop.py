@@ -8,12 +8,15 @@ Modes:
   ``STOPPED`` marker (beside the checkpoint directory, see `stop_marker_path`) or
   ``iterate_stop_fn()`` says stop; without one it evaluates the given state once. It
   returns the last eval loop's state and outputs. A checkpoint the trainer's
-  ``max_to_keep`` deletes before it is read is skipped with a warning.
+  ``max_to_keep`` deletes before it is read (its directory is gone) is skipped with a
+  warning; one that is there but does not restore (a corrupt file, another model's shapes)
+  is a ValueError naming its step and the cause.
 
 With several processes every decision that gates a collective is process 0's, taken by all
 (`agreement`): which checkpoint training resumes from, which checkpoints continuous eval
 reads, whether the marker or ``iterate_stop_fn()`` ends it, and whether a checkpoint that
-failed to restore on any process is skipped; so every process evaluates the same steps.
+failed to restore on any process is gone (skipped) or an error; so every process evaluates
+the same steps.
 
 The schedule is a function of the step: with ``train_loop_steps=n`` train loops end at
 multiples of n (and at ``train_total_steps``). A resumed run keeps it: the loop count comes
@@ -25,7 +28,9 @@ preemption's own save).
 
 Training ends at ``train_total_steps``, when the train iterator is exhausted (with a
 warning), when a train or eval loop puts a truthy ``STOP_LOOP`` in its outputs, or when an
-action raises `StopTrainingError` (early stopping). It returns the state and the outputs of
+action raises `StopTrainingError` (early stopping); a stop by Ctrl-C or a preemption raises
+instead (`preemption.Interrupted` / `preemption.Preempted`, see `OuterLoop`). It returns the
+state and the outputs of
 the last train loop that advanced the step, with ``outputs[STOP_LOOP]`` telling whether a
 train or eval loop asked to stop (as google/jaxloop does).
 
@@ -56,7 +61,10 @@ from etils import epath
 
 from jaxloop import actions as actions_lib
 from jaxloop import agreement, async_action_context, checkpoint, preemption, stop_handler, types
+from jaxloop import debugging as debugging_lib
 from jaxloop import eval_loop as eval_loop_lib
+from jaxloop import history as history_lib
+from jaxloop import param_table as param_table_lib
 from jaxloop import train_loop as train_loop_lib
 
 Output = types.Output
@@ -66,11 +74,15 @@ STOP_LOOP = "jaxloop/stop_loop"
 _STOP_FILE_NAME = "STOPPED"
 _EARLY_STOPPING_META = "early_stopping"
 _EVALS_PENDING_META = "evals_pending"
+_HISTORY_META = "history"
 # Whether the checkpoint's loop ended before its boundary (a preemption inside a loop, or
 # ``train_total_steps`` off a multiple of ``train_loop_steps``): its saved loop count then
 # includes a loop that the resumed run finishes.
 _LOOP_PARTIAL_META = "loop_partial"
 DEFAULT_ITERATE_INTERVAL_SECS = 10.0
+# How long continuous eval waits for the directory of a checkpoint that failed to restore to
+# disappear (a deletion under way) before it takes the failure for an error.
+_DELETION_SECS = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +237,17 @@ class OuterLoop:
         current step runs (0: none), through `Loop.prefetching`: the loops still receive
         the very iterator you pass (custom loops may check it, read its attributes, call
         its methods), and its saved position counts only the batches trained on.
+      disable_jit / post_mortem: debugging switches (`jaxloop.debugging`): steps run
+        without jit; an error in a step or action enters the post-mortem debugger in an
+        interactive session. None: from ``JAXLOOP_DISABLE_JIT`` / ``JAXLOOP_POST_MORTEM``.
+
+    Stopping: Ctrl-C (a notebook's Stop) ends training at the next step boundary (an
+    evaluation at its next batch), SIGTERM or `preemption.request()` at the next step (the
+    same step on every process). The run saves with the train loop's checkpoint action if
+    it has one, then raises `preemption.Interrupted` (a `KeyboardInterrupt`, so "Run all"
+    stops) or `preemption.Preempted` (a `SystemExit` with status 143 when uncaught), each
+    carrying the live state, its step and whether it was saved. `preempted` is then True
+    and `stopped_state` holds the live state (None after a run that was not stopped).
     """
 
     def __init__(
@@ -234,18 +257,24 @@ class OuterLoop:
         checkpoint_spec: CheckpointSpec | None = None,
         progress: bool | None = None,
         prefetch: int = 2,
+        disable_jit: bool | None = None,
+        post_mortem: bool | None = None,
     ):
+        self._debugging = (disable_jit, post_mortem)
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self._train_loop = train_loop
         self._prefetch = prefetch
         self.preempted = False
+        self.stopped_state: State | None = None
         self._eval_loops = list(eval_loops or [])
         self._checkpoint_spec = checkpoint_spec
         self._progress = progress
         self._evals_pending = False
         self._planned_steps: int | None = None
         self._cut_by_total = False
+        # The scalars of every loop this OuterLoop ran, across calls (`jaxloop.history`).
+        self.history = history_lib.History()
 
     @property
     def train_loop(self) -> train_loop_lib.TrainLoop | None:
@@ -303,17 +332,21 @@ class OuterLoop:
         """
         specs = self._check_eval_specs(eval_specs)
         if self._train_loop is None:
-            return self._evaluate_only(state, specs)
+            with (self.history.recording(None, self._eval_loops),
+                  debugging_lib.session(*self._debugging)):
+                return self._evaluate_only(state, specs)
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
         for name, value in (("train_total_steps", train_total_steps),
                             ("train_loop_steps", train_loop_steps)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        return self._train(
-            state, train_dataset, train_total_steps, train_loop_steps, specs,
-            log_train_total_steps,
-        )
+        with (self.history.recording(self._train_loop, self._eval_loops),
+              debugging_lib.session(*self._debugging)):
+            return self._train(
+                state, train_dataset, train_total_steps, train_loop_steps, specs,
+                log_train_total_steps,
+            )
 
     def _early_stopping_actions(self) -> list[actions_lib.EarlyStoppingAction]:
         loops = [self._train_loop, *self._eval_loops]
@@ -348,21 +381,21 @@ class OuterLoop:
         # directory may show processes different contents at the same moment).
         steps = agreement.agreed(lambda: checkpoint.all_steps(spec.checkpoint_dir))
         latest = max(steps) if steps else None
-        restored = step.restore_model(
-            state, spec.checkpoint_dir, step=latest, transforms=spec.transforms
-        )
+        # One read: the arrays, and the host data that lives beside them (the iterator
+        # takes its position here, the loop its count and early stopping its progress below).
+        restored, meta = checkpoint.restore(
+            state, spec.checkpoint_dir, step=latest, partitioner=step.partitioner,
+            skip_optimizer=not step.train, transforms=spec.transforms, dataset=iterator)
+        restored = step.materialize(restored)
         if latest is None:
             return restored, False
-        # Host data lives beside the state: the iterator takes its position, the loop its
-        # count, early stopping its progress.
-        meta = checkpoint.read_meta(spec.checkpoint_dir, latest)
-        checkpoint.restore_data_position(iterator, meta)
         loop_count, partial = _resumed_loop_count(meta, latest, loop_steps)
         if loop_count is not None:
             self._train_loop.loop_count = loop_count
         saved = meta.get(_EARLY_STOPPING_META) or []
         for action, progress in zip(self._early_stopping_actions(), saved, strict=False):
             action.load_state_dict(progress)
+        self.history.load_state_dict(meta.get(_HISTORY_META))
         # A checkpoint inside a loop has no evaluations after it (earlier releases said so
         # at a preemption inside a loop).
         self._evals_pending = bool(meta.get(_EVALS_PENDING_META)) and not partial
@@ -382,20 +415,31 @@ class OuterLoop:
         train_loop = self._train_loop
         iterator = data.as_iterator(train_dataset)
         self._remove_stale_marker()
+        given = state
         # A run resumed inside a loop finishes that loop first, to its boundary.
         state, align = self._restore(state, iterator, loop_steps)
+        param_table_lib.log_table(state)  # process 0 logs the state's layout
+        # A state restored or built here is this run's own: the train loop donates it
+        # without a copy. The caller's own state is copied once by the first train loop.
+        owned = state is not given
         step = int(state.step)
         if log_total_steps:
             log.info("Training from step %d to %s.", step, total_steps)
-        progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress)
+        if total_steps is not None and step >= total_steps:
+            log.warning("Nothing to train: the state is at step %d and train_total_steps is "
+                        "%d (raise train_total_steps to train further).", step, total_steps)
+        progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress,
+                                              history=self.history)
         outputs: Output | None = None
         stop = False
         self.preempted = False
+        self.stopped_state = None
         # Early-stopping progress travels in the checkpoints' JSON item.
         ckpt_actions = [a for a in train_loop.end_actions
                         if isinstance(a, actions_lib.CheckpointAction)]
         for action in ckpt_actions:
             action.add_meta(_EARLY_STOPPING_META, self._early_stopping_meta)
+            action.add_meta(_HISTORY_META, self.history.state_dict)
             action.add_meta(_LOOP_PARTIAL_META, self._loop_partial)
             # A checkpoint at a loop's end (its end actions', or a preemption's right after
             # it) is written before that loop's evaluations run; one inside a loop (a
@@ -427,9 +471,15 @@ class OuterLoop:
                 self._planned_steps = num_steps
                 self._cut_by_total = full is not None and num_steps < full
                 try:
+                    if owned:
+                        train_loop.adopt(state)
                     state, new_outputs = train_loop(state, iterator, num_steps=num_steps)
+                    owned = True
                 except stop_handler.StopTrainingError as e:
                     log.info("Training stopped by an action: %s", e)
+                    # The state the action saw, at its step: the one passed in was donated.
+                    if e.state is not None:
+                        state = e.state
                     stop = True
                     break
                 # A loop that ran no step (the data ended at a loop boundary) does not
@@ -439,8 +489,7 @@ class OuterLoop:
                 step = int(state.step)
                 progress(state, new_outputs, first_step=train_loop.first_step)
                 if train_loop.preempted or preemption.requested():
-                    self._save_on_preemption(state, new_outputs)
-                    return state, self._with_stop(outputs, stop)
+                    self._stop(state, new_outputs)
                 if train_loop.dataset_exhausted:
                     log.warning("The train dataset is exhausted at step %d; stopping.", step)
                     break
@@ -453,6 +502,8 @@ class OuterLoop:
                 except stop_handler.StopTrainingError as e:
                     log.info("Training stopped by an eval action: %s", e)
                     stop = True
+                if preemption.interrupted():  # Ctrl-C during the evaluations
+                    self._stop(state, new_outputs)
         self._finish(step)
         return state, self._with_stop(outputs, stop)
 
@@ -482,25 +533,20 @@ class OuterLoop:
         managers = [a for a in all_actions if isinstance(a, actions_lib.CheckpointAction)]
         return writers, managers
 
-    def _save_on_preemption(self, state: State, outputs: Output | None) -> None:
-        """Saves the state at this step boundary, waits for the write, flushes writers."""
+    def _stop(self, state: State, outputs: Output | None) -> None:
+        """Ends a run stopped by Ctrl-C or a preemption at this step boundary: saves (with
+        the train loop's checkpoint action), flushes the writers, then raises
+        `preemption.Interrupted` or `preemption.Preempted` with the live state."""
         self.preempted = True
+        self.stopped_state = state
+        saved = self._train_loop.save_checkpoint(state, outputs)
         writers, _ = self._writers_and_managers()
-        ckpt_actions = [
-            a for a in self._train_loop.end_actions
-            if isinstance(a, actions_lib.CheckpointAction)
-            and not isinstance(a, actions_lib.BestCheckpointAction)
-        ]
-        step = int(state.step)
-        for action in ckpt_actions[:1]:
-            if step not in action.ckpt_manager.all_steps():
-                action(state, outputs, loop=self._train_loop, force=True)
-            action.ckpt_manager.wait_until_finished()
-        if not ckpt_actions:
-            log.warning("Preempted at step %d, but no CheckpointAction saves the state.", step)
         for writer in writers:
             writer.flush()
-        log.warning("Preempted: stopped at step %d after saving.", step)
+        step = int(state.step)
+        log.warning("Stopped at step %d; %s.", step,
+                    "a checkpoint was saved" if saved else "nothing was saved")
+        raise preemption.stopped(state, step, saved)
 
     def _finish(self, step: int) -> None:
         """Waits for checkpoint writes, flushes writers, marks training as finished."""
@@ -558,7 +604,12 @@ class OuterLoop:
 
     def _restore_for_eval(self, state: State, directory: epath.Path, step: int) -> State | None:
         """The checkpoint at `step` restored into `state`, or None (on every process) when
-        the trainer's max_to_keep removed it meanwhile."""
+        its directory is gone (the trainer's max_to_keep removed it meanwhile).
+
+        Raises:
+          ValueError: the checkpoint is there but does not restore (a corrupt file, another
+            model's shapes), naming the step and the cause, on every process.
+        """
         restored, error = None, None
         try:
             restored = self._eval_loops[0].step.restore_model(
@@ -569,24 +620,26 @@ class OuterLoop:
         failures = agreement.gathered(None if error is None else f"{type(error).__name__}: {error}")
         if not any(failures):
             return restored
+        causes = "; ".join(f"process {i}: {text}" for i, text in enumerate(failures) if text)
+        # Process 0 looks, and every process skips or raises alike.
+        if agreement.agreed(lambda: _deleted(directory, step)):
+            log.warning("Checkpoint step %d in %s was deleted before it could be evaluated "
+                        "(max_to_keep?); skipping it. (%s)", step, directory, causes)
+            return None
+        raise ValueError(f"Checkpoint step {step} in {directory} failed to restore for "
+                         f"evaluation: {causes}") from error
 
-        def taken_away() -> bool:
-            # Gone, or older than the newest checkpoint (max_to_keep deletes older ones
-            # only, so it may be deleting this one); the newest failing is an error.
-            steps = checkpoint.all_steps(directory)
-            return step not in steps or max(steps) > step
 
-        if not agreement.agreed(taken_away):  # process 0 looks: all skip or raise alike
-            if error is not None:
-                raise error
-            failed = {i: text for i, text in enumerate(failures) if text}
-            raise RuntimeError(f"Checkpoint step {step} in {directory} failed to restore on "
-                               f"other processes: {failed}")
-        log.warning(
-            "Checkpoint step %d in %s was deleted before it could be evaluated "
-            "(max_to_keep?); skipping it. (%s)", step, directory,
-            "; ".join(f"process {i}: {text}" for i, text in enumerate(failures) if text))
-        return None
+def _deleted(directory: epath.Path, step: int) -> bool:
+    """Whether checkpoint `step` has left `directory`, or is leaving it: a deletion
+    (max_to_keep's) removes the files first and the step's directory last, so a read that
+    failed midway may still see it for a moment."""
+    deadline = time.monotonic() + _DELETION_SECS
+    while step in checkpoint.all_steps(directory):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _last(results: Sequence[Output | None]) -> Output | None:

@@ -1,7 +1,8 @@
 """A loop's outputs: one list per key, one entry per step, as the step returned it.
 
 `clu.metrics` values go to a `MetricList`, a list whose `compute()` merges the loop's
-metrics in one jitted reduction (summaries use it at the loop's end).
+metrics with one jitted merge of two, compiled once per metric type and shapes whatever
+the loop's length (summaries use it at the loop's end).
 
 Example::
 
@@ -12,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -21,22 +23,24 @@ _METRIC_TYPES = (clu_metrics.Metric, clu_metrics.Collection)
 
 
 @jax.jit
-def _merge_all(metrics: list[Any]) -> Any:
-    merged = metrics[0]
-    for metric in metrics[1:]:
-        merged = merged.merge(metric)
-    return merged
+def _merge(merged: Any, metric: Any) -> Any:
+    return merged.merge(metric)
 
 
 class MetricList(list):
     """Per-step `clu.metrics` values: a list (``len``, indexing) whose `merged` metric over
-    all steps is one jitted reduction."""
+    all steps is clu's ``merge`` of each step's into the steps' before it."""
 
     def merged(self) -> Any:
-        """All steps' metrics merged (one dispatch; stays on the device)."""
+        """All steps' metrics merged, in step order (stays on the device).
+
+        One compiled merge of two serves every loop length (a merge unrolled over the
+        list would compile a program per length); it runs once per step after the first,
+        dispatched without waiting.
+        """
         if not self:
             raise ValueError("No metric to merge: the loop ran no step")
-        return _merge_all(list(self))
+        return functools.reduce(_merge, self)
 
     def compute(self) -> Any:
         """The metric over all steps: ``merged().compute()``."""

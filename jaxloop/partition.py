@@ -5,10 +5,15 @@ Four strategies share one interface:
 - `SingleDevicePartitioner`: everything on one device.
 - `DataParallelPartitioner`: state replicated, batch split along the data axis.
 - `FSDPPartitioner`: like data parallel, but every large parameter and optimizer-state leaf is
-  split along the data axis too, so each device holds about 1/N of the state.
+  split along the data axis too, so each device holds about 1/N of the state. With
+  `fsdp_axis`, the state is split over that axis only and replicated over the other data
+  axes: hybrid sharding (HSDP), e.g. split within a host and replicated across hosts.
 - `SPMDPartitioner`: honours flax partitioning annotations (`nn.with_partitioning`, nnx
   sharding metadata, and logical names through `logical_axis_rules`) for tensor/model
   parallelism on a multi-axis mesh, optionally with FSDP on top (`fsdp_min_weight_size`).
+
+`data_axis` is one mesh axis or a tuple of them: the batch is split over their product, in
+the tuple's order (``('replica', 'fsdp')`` gives rows ``[r*F + f]`` to coordinate ``(r, f)``).
 
 A partitioner is a pure policy: where a new state goes follows from its shapes and
 annotations, and an existing state stays where its arrays are (`state_shardings`), so a
@@ -40,6 +45,41 @@ from jaxloop import annotations, staging
 from jaxloop import program as program_lib
 
 PyTree = Any
+Axes = str | tuple[str, ...]
+
+
+def _checked_axes(mesh: Mesh, axes: str | Sequence[str] | None, name: str) -> Axes | None:
+    """`axes` as one axis name (a 1-tuple too) or a tuple of distinct names of the mesh."""
+    if axes is None or isinstance(axes, str):
+        names = () if axes is None else (axes,)
+    elif isinstance(axes, Sequence) and axes and all(isinstance(a, str) for a in axes):
+        names = tuple(axes)
+    else:
+        raise TypeError(f"{name} must be a mesh axis name or a tuple of them, got {axes!r}")
+    unknown = [a for a in names if a not in mesh.axis_names]
+    if unknown:
+        raise ValueError(
+            f"{name} {axes!r}: {', '.join(map(repr, unknown))} is not an axis of the mesh "
+            f"{dict(mesh.shape)}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"{name} {axes!r} names an axis twice")
+    if not names:
+        return None
+    return names[0] if len(names) == 1 else names
+
+
+def axes_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
+    """The number of devices along `axes` (one mesh axis or several; 1 for None).
+
+    Example::
+
+        axes_size(mesh, ('replica', 'fsdp'))  # mesh.shape['replica'] * mesh.shape['fsdp']
+    """
+    if axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([mesh.shape[a] for a in names], dtype=np.int64))
 
 
 class Partitioner(abc.ABC):
@@ -50,13 +90,10 @@ class Partitioner(abc.ABC):
     devices, jitting with state shardings pinned) is shared.
     """
 
-    def __init__(self, mesh: Mesh, data_axis: str | None):
+    def __init__(self, mesh: Mesh, data_axis: str | Sequence[str] | None):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-        if data_axis is not None and data_axis not in mesh.axis_names:
-            raise ValueError(
-                f"data_axis {data_axis!r} is not an axis of the mesh {dict(mesh.shape)}"
-            )
+        data_axis = _checked_axes(mesh, data_axis, "data_axis")
         self._mesh = mesh
         self._data_axis = data_axis
         self._batch_sharding = NamedSharding(mesh, P(data_axis))
@@ -72,9 +109,15 @@ class Partitioner(abc.ABC):
         return self._mesh
 
     @property
-    def data_axis(self) -> str | None:
-        """The mesh axis the batch is split along."""
+    def data_axis(self) -> Axes | None:
+        """The mesh axis the batch is split along, or the tuple of axes it is split over
+        (a one-axis tuple given to the constructor reads as that axis's name)."""
         return self._data_axis
+
+    @property
+    def num_data_shards(self) -> int:
+        """How many pieces a global batch is split into: the devices along the data axes."""
+        return axes_size(self._mesh, self._data_axis)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -117,6 +160,19 @@ class Partitioner(abc.ABC):
             # target state's arrays are, whichever partitioner instance asks).
             return jax.tree.map(lambda x: x.sharding, state)
         specs = self.state_specs(state)
+        return jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
+
+    def placement(self, state: PyTree) -> PyTree:
+        """The `NamedSharding` of each leaf where this partitioner runs an existing state: its
+        rule (`state_specs`) for the state's shapes, on its own mesh, whatever the state's
+        current placement. `EvalLoop` moves a state there once per evaluation when it lives
+        elsewhere (training on another mesh or with another partitioner).
+
+        Example::
+
+            evaluated = jax.device_put(state, eval_partitioner.placement(state))
+        """
+        specs = self.state_specs(annotations.unboxed(state))
         return jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
 
     def _mesh_context(self) -> contextlib.AbstractContextManager:
@@ -213,7 +269,8 @@ class Partitioner(abc.ABC):
 
 
 class DataParallelPartitioner(Partitioner):
-    """Replicates the state on every device and splits the batch along `data_axis`.
+    """Replicates the state on every device and splits the batch along `data_axis` (one
+    mesh axis or a tuple of them).
 
     Example::
 
@@ -221,7 +278,7 @@ class DataParallelPartitioner(Partitioner):
         partitioner = DataParallelPartitioner(mesh=mesh, data_axis='data')
     """
 
-    def __init__(self, mesh: Mesh, data_axis: str = "data"):
+    def __init__(self, mesh: Mesh, data_axis: str | Sequence[str] = "data"):
         super().__init__(mesh, data_axis)
 
     @property
@@ -245,31 +302,49 @@ class FSDPPartitioner(Partitioner):
     """Fully sharded data parallel: large state leaves are split along the data axis.
 
     Every parameter, optimizer-state and batch-stats leaf with at least `min_weight_size`
-    elements is split on the largest of its dimensions that divides by the data-axis size;
-    smaller leaves (biases, scalars, counters) are replicated. The batch is split as in data
-    parallel, and XLA inserts the all-gathers and reduce-scatters, so results match data
-    parallel while each device holds about 1/N of the state.
+    elements is split on the largest of its dimensions that divides by the size of
+    `fsdp_axis` (by default the data axes); smaller leaves (biases, scalars, counters) are
+    replicated. The batch is split as in data parallel, and XLA inserts the all-gathers and
+    reduce-scatters, so results match data parallel while each device holds about 1/N of
+    the state (N the devices along `fsdp_axis`).
+
+    Hybrid sharding (HSDP): with ``data_axis=('replica', 'fsdp')`` and ``fsdp_axis='fsdp'``
+    the batch is split over both axes, the state only over 'fsdp' and replicated over
+    'replica'. Lay 'fsdp' out within a host (`jaxloop.meshes.make_mesh` does) and the
+    parameter all-gathers stay on the host's fast links; only the gradient all-reduce
+    crosses hosts.
 
     Example::
 
         partitioner = FSDPPartitioner(mesh=mesh, data_axis='data', min_weight_size=2**12)
+
+        mesh = meshes.make_mesh({'replica': -1, 'fsdp': jax.local_device_count()})
+        hsdp = FSDPPartitioner(mesh, data_axis=('replica', 'fsdp'), fsdp_axis='fsdp')
     """
 
-    def __init__(self, mesh: Mesh, data_axis: str = "data", min_weight_size: int = 2**12):
+    def __init__(self, mesh: Mesh, data_axis: str | Sequence[str] = "data",
+                 min_weight_size: int = 2**12, fsdp_axis: str | Sequence[str] | None = None):
         super().__init__(mesh, data_axis)
         if min_weight_size < 0:
             raise ValueError(f"min_weight_size must be >= 0, got {min_weight_size}")
         self._min_weight_size = min_weight_size
+        fsdp_axis = _checked_axes(mesh, fsdp_axis, "fsdp_axis")
+        self._fsdp_axis = self._data_axis if fsdp_axis is None else fsdp_axis
 
     @property
     def min_weight_size(self) -> int:
         return self._min_weight_size
 
+    @property
+    def fsdp_axis(self) -> Axes | None:
+        """The mesh axis (or axes) large state leaves are split over."""
+        return self._fsdp_axis
+
     def leaf_spec(self, shape: tuple[int, ...]) -> P:
         """The spec of one state leaf of this shape: split on its largest divisible dim."""
         return annotations.spec(annotations.fsdp_axes(
-            shape, [None] * len(shape), self._data_axis, self._mesh.shape[self._data_axis],
-            self._min_weight_size))
+            shape, [None] * len(shape), self._fsdp_axis,
+            axes_size(self._mesh, self._fsdp_axis), self._min_weight_size))
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         return jax.tree.map(lambda x: self.leaf_spec(np.shape(x)),
@@ -287,11 +362,13 @@ class SPMDPartitioner(Partitioner):
     moments, counts, unannotated leaves) are replicated.
 
     With `fsdp_min_weight_size`, FSDP runs on top: a leaf of at least that many elements
-    whose annotation leaves the data axis unused is also split along `data_axis` on its
-    largest unannotated dimension that divides, so on a ``('data', 'model')`` mesh each
-    device holds about 1/(data x model) of every big leaf. `run` is traced under the mesh
-    and the rules, so `jax.lax.with_sharding_constraint` and `nn.with_logical_constraint`
-    work inside it.
+    whose annotation leaves the FSDP axes unused is also split along `fsdp_axis` (default
+    `data_axis`) on its largest unannotated dimension that divides, so on a
+    ``('data', 'model')`` mesh each device holds about 1/(data x model) of every big leaf.
+    MaxText's usual mesh, data x fsdp x tensor, is ``data_axis=('data', 'fsdp')``,
+    ``fsdp_axis='fsdp'`` and rules that map model dimensions to 'tensor'. `run` is traced
+    under the mesh and the rules, so `jax.lax.with_sharding_constraint` and
+    `nn.with_logical_constraint` work inside it.
 
     Example::
 
@@ -307,9 +384,10 @@ class SPMDPartitioner(Partitioner):
     def __init__(
         self,
         mesh: Mesh,
-        data_axis: str = "data",
+        data_axis: str | Sequence[str] | None = "data",
         logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
         fsdp_min_weight_size: int | None = None,
+        fsdp_axis: str | Sequence[str] | None = None,
     ):
         super().__init__(mesh, data_axis)
         rules = annotations.checked_rules(logical_axis_rules, mesh)
@@ -317,6 +395,8 @@ class SPMDPartitioner(Partitioner):
             raise ValueError(f"fsdp_min_weight_size must be >= 0, got {fsdp_min_weight_size}")
         self._rules = rules
         self._fsdp_min_weight_size = fsdp_min_weight_size
+        fsdp_axis = _checked_axes(mesh, fsdp_axis, "fsdp_axis")
+        self._fsdp_axis = self._data_axis if fsdp_axis is None else fsdp_axis
 
     @property
     def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
@@ -341,11 +421,22 @@ class SPMDPartitioner(Partitioner):
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         def spec(path: tuple, x: Any) -> P:
             axes = annotations.leaf_axes(x, path, self._mesh, self._rules)
-            if self._fsdp_min_weight_size is not None and self._data_axis is not None:
+            if self._fsdp_min_weight_size is not None and self._fsdp_axis is not None:
                 shape = np.shape(x.value if annotations.is_box(x) else x)
-                axes = annotations.fsdp_axes(shape, axes, self._data_axis,
-                                             self._mesh.shape[self._data_axis],
+                axes = annotations.fsdp_axes(shape, axes, self._fsdp_axis,
+                                             axes_size(self._mesh, self._fsdp_axis),
                                              self._fsdp_min_weight_size)
             return annotations.spec(axes)
 
         return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=annotations.is_box)
+
+    def placement(self, state: PyTree) -> PyTree:
+        """Like `Partitioner.placement`, but a state already on this mesh stays as it is:
+        the annotations that placed it were read when it was created and are not in its
+        arrays. A state from another mesh is placed by its shapes (replicated, or FSDP with
+        `fsdp_min_weight_size`)."""
+        leaves = jax.tree.leaves(state)
+        if leaves and all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+                          and x.sharding.mesh == self._mesh for x in leaves):
+            return jax.tree.map(lambda x: x.sharding, state)
+        return super().placement(state)

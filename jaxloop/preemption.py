@@ -4,6 +4,19 @@
 `reached_sync_point(step)` between steps, and the outer loop then saves, flushes and returns
 with `OuterLoop.preempted` set.
 
+How a stopped run ends says why it stopped, so that no code after training runs as if it
+had finished:
+
+- SIGINT (Ctrl-C, a notebook's Stop button) raises `Interrupted`, a `KeyboardInterrupt`:
+  "Run all" stops, and the live state at the stopping step is ``err.state`` (and the
+  loop's ``stopped_state``). An evaluation stops at its next batch. A second SIGINT while
+  stopping changes nothing (the state stays live); a third raises `KeyboardInterrupt` at
+  once, wherever the program is (the state may then be lost).
+- SIGTERM (a scheduler's preemption) or `request()` raises `Preempted`, a `SystemExit`
+  with status 143 (128 + SIGTERM), which schedulers read as "preempted, requeue" when it
+  is not caught. Code that catches it finds ``err.state``, ``err.saved`` and
+  ``OuterLoop.preempted``.
+
 With several JAX processes, every process must stop at the same step: a checkpoint save is
 a collective, so a process that stopped alone would leave the others waiting in their next
 step's all-reduce. A notice (SIGTERM, SIGINT or `request()`) may reach any one process, so
@@ -40,7 +53,68 @@ log = logging.getLogger(__name__)
 
 _requested = threading.Event()  # this process received a notice
 _stop = threading.Event()  # the decision to stop (multi-process: agreed at the sync point)
-_active = False
+_active = 0  # how many `handling_preemption` blocks are open (nested ones share the flags)
+_interrupts = 0  # SIGINTs received while active: the first asks to stop; the third raises
+
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers read as "preempted, requeue"
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped at a step boundary because of SIGINT (Ctrl-C, a notebook's Stop).
+
+    Attributes:
+      state: the live state at the step where training stopped.
+      step: that step.
+      saved: whether a checkpoint of that step was written (a checkpoint action exists).
+
+    Example::
+
+        try:
+            state, outputs = outer(state, train_dataset=it, train_total_steps=10_000)
+        except preemption.Interrupted as stop:
+            state = stop.state          # continue later from here
+    """
+
+    def __init__(self, state: Any, step: int | None, saved: bool):
+        saved_text = "a checkpoint was saved" if saved else "no checkpoint was saved"
+        super().__init__(f"interrupted at step {step}; {saved_text}")
+        self.state, self.step, self.saved = state, step, saved
+
+
+class Preempted(SystemExit):
+    """Training stopped at a step boundary because of SIGTERM or `request()`: uncaught, the
+    process exits with status 143. Attributes as `Interrupted`'s.
+
+    Example::
+
+        try:
+            outer(state, train_dataset=it, train_total_steps=10_000)
+        except preemption.Preempted as stop:
+            print('saved' if stop.saved else 'not saved', 'at step', stop.step)
+            raise                      # exit 143: the scheduler requeues the job
+    """
+
+    def __init__(self, state: Any, step: int | None, saved: bool):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.state, self.step, self.saved = state, step, saved
+
+    def __str__(self) -> str:
+        saved = "a checkpoint was saved" if self.saved else "no checkpoint was saved"
+        return f"preempted at step {self.step}; {saved} (exit status {self.code})"
+
+
+def stopped(state: Any, step: int | None, saved: bool) -> Interrupted | Preempted:
+    """The exception that ends a run stopped at `step`: `Interrupted` when this process got
+    SIGINT, else `Preempted`."""
+    kind = Interrupted if _interrupts else Preempted
+    return kind(state, step, saved)
+
+
+def interrupted() -> bool:
+    """Whether this process got SIGINT in a single-process job: an evaluation may then stop
+    at its next batch (with several processes every process must run the same batches, so
+    evaluations finish and training stops at the agreed step)."""
+    return bool(_interrupts) and jax.process_count() == 1
 
 
 def _multiprocess_sync() -> bool:
@@ -54,7 +128,7 @@ def _multiprocess_sync() -> bool:
 
 def active() -> bool:
     """Whether preemption handling is on (loops skip the per-step check otherwise)."""
-    return _active
+    return _active > 0
 
 
 def requested() -> bool:
@@ -109,28 +183,47 @@ def handling_preemption(
 
     Handlers can only be installed from the main thread; elsewhere the block runs without
     them, and `request()` still works. In a multi-process job SIGTERM stays with JAX's
-    preemption service. Previous handlers are restored on exit.
+    preemption service. Previous handlers are restored on exit. A block opened inside
+    another (a `TrainLoop` inside an `OuterLoop`) keeps the outer one's handlers and
+    requests.
     """
-    global _active
+    global _active, _interrupts
+    if _active:
+        _active += 1
+        try:
+            yield
+        finally:
+            _active -= 1
+        return
     _requested.clear()
     _stop.clear()
+    _interrupts = 0
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in signals:
             if sig == signal.SIGTERM and _multiprocess_sync():
                 continue  # JAX's preemption notifier handles it and syncs the step.
             previous[sig] = signal.signal(sig, _on_signal)
-    _active = True
+    _active = 1
     try:
         yield
     finally:
-        _active = False
+        _active = 0
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if _requested.is_set() and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # a second Ctrl-C interrupts at once
-    log.warning("Received signal %d: saving a checkpoint at the next step boundary.", signum)
+    global _interrupts
+    if signum == signal.SIGINT:
+        _interrupts += 1
+        if _interrupts >= 3:
+            raise KeyboardInterrupt  # the third Ctrl-C: at once, wherever the program is
+        if _interrupts == 2:
+            log.warning("Still stopping at the next step boundary (press again to interrupt "
+                        "at once; the state may then be lost).")
+            return
+        log.warning("Interrupted: stopping at the next step boundary.")
+    else:
+        log.warning("Received signal %d: stopping at the next step boundary.", signum)
     _notice()

@@ -8,7 +8,7 @@ result can always be traced back to the code and hardware that produced it.
 Example::
 
     record = run_record.write(workdir, config={'lr': 1e-3, 'batch_size': 128},
-                              mesh=partitioner.mesh, writer=train_writer)
+                              mesh=partitioner.mesh, writer=train_writer, state=state)
     record['devices']['kinds']  # {'cpu': 8}
 """
 
@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+
+from jaxloop import param_table
 
 __all__ = ["FILE_NAME", "PACKAGES", "collect", "hparams", "write"]
 
@@ -129,8 +131,13 @@ def write(
     config: Any = None,
     mesh: Any = None,
     writer: Any = None,
+    state: Any = None,
 ) -> dict[str, Any]:
     """Records this run: ``workdir/run.json`` and hparams through `writer`; returns it.
+
+    With `state` (arrays or abstract, e.g. `Step.abstract_state`), the record holds its
+    `param_table.totals` under ``state`` and `writer` also gets the parameter table
+    (`param_table.markdown`) as the text ``parameters`` at step 0 (TensorBoard's text tab).
 
     Only process 0 writes (every process returns the record). A resumed run replaces
     ``run.json`` with the record of its own start; the earlier one is kept as
@@ -142,12 +149,15 @@ def write(
       mesh: a `jax.sharding.Mesh` or a partitioner.
       writer: a metric writer (``write_hparams``), e.g. from
         `writers.create_default_writer`, or None.
+      state: the train state, for its parameter table (or None).
 
     Example::
 
         run_record.write(workdir, config=vars(args), mesh=partitioner, writer=writer)
     """
     record = collect(config, mesh)
+    if state is not None:
+        record["state"] = param_table.totals(state)
     if jax.process_index() != 0:
         return record
     if workdir is not None:
@@ -163,5 +173,7 @@ def write(
         os.replace(tmp, path)  # atomic: a reader never sees half a file
     if writer is not None:
         writer.write_hparams(hparams(record))
+        if state is not None:
+            writer.write_texts(0, {"parameters": param_table.markdown(state)})
         writer.flush()
     return record

@@ -64,13 +64,15 @@ def batch_layout(batch: Batch | PreparedBatch) -> tuple:
 
 
 @functools.cache
-def _local_shards(mesh: jax.sharding.Mesh, axis: str | None) -> int:
-    """The distinct coordinates along `axis` of this process's devices."""
+def _local_shards(mesh: jax.sharding.Mesh, axis: str | tuple[str, ...] | None) -> int:
+    """The distinct coordinates along `axis` (one mesh axis or several) of this process's
+    devices."""
     if axis is None:
         return 1
-    index = mesh.axis_names.index(axis)
+    index = [mesh.axis_names.index(a) for a in ((axis,) if isinstance(axis, str) else axis)]
     local = {d.id for d in mesh.local_devices}
-    return len({idx[index] for idx, d in np.ndenumerate(mesh.devices) if d.id in local})
+    return len({tuple(idx[i] for i in index)
+                for idx, d in np.ndenumerate(mesh.devices) if d.id in local})
 
 
 def batch_shardings(partitioner: Any, batch: Batch, stacked: bool = False) -> Any:
@@ -216,7 +218,7 @@ def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
     """
     mesh = partitioner.mesh
     axis = partitioner.data_axis
-    shards = mesh.shape[axis] if axis is not None else 1
+    shards = partitioner.num_data_shards
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:

@@ -3,23 +3,35 @@
 Statistics are measured at the loop's end, where the loop waits for its last step anyway
 (an action boundary), so they cost no per-step synchronisation.
 
+Throughput as large-model teams read it, each opt-in: tokens/s from the batches' token
+mask or count (``tokens_key``), model TFLOP/s per device and MFU from the model's flops
+(``model_flops_per_example`` or ``model_flops_per_token``) over the device's peak (the table
+in `jaxloop.goodput`, or ``peak_flops_per_device``).
+
 Example::
 
     loop = StatLoop(step, global_batch_size=256)
     state, outputs = loop(state, batches, num_steps=100)
     outputs[STAT_STEPS_PER_SEC], outputs[STAT_EXAMPLES_PER_SEC]
+
+    # A language model: batches hold a 'mask' of real tokens; 6 flops per parameter-token.
+    loop = StatLoop(step, tokens_key='mask', model_flops_per_token=6 * num_params,
+                    peak_flops_per_device=197e12)
+    outputs[STAT_TOKENS_PER_SEC], outputs[STAT_MODEL_TFLOPS], outputs[STAT_MFU]
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxloop import loop as loop_lib
-from jaxloop import types
+from jaxloop import staging, types
 
 Output = types.Output
 State = types.TrainState
@@ -49,6 +61,39 @@ STAT_MFU = "jaxloop/mfu"
 STAT_MFU_XLA = "jaxloop/mfu_xla_cost_analysis"
 STAT_GOODPUT = "jaxloop/goodput"
 STAT_TIME_PREFIX = "jaxloop/time/"
+# Opt-in: reported when StatLoop is given `tokens_key` / model flops.
+STAT_TOKENS_PER_SEC = "jaxloop/tokens_per_sec"
+STAT_MODEL_TFLOPS = "jaxloop/model_tflops_per_sec_per_device"
+
+
+def token_count(batch: Any, key: str | Sequence[str]) -> Any:
+    """The tokens a batch holds: the sum of ``batch[key]``, a mask of real tokens (any
+    shape) or a count (a scalar); `key` may be a path into nested mappings, such as
+    ``('input_features', 'attention_mask')``. On the devices for a placed batch (no
+    transfer), else a float; a host batch's count is this process's rows only.
+
+    Example::
+
+        token_count({'ids': ids, 'mask': np.array([[1, 1, 0], [1, 0, 0]])}, 'mask')  # 3.0
+
+    Raises:
+      ValueError: the batch has no entry at `key` (the message names the missing key and
+        the keys there are).
+    """
+    if isinstance(batch, staging.PreparedBatch):  # prefetched: preprocessed and placed
+        batch = batch.batch
+    value = batch
+    for part in (key,) if isinstance(key, str) else tuple(key):
+        if not isinstance(value, Mapping) or part not in value:
+            keys = sorted(map(str, value)) if isinstance(value, Mapping) else type(value).__name__
+            raise ValueError(
+                f"tokens_key {key!r}: the batch has no entry {part!r} (a token mask or "
+                f"count); there it holds {keys}"
+            )
+        value = value[part]
+    if isinstance(value, jax.Array):
+        return jnp.sum(value, dtype=jnp.float32)
+    return float(np.sum(value))
 
 
 class StatLoop(loop_lib.Loop):
@@ -63,9 +108,17 @@ class StatLoop(loop_lib.Loop):
       steps_per_execution / unroll: steps per compiled call and how they compile, see
         `Loop`.
       model_flops_per_example: training flops per example (forward and backward) to report
-        ``jaxloop/mfu`` (needs `global_batch_size`), or ``'xla'`` for
-        ``jaxloop/mfu_xla_cost_analysis`` from XLA's cost analysis of the compiled step;
-        left out where the device's peak is unknown (see `jaxloop.goodput`).
+        ``jaxloop/mfu`` and ``jaxloop/model_tflops_per_sec_per_device`` (needs
+        `global_batch_size`), or ``'xla'`` for ``jaxloop/mfu_xla_cost_analysis`` (and the
+        TFLOP/s) from XLA's cost analysis of the compiled step. MFU is left out, with a
+        notice logged once, where the device's peak is unknown (see `jaxloop.goodput`).
+      model_flops_per_token: training flops per token (``6 * num_params`` for a
+        transformer), instead of per example; needs `tokens_key`.
+      tokens_key: the batch entry that holds its token mask or token count, or a path to
+        it in nested batches (`token_count`), to report ``jaxloop/tokens_per_sec`` over all
+        processes.
+      peak_flops_per_device: the device's peak flop/s for MFU, where the table in
+        `jaxloop.goodput` does not know it (or to use another figure, e.g. fp8).
       recorder: a `goodput.Recorder`: the loop times its input waits and its steps and
         reports the wall-time split since the previous loop (``jaxloop/time/*_secs``,
         ``jaxloop/goodput``).
@@ -81,12 +134,17 @@ class StatLoop(loop_lib.Loop):
         unroll: int | bool = 1,
         model_flops_per_example: float | str | None = None,
         recorder: Any = None,
+        donate_input_state: bool = False,
+        model_flops_per_token: float | None = None,
+        tokens_key: str | Sequence[str] | None = None,
+        peak_flops_per_device: float | None = None,
     ):
         super().__init__(
             step,
             max_steps_in_flight=max_steps_in_flight,
             steps_per_execution=steps_per_execution,
             unroll=unroll,
+            donate_input_state=donate_input_state,
         )
         stat_names = DEFAULT_STATS if stat_names is None else tuple(stat_names)
         unknown = sorted(set(stat_names) - set(ALL_STATS))
@@ -101,7 +159,21 @@ class StatLoop(loop_lib.Loop):
                 f"model_flops_per_example must be a number or 'xla', got "
                 f"{model_flops_per_example!r}"
             )
+        if model_flops_per_token is not None and (
+            model_flops_per_example is not None or tokens_key is None
+        ):
+            raise ValueError(
+                "model_flops_per_token needs tokens_key (the batch entry that counts tokens) "
+                "and excludes model_flops_per_example"
+            )
+        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
+            raise ValueError(
+                f"peak_flops_per_device must be positive, got {peak_flops_per_device}")
         self._model_flops = model_flops_per_example
+        self._flops_per_token = model_flops_per_token
+        self._tokens_key = tokens_key
+        self._peak = peak_flops_per_device
+        self._tokens: list[Any] = []
         self._recorder = recorder
         self._created = time.perf_counter()
         self._loop_start = 0.0
@@ -110,6 +182,7 @@ class StatLoop(loop_lib.Loop):
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         self._loop_start = time.perf_counter()
+        self._tokens = []
         if self._recorder is not None:
             from jaxloop import goodput  # noqa: PLC0415
 
@@ -118,14 +191,33 @@ class StatLoop(loop_lib.Loop):
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
         if self._recorder is None:
-            return super()._get_next_batch(dataset)
-        start = time.perf_counter()
-        try:
-            return super()._get_next_batch(dataset)
-        finally:
-            waited = time.perf_counter() - start
-            self._input_secs += waited
-            self._recorder.add("input", waited)
+            batch = super()._get_next_batch(dataset)
+        else:
+            start = time.perf_counter()
+            try:
+                batch = super()._get_next_batch(dataset)
+            finally:
+                waited = time.perf_counter() - start
+                self._input_secs += waited
+                self._recorder.add("input", waited)
+        if self._tokens_key is not None:
+            self._tokens.append(token_count(batch, self._tokens_key))
+        return batch
+
+    def _total_tokens(self) -> float:
+        """The tokens of the batches read, over all processes: host batches' counts are
+        summed across processes (one small collective, only in a multi-process job)."""
+        on_device = [c for c in self._tokens if isinstance(c, jax.Array)]
+        host = sum(c for c in self._tokens if not isinstance(c, jax.Array))
+        if jax.process_count() > 1 and len(on_device) < len(self._tokens):
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            host = float(np.sum(multihost_utils.process_allgather(np.float64(host))))
+        return float(host) + (float(jnp.sum(jnp.stack(on_device))) if on_device else 0.0)
+
+    def _num_devices(self) -> int:
+        partitioner = getattr(self.step, "partitioner", None)
+        return partitioner.mesh.devices.size if partitioner is not None else jax.device_count()
 
     def run(
         self,
@@ -164,27 +256,43 @@ class StatLoop(loop_lib.Loop):
         if num_flops is not None:
             stats[STAT_NUM_FLOPS] = float(num_flops)
         stats = {k: v for k, v in stats.items() if k in self._stat_names}
-        if self._model_flops is not None or self._recorder is not None:
-            stats.update(self._goodput_stats(elapsed, steps_per_sec))
+        tokens_per_sec = None
+        if self._tokens_key is not None:
+            tokens_per_sec = self._total_tokens() / elapsed if elapsed > 0 else 0.0
+            stats[STAT_TOKENS_PER_SEC] = tokens_per_sec
+        if (self._model_flops is not None or self._flops_per_token is not None
+                or self._recorder is not None):
+            stats.update(self._goodput_stats(elapsed, steps_per_sec, tokens_per_sec))
         return stats
 
-    def _goodput_stats(self, elapsed: float, steps_per_sec: float) -> dict[str, float]:
+    def _flops_per_sec_per_device(self, steps_per_sec: float,
+                                  tokens_per_sec: float | None) -> tuple[str, float] | None:
+        """The MFU stat name and the model flop/s per device, where the flops are known."""
+        if self._model_flops == "xla":
+            # `num_flops` is per device (the compiled program's).
+            if self.step.num_flops:
+                return STAT_MFU_XLA, self.step.num_flops * steps_per_sec
+            return None
+        if self._flops_per_token is not None and tokens_per_sec is not None:
+            total = self._flops_per_token * tokens_per_sec
+        elif self._model_flops is not None and self._global_batch_size is not None:
+            total = float(self._model_flops) * self._global_batch_size * steps_per_sec
+        else:
+            return None
+        return STAT_MFU, total / self._num_devices()
+
+    def _goodput_stats(self, elapsed: float, steps_per_sec: float,
+                       tokens_per_sec: float | None) -> dict[str, float]:
         from jaxloop import goodput  # noqa: PLC0415
 
         stats: dict[str, float] = {}
-        if self._model_flops == "xla" and self.step.num_flops:
-            # `num_flops` is per device (the compiled program's), as `mfu`'s argument.
-            value = goodput.mfu(self.step.num_flops * steps_per_sec)
-            if value is not None:
-                stats[STAT_MFU_XLA] = value
-        elif self._model_flops is not None and self._global_batch_size is not None:
-            per_device = (
-                float(self._model_flops) * self._global_batch_size * steps_per_sec
-                / jax.device_count()
-            )
-            value = goodput.mfu(per_device)
-            if value is not None:
-                stats[STAT_MFU] = value
+        flops = self._flops_per_sec_per_device(steps_per_sec, tokens_per_sec)
+        if flops is not None:
+            name, per_device = flops
+            stats[STAT_MODEL_TFLOPS] = per_device / 1e12
+            peak = goodput.resolved_peak(self._peak)
+            if peak is not None:
+                stats[name] = per_device / peak
         if self._recorder is not None:
             compiled = goodput.compile_seconds() - self._compile_mark
             self._recorder.train_loop(elapsed, self._input_secs, compiled)

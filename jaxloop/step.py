@@ -26,8 +26,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +41,7 @@ from jaxloop import model as model_lib
 from jaxloop import partition as partition_lib
 from jaxloop import precision as precision_lib
 from jaxloop import program as program_lib
+from jaxloop import sown as sown_lib
 
 Batch = types.Batch
 Output = types.Output
@@ -74,7 +76,8 @@ class Step:
         `nnx_model_args` and `nnx_model_kwargs`), or an nnx module instance.
       optimizer: an optax transformation (identity for eval steps).
       partitioner: where arrays live; single device when None.
-      train: whether this is a training step (its state buffers are donated to `run`).
+      train: whether this is a training step. Inside a loop it donates the states the loop
+        produced to `run`; a state you pass in is never deleted (see `compile`).
         nnx models run in train mode in a training step and in eval mode (dropout off,
         BatchNorm on running averages) otherwise; a linen model takes its mode as a call
         argument, by the idiom ``deterministic=not train`` (see `jaxloop.model`).
@@ -88,7 +91,25 @@ class Step:
         `precision.get_policy`). The model's ``apply_fn`` casts parameters and floating
         inputs to the compute dtype and outputs to the output dtype; new parameters are
         stored in the param dtype. None (the default) leaves the model untouched.
+      sown: flax collections the model sows into (e.g. ``('intermediates',)``), added to
+        the outputs as ``'<collection>/<path>'`` (see `jaxloop.sown`); scalars only unless
+        ``sown_scalars_only=False``.
       **nnx_model_kwargs: keyword arguments for an nnx module class.
+    """
+
+    state_class: type[types.TrainState] | None = None
+    """The class of the states `initialize_model` and `abstract_state` build: a subclass of
+    `types.TrainState` whose extra fields have defaults (clu metrics, counters), set on your
+    Step subclass or on an instance. None: whatever ``jaxloop.step.State`` names at the time
+    of the call, as google/jaxloop's notebooks set it.
+
+    Example::
+
+        class MetricsState(types.TrainState):
+            metrics: Metrics = Metrics.empty()
+
+        class MyStep(step_lib.Step):
+            state_class = MetricsState
     """
 
     def __init__(
@@ -103,8 +124,12 @@ class Step:
         begin_actions: Sequence[Any] | None = None,
         end_actions: Sequence[Any] | None = None,
         dtype_policy: precision_lib.Policy | str | None = None,
+        sown: Sequence[str] = (),
+        sown_scalars_only: bool = True,
         **nnx_model_kwargs: Any,
     ):
+        self._sown = (sown,) if isinstance(sown, str) else tuple(sown)
+        self._sown_scalars_only = sown_scalars_only
         self._dtype_policy = precision_lib.get_policy(dtype_policy)
         self._state_builder = model_state.StateBuilder(
             model_lib.adapt(model, nnx_model_args, nnx_model_kwargs), optimizer,
@@ -119,9 +144,10 @@ class Step:
         self._end_actions = list(end_actions or [])
         self._overrides_shard_batch = type(self).shard_batch is not Step.shard_batch
         self._jit_kwargs: dict[str, Any] = {}
-        # The single step's program (key None) and those of executions of several steps
-        # (`call_steps`), by (size, carry_state, unrolled): a loop uses one of the latter
-        # ('auto' tries a few sizes first).
+        self._donating = False
+        # Programs by (size, carry_state, unrolled, donating): size None is the single
+        # step; a loop runs executions of several steps (`call_steps`; 'auto' tries a few
+        # sizes first), donating the states it produced.
         self._programs: dict[Any, program_lib.Program] = {}
         self._num_params: int | None = None
         # The batch spec of the last `abstract_state`, to initialise it when nothing is
@@ -188,6 +214,10 @@ class Step:
 
     # -- model state --------------------------------------------------------------------------
 
+    def _state_class(self) -> type[types.TrainState]:
+        # Looked up per call: notebooks reassign ``jaxloop.step.State`` after import.
+        return self.state_class or State
+
     def initialize_model(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
         """Initialises the model and optimizer from an example batch spec, placed on the mesh.
 
@@ -199,7 +229,7 @@ class Step:
 
             state = step.initialize_model({'image': [1, 28, 28, 1], 'label': ([1], 'int32')})
         """
-        state = self._state_builder.initialize(self._partitioner, spec)
+        state = self._state_builder.initialize(self._partitioner, spec, self._state_class())
         self.compute_num_params(state)
         if log_num_params:
             log.info("Number of parameters: %d", self._num_params)
@@ -217,7 +247,7 @@ class Step:
 
             state = step.restore_model(step.abstract_state([1, 28, 28, 1]), ckpt_dir)
         """
-        abstract = self._state_builder.abstract(self._partitioner, spec)
+        abstract = self._state_builder.abstract(self._partitioner, spec, self._state_class())
         self._abstract_spec = spec
         self.compute_num_params(abstract)
         if log_num_params:
@@ -270,7 +300,7 @@ class Step:
         """
         from jaxloop import checkpoint  # noqa: PLC0415 (orbax is heavy; import when used)
 
-        restored = checkpoint.restore_state(
+        restored, _ = checkpoint.restore(
             state, checkpoint_dir, step, self._partitioner, skip_optimizer=not self._train,
             transforms=transforms,
         )
@@ -287,32 +317,64 @@ class Step:
 
     def compile(self, **jit_kwargs: Any) -> program_lib.Program:
         """Jits `run` through the partitioner (`Partitioner.partition`); `jit_kwargs` go to
-        `jax.jit`.
+        `jax.jit`. Returns the program a direct call ``step(state, batch)`` runs.
 
-        Training steps donate the state's buffers (argument 0) unless `donate_argnums` is
-        given. An unknown jit flag raises TypeError here.
+        A state you pass is never deleted: a training step donates its input buffers only
+        inside a loop, which hands it states the loop produced itself (`donating_state`).
+        ``donate_argnums`` given here applies to every call, as in google/jaxloop:
+        ``step.compile(donate_argnums=(0,))`` consumes the state you pass (for a state that
+        does not fit twice in memory). An unknown jit flag raises TypeError here.
 
         Example::
 
             step.compile(keep_unused=True)
         """
-        kwargs = {"donate_argnums": (0,)} if self._train else {}
-        kwargs.update(jit_kwargs)
-        self._jit_kwargs = kwargs
-        self._programs = {None: self._partitioner.partition(self._run_in_mode, **kwargs)}
-        return self._programs[None]
+        self._jit_kwargs = dict(jit_kwargs)
+        self._programs = {}
+        return self._program()
+
+    @property
+    def donates_input_state(self) -> bool:
+        """Whether every call consumes the state it is given (``compile(donate_argnums=
+        ...)`` names argument 0), so that a loop has no copy of the caller's state to make."""
+        donate = self._jit_kwargs.get("donate_argnums", ())
+        return 0 in ((donate,) if isinstance(donate, int) else tuple(donate))
+
+    @contextlib.contextmanager
+    def donating_state(self) -> Iterator[None]:
+        """While open, a training step donates the state it is given to its program (the
+        new state reuses its buffers: one state in memory, not two). Loops open it around
+        their steps, which they hand only states they produced; outside it a call never
+        deletes the caller's arrays.
+
+        Example::
+
+            own = jax.device_put(state, may_alias=False)  # a copy nobody else holds
+            with step.donating_state():
+                own, outputs = step(own, batch)   # `own`'s old buffers are reused
+        """
+        previous, self._donating = self._donating, True
+        try:
+            yield
+        finally:
+            self._donating = previous
 
     def _program(self, size: int | None = None, carry_state: bool = True,
                  unroll: int | bool = 1) -> program_lib.Program:
         """The program of one step (`size` None) or of executions of up to `size` steps,
-        made on first use with the jit flags of `compile`."""
-        if not self._programs:
-            self.compile()
-        key = None if size is None else (size, carry_state, unroll is True)
+        made on first use with the jit flags of `compile`; a training step's donates the
+        state inside `donating_state`."""
+        kwargs = dict(self._jit_kwargs)
+        donate = self._train and self._donating and "donate_argnums" not in kwargs
+        if donate:
+            kwargs["donate_argnums"] = (0,)
+        key = (size, carry_state, unroll is True, donate)
         if key not in self._programs:
-            self._programs[key] = program_lib.Program(
-                self._run_in_mode, self._partitioner, steps=size, carry_state=carry_state,
-                unroll=unroll, **self._jit_kwargs)
+            self._programs[key] = (
+                self._partitioner.partition(self._run_in_mode, **kwargs) if size is None
+                else program_lib.Program(
+                    self._run_in_mode, self._partitioner, steps=size,
+                    carry_state=carry_state, unroll=unroll, **kwargs))
         return self._programs[key]
 
     def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float | None:
@@ -347,9 +409,12 @@ class Step:
         if state is None:
             init_spec = self._abstract_spec if self._abstract_spec is not None else spec
             # Not `abstract_state`: an estimate leaves the step's bookkeeping as it was.
-            state = self._state_builder.abstract(self._partitioner, init_spec)
+            state = self._state_builder.abstract(self._partitioner, init_spec,
+                                                  self._state_class())
+        with self.donating_state():  # as a loop runs it
+            program = self._program()
         return analysis.memory(
-            self._program(), state, self.abstract_batch(spec), kwargs,
+            program, state, self.abstract_batch(spec), kwargs,
             self._partitioner.mesh.devices,
         )
 
@@ -404,7 +469,11 @@ class Step:
                      **kwargs: Any) -> tuple[State, Output | None]:
         # nnx models follow this step's mode while `run` is traced (see model.training_mode).
         with model_lib.training_mode(self._train):
-            return self.run(state, batch, *args, **kwargs)
+            if not self._sown:
+                return self.run(state, batch, *args, **kwargs)
+            recording, recorder = sown_lib.record(state, self._sown, self._sown_scalars_only)
+            new_state, outputs = self.run(recording, batch, *args, **kwargs)
+            return sown_lib.restored(new_state, state), recorder.outputs(outputs)
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         """Runs on the host after each compiled call, on the outputs it returned.

@@ -1,4 +1,5 @@
-"""When a Step's own actions run: every `interval` steps, or where the action says.
+"""When a Step's own actions run: every `interval` steps, or where the action (or its
+`triggers.Trigger`) says.
 
 A step-level action (``Step(begin_actions=..., end_actions=...)``) is called before (begin)
 or after (end) each step it fires on. Fused steps (``steps_per_execution=k``) show the host
@@ -21,10 +22,13 @@ from typing import Any
 def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
     """Whether a step-level action runs at this step (before it when `begin`, else after).
 
-    An action fires every `interval` steps, or where its optional method
-    ``fires_at(per_loop_step_number, begin)`` says (for actions tied to one step range,
-    such as `profiling.ProfileAction`).
+    An action fires every `interval` steps, or where its `triggers.Trigger` says (its
+    ``trigger`` attribute), or where its optional method ``fires_at(per_loop_step_number,
+    begin)`` says (for actions tied to one step range, such as `profiling.ProfileAction`).
     """
+    trigger = getattr(action, "trigger", None)
+    if trigger is not None:
+        return trigger.fires_within_loop(per_loop_step_number)
     fires_at = getattr(action, "fires_at", None)
     if fires_at is not None:
         return bool(fires_at(per_loop_step_number, begin))

@@ -39,7 +39,13 @@ class StopTrainingError(Exception):
       message: Why training stopped; always part of ``str(err)``.
       best_step: Step at which the best metric was observed, if known.
       best_metric: Best value of the monitored metric, if known.
+
+    Attributes:
+      state: the state the stopping action was given, set by the loop that ran it: a live
+        state at the step where training stopped (`OuterLoop` returns it).
     """
+
+    state: Any = None
 
     def __init__(
         self,

@@ -13,10 +13,14 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from jaxloop import action_loop
+from jaxloop import action_loop, types
+from jaxloop import actions as actions_lib
 from jaxloop import step as step_lib
+
+log = logging.getLogger(__name__)
 
 
 class TrainLoop(action_loop.ActionLoop):
@@ -33,3 +37,26 @@ class TrainLoop(action_loop.ActionLoop):
         if not getattr(step, "train", True):
             raise ValueError("TrainLoop needs a step constructed with train=True")
         super().__init__(step, *args, **kwargs)
+
+    def save_checkpoint(self, state: types.TrainState, outputs: types.Output | None) -> bool:
+        """Saves `state` now with this loop's first `CheckpointAction` (not a best-k one),
+        unless its step is saved already, and waits for the write. Returns whether a
+        checkpoint of this step exists; False, with a warning, when no action saves the
+        state. A stopped run (Ctrl-C, preemption) calls it before it ends.
+
+        Example::
+
+            if not train_loop.save_checkpoint(state, outputs):
+                print('nothing saved')
+        """
+        step = int(state.step)
+        for action in self.end_actions:
+            if (isinstance(action, actions_lib.CheckpointAction)
+                    and not isinstance(action, actions_lib.BestCheckpointAction)):
+                if step not in action.ckpt_manager.all_steps():
+                    action(state, outputs, loop=self, force=True)
+                action.ckpt_manager.wait_until_finished()
+                return step in action.ckpt_manager.all_steps()
+        log.warning("Stopped at step %d, but no CheckpointAction saves the state: nothing "
+                    "was saved.", step)
+        return False

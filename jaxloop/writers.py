@@ -2,7 +2,8 @@
 
 The writers have the method names of clu's ``MetricWriter``, so clu's writers and these go
 wherever either does. ``clu.metric_writers`` imports TensorFlow; `SummaryWriter` writes with
-tensorboardX's ``SummaryWriter`` instead, imported when the first one is made.
+tensorboardX's summary encoders and event-file writer instead, imported when the first one
+is made.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numbers
 import operator
 import os
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -189,19 +191,21 @@ _EVENT_FILES = itertools.count()
 class SummaryWriter(_ContextManagerMixin):
     """Writes TensorBoard event files into ``logdir`` with tensorboardX, without TensorFlow.
 
-    tensorboardX's ``add_*`` decide the layout: N images or videos of a key are tiled into
-    one PNG or GIF; N audio clips are tagged ``key/0`` ... ``key/{N-1}``; texts land under
-    ``key/text_summary``; hparams go to a new sub-run named by the time of the call (the
-    HParams tab lists each such session). Videos need moviepy (``jaxloop[video]``): without
-    it they are skipped with one warning.
+    tensorboardX's summary encoders decide the layout (those its ``SummaryWriter.add_*``
+    call): N images or videos of a key are tiled into one PNG or GIF; N audio clips are
+    tagged ``key/0`` ... ``key/{N-1}``; texts land under ``key/text_summary``; hparams go to
+    a new sub-run named by the time of the call (the HParams tab lists each such session).
+    Videos need moviepy (``jaxloop[video]``): without it they are skipped with one warning.
 
-    Encoding happens on the calling thread (see `AsyncWriter`). `flush` closes the event file,
-    as tensorboardX's flush does not wait for its writing thread; the next write opens one.
+    Encoding and writing happen on the calling thread (see `AsyncWriter`), into one event
+    file (tensorboardX's ``EventsWriter``) per writer: `flush` makes everything written so
+    far readable, `close` closes the file.
 
     Args:
       logdir: directory for the event files, created if missing (a path, an ``epath.Path``,
         or a ``gs://``/``s3://`` URL with google-cloud-storage or boto3 installed).
-      flush_secs: how often tensorboardX's thread flushes the file.
+      flush_secs: a write this many seconds or more after the last flush flushes the file
+        (`flush` and `close` do at once).
       video_fps: frame rate of the GIFs written by `write_videos`.
     """
 
@@ -210,52 +214,47 @@ class SummaryWriter(_ContextManagerMixin):
         self._logdir = os.fspath(logdir)
         self._flush_secs, self._video_fps = flush_secs, video_fps
         self._lock = threading.Lock()
-        self._closed = self._unflushed = False
-        self._events = self._open()
-
-    def _open(self) -> Any:
-        from tensorboardX import SummaryWriter as EventWriter
-
-        # Files are named by the second they are opened in; the pid and a zero-padded
-        # counter keep two of one second apart and in the order they were opened.
-        suffix = f".{os.getpid()}.{next(_EVENT_FILES):06d}"
-        return EventWriter(self._logdir, flush_secs=self._flush_secs, filename_suffix=suffix)
+        self._closed = False
+        self._events = _events_file(self._logdir)
+        # Closes the file once: at `close`, or when the writer is collected or Python exits
+        # (what is written is then on disk even if nobody closed the writer).
+        self._close_events = weakref.finalize(self, self._events.close)
+        self._flushed_at = time.monotonic()
 
     @property
     def logdir(self) -> str:
         return self._logdir
 
-    @contextlib.contextmanager
-    def _writing(self):
+    def _add(self, encode: str, step: int | None, values: Mapping[str, Any],
+             **kwargs: Any) -> None:
+        """Writes ``tensorboardX.summary.<encode>(tag, value, **kwargs)`` of each value."""
+        import tensorboardX.summary
+
+        encoder = getattr(tensorboardX.summary, encode)
+        summaries = [encoder(tag, value, **kwargs) for tag, value in values.items()]
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"SummaryWriter for {self._logdir!r} is closed.")
-            if self._events is None:
-                self._events = self._open()
-            self._unflushed = True
-            yield self._events
-
-    def _add(self, adder: str, step: int, values: Mapping[str, Any], **kwargs: Any) -> None:
-        with self._writing() as events:
-            for tag, value in values.items():
-                getattr(events, adder)(tag, value, step, **kwargs)
+            _write(self._events, summaries, step)
+            if time.monotonic() - self._flushed_at >= self._flush_secs:
+                self._flush()
 
     def write_scalars(self, step: int, scalars: Arrays) -> None:
-        self._add("add_scalar", _as_step(step), _prepare_scalars(scalars))
+        self._add("scalar", _as_step(step), _prepare_scalars(scalars))
 
     def write_images(self, step: int, images: Arrays) -> None:
         """Images of shape [H, W], [H, W, C] or [N, H, W, C], C in 1/3/4: floats in [0, 1]
         (clipped), integers in [0, 255]."""
         step = _as_step(step)
         batches = {key: _pixels("Image", key, value) for key, value in images.items()}
-        self._add("add_images", step, batches, dataformats="NHWC")
+        self._add("image", step, batches, dataformats="NHWC")
 
     def write_videos(self, step: int, videos: Arrays) -> None:
         """Videos of shape [T, H, W, C] or [N, T, H, W, C], as animated GIFs."""
         step = _as_step(step)
         batches = {key: _pixels("Video", key, value)[..., :3] for key, value in videos.items()}
         if batches and _has_moviepy(self):
-            self._add("add_video", step, batches, fps=self._video_fps, dataformats="NTHWC")
+            self._add("video", step, batches, fps=self._video_fps, dataformats="NTHWC")
 
     def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None:
         """Clips of shape [N, T, C], [N, T] or [T], as 16-bit WAV: floats in [-1, 1]
@@ -267,47 +266,80 @@ class SummaryWriter(_ContextManagerMixin):
         for key, value in audios.items():
             batch = _audios_ntc(key, value)
             clips.update({key if len(batch) == 1 else f"{key}/{i}": c for i, c in enumerate(batch)})
-        self._add("add_audio", step, clips, sample_rate=sample_rate)
+        self._add("audio", step, clips, sample_rate=sample_rate)
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         """Strings, shown as Markdown in the Text tab."""
-        self._add("add_text", _as_step(step), {key: str(text) for key, text in texts.items()})
+        self._add("text", _as_step(step), {key: str(text) for key, text in texts.items()})
 
     def write_histograms(self, step: int, arrays: Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
         """``num_buckets[key]`` buckets (default `DEFAULT_HISTOGRAM_BUCKETS`); non-finite
         values, which no bucket holds, are left out with a warning."""
         step, buckets = _as_step(step), num_buckets or {}
-        flats = {key: np.asarray(value, np.float64).reshape(-1) for key, value in arrays.items()}
-        with self._writing() as events:
-            for key, flat in flats.items():
-                finite = flat[np.isfinite(flat)]
-                if finite.size < flat.size:
-                    _LOGGER.warning("Histogram %r at step %d: left out %d non-finite of %d "
-                                    "values.", key, step, flat.size - finite.size, flat.size)
-                if finite.size:
-                    bins = buckets.get(key, DEFAULT_HISTOGRAM_BUCKETS)
-                    events.add_histogram(key, finite, step, bins=bins)
+        for key, value in arrays.items():
+            flat = np.asarray(value, np.float64).reshape(-1)
+            finite = flat[np.isfinite(flat)]
+            if finite.size < flat.size:
+                _LOGGER.warning("Histogram %r at step %d: left out %d non-finite of %d "
+                                "values.", key, step, flat.size - finite.size, flat.size)
+            if finite.size:
+                self._add("histogram", step, {key: finite},
+                          bins=buckets.get(key, DEFAULT_HISTOGRAM_BUCKETS))
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         """Nested mappings become dotted names (``opt.lr``); bools, numbers (as floats) and
         strings keep their type, anything else is written as its ``str()``."""
+        import tensorboardX.summary
+
         flat = {key: _hparam_value(v) for key, v in _flatten_hparams(hparams).items()}
-        with self._writing() as events:
-            events.add_hparams(flat, {})
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"SummaryWriter for {self._logdir!r} is closed.")
+        # A session of its own, in a sub-run, as tensorboardX's add_hparams writes it.
+        session = _events_file(os.path.join(self._logdir, str(time.time())))
+        try:
+            _write(session, tensorboardX.summary.hparams(flat, {}), None)
+        finally:
+            session.close()
+
+    def _flush(self) -> None:
+        self._events.flush()
+        self._flushed_at = time.monotonic()
 
     def flush(self) -> None:
-        """Makes everything written so far readable, by closing the event file."""
+        """Makes everything written so far readable; later writes go to the same file."""
         with self._lock:
-            if self._unflushed:
-                self._events.close()
-                self._events, self._unflushed = None, False
+            if not self._closed:
+                self._flush()
 
     def close(self) -> None:
         with self._lock:
-            if self._events is not None:
-                self._events.close()
-            self._events, self._unflushed, self._closed = None, False, True
+            self._close_events()
+            self._closed = True
+
+
+def _events_file(logdir: str) -> Any:
+    """A new event file in `logdir` (created if missing), written synchronously."""
+    from tensorboardX.event_file_writer import EventsWriter
+
+    if "://" not in logdir:  # (buckets have no directories to make)
+        os.makedirs(logdir, exist_ok=True)
+    # Files are named by the second they are opened in; the pid and a zero-padded counter
+    # keep two of one second apart and in the order they were opened.
+    suffix = f".{os.getpid()}.{next(_EVENT_FILES):06d}"
+    return EventsWriter(os.path.join(logdir, "events"), suffix)
+
+
+def _write(events: Any, summaries: Sequence[Any], step: int | None) -> None:
+    """Appends `summaries` to `events`, as tensorboardX's FileWriter.add_summary does."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    for summary in summaries:
+        event = Event(summary=summary, wall_time=time.time())
+        if step is not None:
+            event.step = step
+        events.write_event(event)
 
 
 class _Forwarder(_ContextManagerMixin):

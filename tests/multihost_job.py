@@ -262,8 +262,8 @@ def continuous_eval_job(ckpt_dir: Path) -> dict:
 
 
 class _Steps(logging.Handler):
-    """Catches the step of digits' "Preempted at step N" record and of jaxloop's "Restored
-    checkpoint step N" record (from the records' arguments, not from any output stream)."""
+    """Catches the step of digits' "Preempted at step N" record and of jaxloop's "Resumed from
+    step N" record (from the records' arguments, not from any output stream)."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -273,7 +273,7 @@ class _Steps(logging.Handler):
         message = record.getMessage()
         if message.startswith("Preempted at step"):
             self.preempted = int(record.args[0])
-        elif message.startswith("Restored checkpoint step"):
+        elif message.startswith("Resumed from step"):
             self.restored = int(record.args[0])
 
 

@@ -34,3 +34,18 @@ def test_overhead_benchmark_pools_processes_and_reports_every_variant():
     assert re.search(r"auto / best fixed k \((?:k=\d+|p=0)\): [0-9.]+ \[", out)
     for case in ("MLP batch 256, DataParallel x8", "MLP batch 256, FSDP x8"):
         assert f"{case} [loops of 10 steps" in out
+
+
+@pytest.mark.slow
+def test_state_memory_benchmark_shows_the_copy_and_the_opt_in():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/state_memory.py", "--steps", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratios = dict(re.findall(r"^(\S+) +peak live device bytes = ([0-9.]+) x one state",
+                             proc.stdout, re.M))
+    # Live arrays only (no timing): the caller's state plus the loop's own, or one state.
+    assert 1.9 <= float(ratios["default"]) <= 2.2, proc.stdout
+    assert 0.9 <= float(ratios["opt-in"]) <= 1.2, proc.stdout
+    assert 0.9 <= float(ratios["resume"]) <= 1.2, proc.stdout

@@ -91,10 +91,12 @@ def test_preemption_saves_at_the_step_boundary_and_resumes_exactly(tmp_path):
     tl = train_loop_lib.TrainLoop(step, end_actions=[actions.CheckpointAction(manager, 100)])
     outer = outer_loop.OuterLoop(train_loop=tl,
                                  checkpoint_spec=outer_loop.CheckpointSpec(tmp_path / "b" / "ckpt"))
-    state, _ = outer(step.initialize_model([1, 16]), iter(make_dataset("global")),
-                     train_total_steps=16, train_loop_steps=4)
+    with pytest.raises(preemption.Preempted) as stopped:
+        outer(step.initialize_model([1, 16]), iter(make_dataset("global")),
+              train_total_steps=16, train_loop_steps=4)
     manager.close()
-    assert outer.preempted and int(state.step) == 3
+    state = stopped.value.state
+    assert outer.preempted and int(state.step) == 3 and stopped.value.saved
     assert checkpoint.all_steps(tmp_path / "b" / "ckpt") == [3]
     assert not outer_loop.stop_marker_path(tmp_path / "b" / "ckpt").exists()
     assert not (tmp_path / "b" / "ckpt" / outer_loop._STOP_FILE_NAME).exists()

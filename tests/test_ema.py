@@ -82,7 +82,8 @@ def test_clear_errors_without_an_ema_state():
     with pytest.raises(TypeError, match="ema.init"):
         ema.update(plain, 0.9)
     with pytest.raises(TypeError, match="no ema_params"):
-        eval_loop.EvalLoop(step, use_ema=True)(plain, iter([toy_data(8)]))
+        eval_step = EmaStep(jax.random.key(0), LinenMLP())
+        eval_loop.EvalLoop(eval_step, use_ema=True)(plain, iter([toy_data(8)]))
 
 
 def test_abstract_state_resume_under_fsdp(tmp_path):

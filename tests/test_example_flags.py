@@ -62,3 +62,50 @@ def test_features_under_two_processes_match_one_process(tmp_path):
     assert abs(one.loss - two.loss) < 1e-4, (one, two)
     record = json.loads((tmp_path / "two" / "run.json").read_text())
     assert record["devices"]["process_count"] == 2 and record["devices"]["count"] == 8
+
+
+def test_bad_config_overrides_name_the_field(capsys):
+    from jaxloop import config as config_lib
+    from jaxloop.examples import digits, transformer
+
+    for module in (digits, transformer):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--train-steps", "many"])
+        assert "argument --train-steps: invalid int value: 'many'" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            module.parse_args(["--learnig-rate", "0.1"])
+        err = capsys.readouterr().err
+        assert "--learnig-rate (did you mean --learning-rate?)" in err
+        with pytest.raises(SystemExit):
+            module.parse_args(["--nonfinite", "sometimes"])
+        assert "argument --nonfinite: invalid choice: 'sometimes'" in capsys.readouterr().err
+    config = transformer.parse_args(["--partitioner", "spmd", "--telemetry", "--d-model", "32"])
+    assert isinstance(config, transformer.Config)
+    assert (config.partitioner, config.telemetry, config.d_model) == ("spmd", True, 32)
+    assert not config.dry_run and config.workdir is None
+    with pytest.raises(TypeError, match="dataclass"):
+        config_lib.parse(dict, [])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_transformer_config_override_is_recorded_as_given(tmp_path):
+    workdir = tmp_path / "w"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxloop.examples.transformer", "--workdir", str(workdir),
+         "--train-steps", "4", "--train-loop-steps", "2", "--d-model", "32", "--num-heads",
+         "2", "--partitioner", "spmd", "--learning-rate", "0.005"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("final step=4 ")
+    record = json.loads((workdir / "run.json").read_text())
+    config = record["config"]
+    assert (config["d_model"], config["num_heads"], config["learning_rate"]) == (32, 2, 0.005)
+    assert config["partitioner"] == "spmd" and config["seq_len"] == 64  # a default, as given
+    assert record["mesh"]["shape"] == {"data": 4, "model": 2}
+    assert record["state"]["params"] > 0
+    acc = eam.EventAccumulator(str(workdir / "train"), size_guidance={eam.TENSORS: 0})
+    acc.Reload()
+    (table,) = acc.Tensors("parameters/text_summary")
+    text = table.tensor_proto.string_val[0].decode()
+    assert "| params/block0/mlp/up/kernel | (32, 128) | float32 | (None, 'model') |" in text

@@ -455,5 +455,6 @@ def test_progress_bar_shows_the_last_step_of_per_step_clu_metrics():
     progress = actions.ProgressAction(total_steps=10, enabled=True)
     state = ClassifierStep(jax.random.key(0), LinenMLP()).initialize_model([1, 16])
     progress(state, {"loss": losses, "jaxloop/steps_per_sec": 2.0})
-    assert progress._bar.postfix == "loss=1.5, steps/s=2.0"
+    # The first loop's rate would count its compilation: none is shown yet.
+    assert progress._bar.postfix == "loss=1.5"
     progress.close()

@@ -21,7 +21,8 @@ nbclient = pytest.importorskip("nbclient")
 kernelspec = pytest.importorskip("ipykernel.kernelspec")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["01_quick_start", "02_intermediate", "03_custom_loop_and_action", "04_simple_trainer"]
+NAMES = ["01_quick_start", "02_intermediate", "03_custom_loop_and_action", "04_simple_trainer",
+         "05_keep_your_state"]
 
 # Appended to the executed copy only: TensorFlow must stay out of the notebooks even where it
 # is installed (the kernel does not inherit the TF-free tier's import block), and the kernel
@@ -103,7 +104,21 @@ def test_saved_notebook_is_clean(name):
 def test_01_quick_start(kernel_env, tmp_path):
     text, outputs, seconds = execute("01_quick_start", tmp_path)
     assert number(r"final eval accuracy: ([0-9.]+)", text) >= 0.9
-    assert any("image/png" in out.get("data", {}) for out in outputs)  # the plots
+    # outer.history: a train loss per step from 21 to 500, an evaluation per loop (at 70,
+    # 120, ..., 470 and 500), and the plot draws them all.
+    train_points = number(r"train loss points: (\d+)", text)
+    eval_points = number(r"eval accuracy points: (\d+)", text)
+    assert (train_points, eval_points) == (480, 10)
+    plotted = re.search(r"plotted points: .*'accuracy': \[(\d+), (\d+)\]", text)
+    assert plotted and tuple(map(int, plotted.groups())) == (eval_points, train_points), text
+    assert number(r"(\d+) rows; the last:", text) > train_points
+    pngs = [out for out in outputs
+            if out.output_type == "display_data" and "image/png" in out.get("data", {})]
+    assert pngs  # the history's plot, shown
+    # log_num_params=True shows in a kernel where nobody configured logging, once.
+    logged = "".join(out.get("text", "") for out in outputs
+                     if out.output_type == "stream" and out.get("name") == "stderr")
+    assert logged.count("Number of parameters: ") == 1, logged
     assert "tensorflow imported: False" in text
     print(f"01_quick_start ran in {seconds:.1f} s")
 
@@ -153,3 +168,18 @@ def test_04_simple_trainer(kernel_env, tmp_path):
     assert any("image/png" in out.get("data", {}) for out in outputs)
     assert "tensorflow imported: False" in text
     print(f"04_simple_trainer ran in {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_05_keep_your_state(kernel_env, tmp_path):
+    text, outputs, seconds = execute("05_keep_your_state", tmp_path)
+    assert "state class: MetricsState" in text
+    assert number(r"untrained still at step (\d+)", text) == 0
+    assert number(r"untrained accuracy: ([0-9.]+)", text) < 0.3
+    assert number(r"(?m)^trained accuracy: ([0-9.]+)", text) >= 0.9
+    assert number(r"the first state is at step (\d+)", text) == 0
+    assert number(r"continued to step (\d+)", text) == 250
+    assert "passed-in state deleted: True" in text
+    assert any("image/png" in out.get("data", {}) for out in outputs)
+    assert "tensorflow imported: False" in text
+    print(f"05_keep_your_state ran in {seconds:.1f} s")

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh
 from models import ClassifierStep
 
-from jaxloop import actions, checkpoint, outer_loop, partition, train_loop
+from jaxloop import actions, checkpoint, memory, outer_loop, partition, train_loop
 from jaxloop import step as step_lib
 
 SPEC = [1, 256]
@@ -31,18 +31,7 @@ class Wide(nn.Module):
         return nn.Dense(16)(x)
 
 
-def device_bytes() -> int:
-    # A shard's `.data` is itself a live array viewing the same buffer: count each buffer once.
-    buffers = {}
-    for x in jax.live_arrays():
-        try:
-            for s in x.addressable_shards:
-                buffers[(s.device.id, s.data.unsafe_buffer_pointer())] = s.data.nbytes
-        except RuntimeError:  # jax's own error types for a deleted buffer derive from it
-            if not x.is_deleted():
-                raise
-            # donated while it was being read: the sampler runs beside the steps
-    return sum(buffers.values())
+device_bytes = memory.live_device_bytes
 
 
 def tree_device_bytes(tree) -> int:

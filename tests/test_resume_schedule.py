@@ -175,10 +175,14 @@ def run(workdir, total=80, preempt_at=None, patience=None, every=2):
     outer = outer_loop.OuterLoop(
         train_loop=tl, eval_loops=[eval_loop_lib.EvalLoop(eval_step(), end_actions=eval_actions)],
         checkpoint_spec=outer_loop.CheckpointSpec(workdir / "ckpt"))
-    state, outputs = outer(
-        step.initialize_model([1, 16]), forever(), train_total_steps=total,
-        train_loop_steps=10,
-        eval_specs=[outer_loop.EvalSpec(BATCHES[:2], num_steps=2, eval_loop_interval=every)])
+    try:
+        state, outputs = outer(
+            step.initialize_model([1, 16]), forever(), train_total_steps=total,
+            train_loop_steps=10,
+            eval_specs=[outer_loop.EvalSpec(BATCHES[:2], num_steps=2, eval_loop_interval=every)])
+    except preemption.Preempted as stop:  # the script's end on SIGTERM: status 143
+        assert stop.saved and stop.code == 143
+        state, outputs = stop.state, None
     manager.wait_until_finished()
     manager.close()
     return outer, state, outputs, [s for s, _ in evals.calls]

@@ -4,11 +4,16 @@ import json
 import math
 import pickle
 
+import flax
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from clu import metrics as clu_metrics
+from models import ClassifierStep, LinenMLP, toy_data
 
+from jaxloop import data, eval_loop, outer_loop, train_loop
 from jaxloop.action_loop import ActionLoop
 from jaxloop.actions import EarlyStoppingAction
 from jaxloop.stop_handler import (
@@ -513,3 +518,39 @@ def test_early_stopping_in_an_action_loop_whose_step_is_a_plain_function():
             loop(state.replace(step=epoch), iter([{"input_features": np.ones((2, 3))}]))
     assert evaluations == 4
     assert (info.value.best_metric, info.value.best_step) == (0.5, 1)
+
+
+def test_early_stopping_watches_a_member_of_a_clu_collection(caplog):
+    # An eval step reporting a clu Collection: scalar_metrics names its members
+    # 'metrics/accuracy', and that is the name early stopping watches.
+    @flax.struct.dataclass
+    class EvalMetrics(clu_metrics.Collection):
+        accuracy: clu_metrics.Accuracy
+        loss: clu_metrics.Average.from_output("loss")
+
+    class CollectionEvalStep(ClassifierStep):
+        def run(self, state, batch):
+            logits = state.apply_fn({"params": state.params}, batch["x"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            return state, {"metrics": EvalMetrics.single_from_model_output(
+                logits=logits, labels=batch["y"], loss=loss)}
+
+    examples = toy_data(64)
+    # A learning rate of 0: the accuracy never improves after the first evaluation.
+    train = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.sgd(0.0), train=True)
+    stopper = EarlyStoppingAction(
+        MetricMonitoringStopHandler("metrics/accuracy", mode="max", patience=2))
+    outer = outer_loop.OuterLoop(
+        train_loop.TrainLoop(train),
+        [eval_loop.EvalLoop(CollectionEvalStep(jax.random.key(0), LinenMLP()),
+                            end_actions=[stopper])])
+    with caplog.at_level("WARNING", logger="jaxloop"):
+        state, outputs = outer(
+            train.initialize_model([1, 16]), iter(data.GlobalBatchDataset(examples, 16, seed=0)),
+            train_total_steps=40, train_loop_steps=4,
+            eval_specs=[outer_loop.EvalSpec([{k: v[:32] for k, v in examples.items()}])])
+    assert int(state.step) == 12 and outputs[outer_loop.STOP_LOOP] is True
+    assert not [r for r in caplog.records if "not available" in r.getMessage()]
+    best, best_step = stopper.handler.get_best_info()
+    assert best_step == 4
+    assert best == outer.history["eval/metrics/accuracy"].values[0]

@@ -369,7 +369,7 @@ def test_summary_writer_creates_logdir_closes_once_and_rejects_late_writes(tmp_p
     for step in range(20):
         w.write_scalars(step, {"x": float(step)})
         w.flush()
-        # Readable after each flush, in order (a flush starts a new file for later writes).
+        # Readable after each flush, in order, all in one file.
         assert [(e.step, e.value) for e in load(logdir).Scalars("x")] == [
             (s, float(s)) for s in range(step + 1)]
     w.close()
@@ -378,6 +378,32 @@ def test_summary_writer_creates_logdir_closes_once_and_rejects_late_writes(tmp_p
     with pytest.raises(RuntimeError, match="closed"):
         w.write_scalars(1, {"x": 2.0})
     assert [e.step for e in load(logdir).Scalars("x")] == list(range(20))
+    assert len(event_files(logdir)) == 1
+
+
+def test_train_loops_flushing_each_call_write_one_event_file(tmp_path):
+    """A SummaryAction with flush_each_call=True on a train loop called several times
+    (a notebook running cells) writes every loop's scalars into one event file, each
+    readable as soon as its loop returns."""
+    import jax
+    import optax
+    from models import ClassifierStep, LinenMLP, toy_data
+
+    from jaxloop import actions, train_loop
+
+    data = toy_data(64)
+    batches = [{k: v[i:i + 16] for k, v in data.items()} for i in range(0, 64, 16)]
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    writer = writers.SummaryWriter(tmp_path)
+    loop = train_loop.TrainLoop(
+        step, end_actions=[actions.SummaryAction(writer, flush_each_call=True)])
+    state = step.initialize_model([1, 16])
+    for cell in range(3):
+        state, _ = loop(state, iter(batches), num_steps=4)
+        assert [e.step for e in load(tmp_path).Scalars("loss")] == list(range(1, 4 * cell + 5))
+    writer.close()
+    assert len(event_files(tmp_path)) == 1
+    assert [e.step for e in load(tmp_path).Scalars("loss")] == list(range(1, 13))
 
 
 def test_two_writers_in_one_logdir_get_separate_files(tmp_path):

@@ -14,13 +14,13 @@ Example::
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import hashlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import flax.linen as nn
 import jax
@@ -39,13 +39,16 @@ from jaxloop import (
     ema,
     eval_loop,
     guard,
+    meshes,
     outer_loop,
     partition,
+    preemption,
     run_record,
     telemetry,
     train_loop,
     writers,
 )
+from jaxloop import config as config_lib
 from jaxloop import step as step_lib
 from jaxloop.examples import dry_run
 
@@ -54,7 +57,6 @@ log = logging.getLogger("digits")
 NUM_CLASSES = 10
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0  # fixed, so accuracies are comparable across --seed values
-PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what schedulers expect of a terminated job
 
 
 class CNN(nn.Module):
@@ -142,15 +144,20 @@ def load_digits() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
 
 
 def make_partitioner(kind: str) -> partition.Partitioner:
-    """`single`, `dp` or `fsdp` over all devices."""
+    """`single`, `dp` or `fsdp` over all devices, or `hsdp`: split within each process,
+    replicated across processes (`meshes.make_mesh`)."""
     if kind == "single":
         return partition.SingleDevicePartitioner()
+    if kind == "hsdp":
+        mesh = meshes.make_mesh({"replica": -1, "fsdp": jax.local_device_count()})
+        return partition.FSDPPartitioner(mesh, ("replica", "fsdp"), min_weight_size=2**8,
+                                         fsdp_axis="fsdp")
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     if kind == "dp":
         return partition.DataParallelPartitioner(mesh, "data")
     if kind == "fsdp":
         return partition.FSDPPartitioner(mesh, "data", min_weight_size=2**10)
-    raise ValueError(f"--partitioner must be single, dp or fsdp, got {kind!r}")
+    raise ValueError(f"--partitioner must be single, dp, fsdp or hsdp, got {kind!r}")
 
 
 def fingerprint(params: Any) -> str:
@@ -177,48 +184,55 @@ def memory_report(
                           show=is_main)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workdir", default="workdir/digits")
-    parser.add_argument("--train-steps", type=int, default=600)
-    parser.add_argument("--train-loop-steps", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
-    parser.add_argument("--partitioner", default="dp", choices=["single", "dp", "fsdp"])
-    parser.add_argument("--checkpoint-every", type=int, default=1, help="in train loops")
-    parser.add_argument("--checkpoint-every-secs", type=float, default=None,
-                        help="save only when this many seconds passed since the last save")
-    parser.add_argument("--warm-start", metavar="DIR", default=None,
-                        help="start a new run from the parameters of another run's checkpoints")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    dry_run.add_flags(parser)  # --precision, --dry-run
-    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
-    parser.add_argument("--num-processes", type=int, default=None)
-    parser.add_argument("--process-id", type=int, default=None)
-    parser.add_argument(
-        "--distributed", action="store_true",
-        help="join a multi-process job (flags, JAXLOOP_* environment, or cluster auto-detection)",
-    )
-    parser.add_argument("--compilation-cache", metavar="DIR", default=None,
-                        help="JAX persistent compilation cache directory (faster restarts)")
-    parser.add_argument("--microbatches", type=int, default=1,
-                        help="gradient accumulation: split each batch into this many")
-    parser.add_argument("--ema-decay", type=float, default=None,
-                        help="keep an EMA of the parameters and evaluate it")
-    parser.add_argument("--nonfinite", default="off", choices=["off", "skip", "raise"],
-                        help="on a NaN/Inf loss or gradient: skip the update or stop")
-    parser.add_argument("--telemetry", action="store_true",
-                        help="write gradient/parameter/update norms and the learning rate")
-    args = parser.parse_args(argv)
-    if args.batch_size % max(args.microbatches, 1):
-        parser.error("--batch-size must be a multiple of --microbatches")
-    for name in ("train_steps", "train_loop_steps", "batch_size", "checkpoint_every",
-                 "microbatches"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.checkpoint_every_secs is not None and not args.checkpoint_every_secs > 0:
-        parser.error("--checkpoint-every-secs must be positive")
-    return args
+@dataclasses.dataclass
+class Config(dry_run.Flags):
+    """The digits run; every field is a flag (``--train-steps 200``, see `jaxloop.config`)."""
+
+    workdir: str = "workdir/digits"
+    train_steps: int = 600
+    train_loop_steps: int = 100
+    batch_size: int = 64
+    """global batch size"""
+    partitioner: Literal["single", "dp", "fsdp", "hsdp"] = "dp"
+    checkpoint_every: int = 1
+    """in train loops"""
+    checkpoint_every_secs: float | None = None
+    """save only when this many seconds passed since the last save"""
+    warm_start: str | None = None
+    """start a new run from the parameters of another run's checkpoints (a directory)"""
+    seed: int = 0
+    learning_rate: float = 3e-3
+    coordinator: str | None = None
+    """HOST:PORT of process 0"""
+    num_processes: int | None = None
+    process_id: int | None = None
+    distributed: bool = False
+    """join a multi-process job (flags, JAXLOOP_* environment, or cluster auto-detection)"""
+    compilation_cache: str | None = None
+    """JAX persistent compilation cache directory (faster restarts)"""
+    microbatches: int = 1
+    """gradient accumulation: split each batch into this many"""
+    ema_decay: float | None = None
+    """keep an EMA of the parameters and evaluate it"""
+    nonfinite: Literal["off", "skip", "raise"] = "off"
+    """on a NaN/Inf loss or gradient: skip the update or stop"""
+    telemetry: bool = False
+    """write gradient/parameter/update norms and the learning rate"""
+
+    def __post_init__(self) -> None:
+        if self.batch_size % max(self.microbatches, 1):
+            raise ValueError("--batch-size must be a multiple of --microbatches")
+        for name in ("train_steps", "train_loop_steps", "batch_size", "checkpoint_every",
+                     "microbatches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.checkpoint_every_secs is not None and not self.checkpoint_every_secs > 0:
+            raise ValueError("--checkpoint-every-secs must be positive")
+
+
+def parse_args(argv: Sequence[str] | None) -> Config:
+    """The run's `Config`: its defaults overridden by the flags in `argv`."""
+    return config_lib.parse(Config, argv, description=__doc__.split("\n")[0])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -276,7 +290,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         else writers.LoggingWriter("train")
     )
     eval_writer = writers.create_default_writer(workdir, collection="eval", asynchronous=True)
-    run_record.write(workdir, config=vars(args), mesh=partitioner, writer=train_writer)
+    # The config as given, and the state's parameter table (TensorBoard's text tab).
+    run_record.write(workdir, config=args, mesh=partitioner, writer=train_writer,
+                     state=train_step.abstract_state([1, 8, 8, 1]))
     final: dict[str, float] = {}
 
     class KeepEval(actions.Action):
@@ -320,19 +336,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         # checkpoint straight into place, or initialises the state when there is none, so a
         # resumed job never holds a fresh state beside the restored one.
         state = train_step.abstract_state([1, 8, 8, 1], log_num_params=True)
-    state, _ = outer(
-        state,
-        train_dataset=iter(train_ds),
-        train_total_steps=args.train_steps,
-        train_loop_steps=args.train_loop_steps,
-        eval_specs=[outer_loop.EvalSpec(dataset=eval_ds)],
-    )
-    if outer.preempted:
+    try:
+        state, _ = outer(
+            state,
+            train_dataset=iter(train_ds),
+            train_total_steps=args.train_steps,
+            train_loop_steps=args.train_loop_steps,
+            eval_specs=[outer_loop.EvalSpec(dataset=eval_ds)],
+        )
+    except (preemption.Preempted, preemption.Interrupted) as stopped:
         manager.close()
         train_writer.close()
         eval_writer.close()
-        log.warning("Preempted at step %d; run the same command to resume.", int(state.step))
-        sys.exit(PREEMPTED_EXIT_CODE)
+        log.warning("Preempted at step %d; run the same command to resume.", stopped.step)
+        if isinstance(stopped, preemption.Interrupted):
+            sys.exit(130)  # 128 + SIGINT, as a shell reports Ctrl-C, without a traceback
+        raise
     if args.checkpoint_every_secs and int(state.step) not in manager.all_steps():
         # A time-based policy need not fall on the last step: keep the final state too.
         save(state, None, loop=trainer, force=True)

@@ -4,32 +4,33 @@ nothing (see `jaxloop.precision` and `Step.memory_estimate`).
 
 Example::
 
-    parser = argparse.ArgumentParser()
-    dry_run.add_flags(parser)
-    args = parser.parse_args()
+    @dataclasses.dataclass
+    class Config(dry_run.Flags):
+        batch_size: int = 32
+
+    args = config.parse(Config)
     if args.dry_run:
         return dry_run.report(train_step, eval_step, train_spec, eval_spec, state, 32)
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import Any
+import dataclasses
+from typing import Any, Literal
 
 from jaxloop import step as step_lib
 from jaxloop import types
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--precision`` (float32 or bfloat16) and ``--dry-run`` to `parser`."""
-    parser.add_argument(
-        "--precision", default="float32", choices=["float32", "bfloat16"],
-        help="compute dtype (bfloat16: params, optimizer and loss stay float32)",
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true",
-        help="compile the train and eval steps, print their per-device memory, train nothing",
-    )
+@dataclasses.dataclass
+class Flags:
+    """``--precision`` (float32 or bfloat16) and ``--dry-run``: a base of the examples'
+    configuration dataclasses (`jaxloop.config`)."""
+
+    precision: Literal["float32", "bfloat16"] = "float32"
+    """compute dtype (bfloat16: params, optimizer and loss stay float32)"""
+    dry_run: bool = False
+    """compile the train and eval steps, print their per-device memory, train nothing"""
 
 
 def report(

@@ -38,7 +38,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import inspect
@@ -48,7 +47,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import flax.linen as nn
 import jax
@@ -64,11 +63,14 @@ from jaxloop import (
     data,
     eval_loop,
     guard,
+    meshes,
     outer_loop,
     partition,
+    run_record,
     train_loop,
     writers,
 )
+from jaxloop import config as config_lib
 from jaxloop import step as step_lib
 from jaxloop import telemetry as telemetry_lib
 from jaxloop.examples import dry_run
@@ -350,10 +352,13 @@ class LMStep(step_lib.Step):
 def make_partitioner(
     kind: str, devices: Sequence[jax.Device] | None = None
 ) -> tuple[partition.Partitioner, str | None]:
-    """The partitioner for ``dp``, ``fsdp`` or ``spmd``, and the model axis to annotate.
+    """The partitioner for ``dp``, ``fsdp``, ``spmd`` or ``fsdp_tp``, and the model axis to
+    annotate.
 
     ``spmd`` uses a ``('data', 'model')`` mesh of shape ``(n // 2, 2)`` when there are at
-    least 8 devices (4x2 on 8) and ``(n, 1)`` otherwise.
+    least 8 devices (4x2 on 8) and ``(n, 1)`` otherwise. ``fsdp_tp`` is MaxText's data x
+    fsdp x tensor: a ``('data', 'fsdp', 'model')`` mesh (2 x 2 x 2 on 8 devices), the batch
+    split over data and fsdp, big leaves over fsdp and their annotated dimension over model.
 
     Example::
 
@@ -375,7 +380,11 @@ def make_partitioner(
             np.array(devices).reshape(n // model_size, model_size), ("data", "model")
         )
         return partition.SPMDPartitioner(mesh, "data"), "model"
-    raise ValueError(f"--partitioner must be dp, fsdp or spmd, got {kind!r}")
+    if kind == "fsdp_tp":
+        mesh = meshes.make_mesh({"data": -1, "fsdp": 2, "model": 2}, devices)
+        return partition.SPMDPartitioner(mesh, ("data", "fsdp"), fsdp_axis="fsdp",
+                                         fsdp_min_weight_size=2**10), "model"
+    raise ValueError(f"--partitioner must be dp, fsdp or spmd (or fsdp_tp), got {kind!r}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -383,43 +392,51 @@ def make_partitioner(
 # ----------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--partitioner", default="dp", choices=["dp", "fsdp", "spmd"])
-    parser.add_argument("--train-steps", type=int, default=150)
-    parser.add_argument("--train-loop-steps", type=int, default=50, help="eval after each")
-    parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--learning-rate", type=float, default=1e-2, help="peak")
-    parser.add_argument("--seed", type=int, default=0)
-    dry_run.add_flags(parser)  # --precision, --dry-run
-    parser.add_argument(
-        "--workdir", default=None,
-        help="write TensorBoard summaries and checkpoints here (and resume from them)",
-    )
-    parser.add_argument("--compilation-cache", metavar="DIR", default=None,
-                        help="JAX persistent compilation cache directory (faster restarts)")
-    parser.add_argument("--microbatches", type=int, default=1,
-                        help="gradient accumulation: split each batch into this many")
-    parser.add_argument("--nonfinite", default="off", choices=["off", "skip", "raise"],
-                        help="on a NaN/Inf loss or gradient: skip the update or stop")
-    parser.add_argument("--telemetry", action="store_true",
-                        help="write gradient/parameter/update norms and the learning rate")
-    parser.add_argument("--mfu", action="store_true",
-                        help="report MFU from XLA's cost analysis (GPUs and TPUs)")
-    args = parser.parse_args(argv)
-    if args.batch_size % max(args.microbatches, 1):
-        parser.error("--batch-size must be a multiple of --microbatches")
-    for name in ("train_steps", "train_loop_steps", "batch_size", "seq_len", "d_model",
-                 "num_heads", "num_layers", "microbatches"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.d_model % args.num_heads:
-        parser.error("--d-model must be a multiple of --num-heads")
-    return args
+@dataclasses.dataclass
+class Config(dry_run.Flags):
+    """The transformer run; every field is a flag (``--train-steps 300``, see
+    `jaxloop.config`)."""
+
+    partitioner: Literal["dp", "fsdp", "spmd", "fsdp_tp"] = "dp"
+    train_steps: int = 150
+    train_loop_steps: int = 50
+    """eval after each"""
+    batch_size: int = 32
+    """global batch size"""
+    seq_len: int = 64
+    d_model: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    learning_rate: float = 1e-2
+    """peak"""
+    seed: int = 0
+    workdir: str | None = None
+    """write TensorBoard summaries and checkpoints here (and resume from them)"""
+    compilation_cache: str | None = None
+    """JAX persistent compilation cache directory (faster restarts)"""
+    microbatches: int = 1
+    """gradient accumulation: split each batch into this many"""
+    nonfinite: Literal["off", "skip", "raise"] = "off"
+    """on a NaN/Inf loss or gradient: skip the update or stop"""
+    telemetry: bool = False
+    """write gradient/parameter/update norms and the learning rate"""
+    mfu: bool = False
+    """report MFU from XLA's cost analysis (GPUs and TPUs)"""
+
+    def __post_init__(self) -> None:
+        if self.batch_size % max(self.microbatches, 1):
+            raise ValueError("--batch-size must be a multiple of --microbatches")
+        for name in ("train_steps", "train_loop_steps", "batch_size", "seq_len", "d_model",
+                     "num_heads", "num_layers", "microbatches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.d_model % self.num_heads:
+            raise ValueError("--d-model must be a multiple of --num-heads")
+
+
+def parse_args(argv: Sequence[str] | None) -> Config:
+    """The run's `Config`: its defaults overridden by the flags in `argv`."""
+    return config_lib.parse(Config, argv, description=__doc__.split("\n")[0])
 
 
 def make_schedule(learning_rate: float, total_steps: int) -> optax.Schedule:
@@ -514,6 +531,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         workdir = os.path.abspath(args.workdir)
         train_writer = writers.create_default_writer(workdir, collection="train")
         eval_writer = writers.create_default_writer(workdir, collection="eval")
+        # The config as given, and the state's parameter table (TensorBoard's text tab).
+        run_record.write(workdir, config=args, mesh=partitioner, writer=train_writer,
+                         state=train_step.abstract_state(([1, args.seq_len], "int32")))
         manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"), max_to_keep=2)
         train_actions += [actions.SummaryAction(train_writer),
                           actions.CheckpointAction(manager)]

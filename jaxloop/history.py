@@ -1,0 +1,242 @@
+"""History: the scalars a run reported, per step, kept on the host for plots and tables.
+
+`OuterLoop.history` records, at each loop's end (where actions already read the device),
+the train loop's scalar outputs at the steps they were produced at (a per-step loss gives
+one value per step) and each eval loop's results (`actions.scalar_metrics`: means over real
+examples, clu metrics computed, a clu Collection's members as ``key/member``) at the step
+evaluated. Names are ``train/<key>``, ``eval/<key>`` for the first eval loop and
+``eval_<i>/<key>`` for eval loop i. The loops' ``jaxloop/...`` statistics are left out.
+
+It continues across calls of one `OuterLoop` (run the training cell again: it goes on), and
+it travels with the checkpoints as host data (JSON, beside the early-stopping progress), so
+a run resumed in a new kernel has the history up to the restored step. Saved with the
+checkpoint rather than read back from TensorBoard event files: it needs no summary writer
+nor an event-file reader, and it holds exactly the steps up to the restored one (event
+files of an interrupted run go on past its last checkpoint). A value recorded at a step
+replaces what the history held from that step on (a run restarted from an earlier state
+rewrites its future).
+
+Example::
+
+    outer = OuterLoop(train_loop, [eval_loop])
+    state, _ = outer(state, train_dataset=it, train_total_steps=500, train_loop_steps=50,
+                     eval_specs=[EvalSpec(dataset=eval_ds)])
+    outer.history['eval/accuracy'].values[-1]
+    outer.history.plot()             # a matplotlib figure: one panel per metric
+    table = outer.history.as_dict()  # {'name': [...], 'step': [...], 'value': [...]}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from jaxloop import actions, types
+
+TRAIN = "train"
+EVAL = "eval"
+_STATS_PREFIX = "jaxloop/"
+
+
+class Series(NamedTuple):
+    """One metric's recorded values and the steps they belong to."""
+
+    steps: list[int]
+    values: list[float]
+
+
+def eval_prefix(index: int) -> str:
+    """The name prefix of eval loop `index`: ``eval``, then ``eval_1``, ``eval_2``, ..."""
+    return EVAL if index == 0 else f"{EVAL}_{index}"
+
+
+class History:
+    """The scalars of a run by name (``train/loss``, ``eval/accuracy``), each a `Series`."""
+
+    def __init__(self) -> None:
+        self._series: dict[str, Series] = {}
+        # Loop outputs not read yet: (prefix, step, scalar outputs, first_step).
+        self._pending: list[tuple[str, int, dict[str, Any], int | None]] = []
+
+    def _settled(self) -> dict[str, Series]:
+        """The series, with the loop outputs still pending read in (in the order recorded)."""
+        pending, self._pending = self._pending, []
+        for prefix, step, outputs, first_step in pending:
+            self._read(prefix, step, outputs, first_step)
+        return self._series
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._settled()
+
+    def __getitem__(self, name: str) -> Series:
+        if name not in self._settled():
+            raise KeyError(f"No metric {name!r} in the history; it has {self.names}")
+        return self._series[name]
+
+    def __len__(self) -> int:
+        return len(self._settled())
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{name}: {len(s.steps)}" for name, s in self._settled().items())
+        return f"History({sizes})"
+
+    @property
+    def names(self) -> list[str]:
+        """The recorded metrics' names, sorted."""
+        return sorted(self._settled())
+
+    def record(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
+        """Appends values at `steps` (ascending) to `name`, dropping what it held from
+        ``steps[0]`` on (a re-run of those steps replaces them)."""
+        if len(steps) != len(values):
+            raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
+        if not steps:
+            return
+        old = self._settled().get(name, Series([], []))
+        keep = sum(1 for s in old.steps if s < steps[0])
+        self._series[name] = Series(
+            old.steps[:keep] + [int(s) for s in steps],
+            old.values[:keep] + [float(v) for v in values],
+        )
+
+    def record_outputs(self, prefix: str, step: int, outputs: types.Output | None,
+                       first_step: int | None = None) -> None:
+        """Records a loop's scalar outputs under ``prefix/<key>``.
+
+        A per-step list whose length matches ``step - first_step`` (a train loop's) gives
+        one value per step, ``first_step + 1 ... step``; any other scalar output (an eval
+        loop's mean over examples, a computed clu metric) one value at `step`.
+
+        The values are read from the device when the history is next read or recorded to
+        (by then the next loop has usually run: recording adds no wait of its own at this
+        loop's end); only scalar outputs are kept until then, picked by shape.
+        """
+        # (The example counts stay: eval means are weighted by them.)
+        scalars = {k: list(v) if type(v) is list else v for k, v in (outputs or {}).items()
+                   if (k == actions.EXAMPLE_COUNTS or not k.startswith(_STATS_PREFIX))
+                   and _scalar_like(v)}
+        self._settled()  # reads in what the previous loop recorded (computed by now)
+        self._pending.append((prefix, step, scalars, first_step))
+
+    def _read(self, prefix: str, step: int, outputs: dict[str, Any],
+              first_step: int | None) -> None:
+        if first_step is not None:
+            for key in [k for k in outputs if k != actions.EXAMPLE_COUNTS]:
+                # One transfer per key (a per-step list is stacked on the device first).
+                host = actions._scalar_values(outputs[key])  # jaxloop's own helper
+                if isinstance(host, list) and len(host) == step - first_step:
+                    self.record(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
+                    del outputs[key]
+        for key, value in actions.scalar_metrics(outputs).items():
+            self.record(f"{prefix}/{key}", [step], [value])
+
+    def latest(self, prefix: str) -> dict[str, float]:
+        """The last value of each metric under `prefix` (``train``, ``eval``), by key."""
+        start = f"{prefix}/"
+        return {name[len(start):]: s.values[-1] for name, s in self._settled().items()
+                if name.startswith(start) and s.values}
+
+    def as_dict(self) -> dict[str, list[Any]]:
+        """A table, one row per value: ``{'name': [...], 'step': [...], 'value': [...]}``
+        (``pandas.DataFrame(history.as_dict())`` makes it a frame)."""
+        table: dict[str, list[Any]] = {"name": [], "step": [], "value": []}
+        for name in self.names:
+            series = self._settled()[name]
+            table["name"] += [name] * len(series.steps)
+            table["step"] += series.steps
+            table["value"] += series.values
+        return table
+
+    def plot(self, names: Sequence[str] | None = None, **subplots_kwargs: Any) -> Any:
+        """A matplotlib figure with one panel per metric (``loss``, ``accuracy``), its
+        train and eval curves against the step; evaluations are drawn with markers.
+
+        Made with pyplot, so a notebook shows it (``history.plot();``); a script saves it
+        with ``history.plot().savefig('history.png')``.
+        """
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (only when plotting)
+
+        chosen = self.names if names is None else list(names)
+        panels: dict[str, list[str]] = {}
+        for name in chosen:
+            self[name]  # a KeyError naming the metrics there are
+            prefix, _, metric = name.partition("/")
+            panels.setdefault(metric or prefix, []).append(name)
+        if not panels:
+            raise ValueError("The history is empty: nothing to plot (train first)")
+        columns = min(len(panels), 3)
+        rows = math.ceil(len(panels) / columns)
+        subplots_kwargs.setdefault("figsize", (4.5 * columns, 3.5 * rows))
+        fig, axes = plt.subplots(rows, columns, squeeze=False, **subplots_kwargs)
+        flat = list(axes.flat)
+        for ax, (metric, members) in zip(flat, panels.items(), strict=False):
+            for name in members:
+                series = self._series[name]
+                style = "-" if name.startswith(f"{TRAIN}/") else "o-"
+                ax.plot(series.steps, series.values, style, label=name.partition("/")[0])
+            ax.set(title=metric, xlabel="step")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        for ax in flat[len(panels):]:
+            ax.set_visible(False)
+        fig.tight_layout()
+        return fig
+
+    def state_dict(self) -> dict[str, list[list[float]]]:
+        """The history as JSON (saved with each checkpoint's metadata)."""
+        return {name: [s.steps, s.values] for name, s in self._settled().items()}
+
+    def load_state_dict(self, saved: Mapping[str, Sequence[Sequence[float]]] | None) -> None:
+        """Replaces the history with one saved by `state_dict` (None: keeps it)."""
+        if saved is None:
+            return
+        self._pending = []
+        self._series = {
+            name: Series([int(s) for s in steps], [float(v) for v in values])
+            for name, (steps, values) in saved.items()
+        }
+
+    @contextlib.contextmanager
+    def recording(self, train_loop: Any, eval_loops: Sequence[Any]) -> Iterator[None]:
+        """Records the loops' outputs while inside: a recorder runs first among each loop's
+        end actions (so a checkpoint saved at that loop's end holds its values, and an
+        action that stops training does not lose the evaluation that stopped it)."""
+        recorders = [(lp, _Recorder(self, eval_prefix(i), per_step=False))
+                     for i, lp in enumerate(eval_loops)]
+        if train_loop is not None:
+            recorders.append((train_loop, _Recorder(self, TRAIN, per_step=True)))
+        for loop, recorder in recorders:
+            loop.end_actions.insert(0, recorder)
+        try:
+            yield
+        finally:
+            for loop, recorder in recorders:
+                loop.end_actions.remove(recorder)
+
+
+def _scalar_like(value: Any) -> bool:
+    """Whether `value` may hold a scalar for the history, decided from shapes alone."""
+    if callable(getattr(value, "compute", None)):
+        return True  # a clu metric, or a loop's per-step list of them
+    if isinstance(value, list | tuple):
+        return bool(value) and all(actions._is_number(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(actions._is_number(v) for v in value.values())
+    return actions._is_number(value)
+
+
+class _Recorder(actions.Action):
+    """Records one loop's outputs into a `History` at the loop's end."""
+
+    def __init__(self, history: History, prefix: str, per_step: bool):
+        super().__init__(interval=1)
+        self._history, self._prefix, self._per_step = history, prefix, per_step
+
+    def __call__(self, state: Any, outputs: types.Output | None, first_step: int | None = None,
+                 **kwargs: Any) -> None:
+        if state is None or not outputs:
+            return
+        self._history.record_outputs(self._prefix, int(state.step), outputs,
+                                     first_step if self._per_step else None)

@@ -1,0 +1,155 @@
+"""Parameter table: what a state holds and where, as readable text.
+
+One row per array leaf: its path, shape, dtype, sharding (the `PartitionSpec` of a
+`NamedSharding`), the bytes one device holds of it, and its whole size; then totals (the
+element count of ``params``, all bytes, and the most bytes any one device holds). It works
+on a state of arrays and on an abstract one (`Step.abstract_state`), so a layout can be read
+before anything is allocated. `OuterLoop` logs it when training starts (process 0) and
+`run_record.write` puts it in TensorBoard's text tab.
+
+Example::
+
+    print(param_table.table(state))          # in a notebook
+    rows = param_table.rows(state)           # the figures, one dict per leaf
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["Row", "log_table", "markdown", "rows", "table", "totals"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One leaf: ``path``, ``shape``, ``dtype``, ``sharding`` (as text), ``bytes_per_device``
+    (of the device holding the most of it) and ``bytes`` (the whole array, once)."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: str
+    bytes_per_device: int
+    bytes: int
+
+
+def _sharding_text(sharding: Any) -> str:
+    if sharding is None:
+        return "-"
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return "replicated" if not any(sharding.spec) else str(tuple(sharding.spec))
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return "single device"
+    return type(sharding).__name__
+
+
+def _itemsize(dtype: Any) -> int:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys: their key data
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+        return int(np.prod(data.shape, dtype=np.int64)) * data.dtype.itemsize
+    return np.dtype(dtype).itemsize
+
+
+def _leaves(tree: Any) -> list[tuple[str, Any]]:
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            out.append((jax.tree_util.keystr(path, simple=True, separator="/"), leaf))
+    return out
+
+
+def _per_device(leaf: Any) -> dict[Any, int]:
+    """Bytes of `leaf` on each device that holds part of it."""
+    sharding = getattr(leaf, "sharding", None)
+    itemsize = _itemsize(leaf.dtype)
+    if sharding is None:
+        return {}
+    held = {}
+    for device, index in sharding.devices_indices_map(tuple(leaf.shape)).items():
+        shape = [len(range(*s.indices(n))) for s, n in zip(index, leaf.shape, strict=True)]
+        held[device] = int(np.prod(shape, dtype=np.int64)) * itemsize
+    return held
+
+
+def rows(tree: Any) -> list[Row]:
+    """One `Row` per array leaf of `tree` (arrays or `jax.ShapeDtypeStruct`s)."""
+    out = []
+    for path, leaf in _leaves(tree):
+        held = _per_device(leaf)
+        size = int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype)
+        out.append(Row(path, tuple(leaf.shape), str(leaf.dtype),
+                       _sharding_text(getattr(leaf, "sharding", None)),
+                       max(held.values(), default=size), size))
+    return out
+
+
+def totals(tree: Any) -> dict[str, int]:
+    """``params`` (elements of the ``params`` subtree, or of all leaves if there is none),
+    ``bytes`` (all leaves, once each) and ``max_bytes_per_device`` (the device holding the
+    most bytes of the state)."""
+    leaves = _leaves(tree)
+    params_tree = getattr(tree, "params", None)
+    counted = _leaves(params_tree) if params_tree is not None else leaves
+    per_device: collections.Counter = collections.Counter()
+    for _, leaf in leaves:
+        per_device.update(_per_device(leaf))
+    return {
+        "params": int(sum(int(np.prod(x.shape, dtype=np.int64)) for _, x in counted)),
+        "bytes": int(sum(r.bytes for r in rows(tree))),
+        "max_bytes_per_device": int(max(per_device.values(), default=0)),
+    }
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _cells(tree: Any) -> tuple[list[str], list[list[str]], str]:
+    header = ["path", "shape", "dtype", "sharding", "bytes/device", "bytes"]
+    body = [[r.path, str(r.shape), r.dtype, r.sharding, _human(r.bytes_per_device),
+             _human(r.bytes)] for r in rows(tree)]
+    t = totals(tree)
+    summary = (f"{t['params']:,} parameters; {_human(t['bytes'])} in all; "
+               f"at most {_human(t['max_bytes_per_device'])} on one device")
+    return header, body, summary
+
+
+def table(tree: Any) -> str:
+    """The table as aligned plain text (for logs and notebooks), totals last.
+
+    Example::
+
+        print(param_table.table(step.abstract_state([1, 28, 28, 1])))
+    """
+    header, body, summary = _cells(tree)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join([*lines, summary])
+
+
+def markdown(tree: Any) -> str:
+    """The table in Markdown (TensorBoard's text tab renders it), totals last."""
+    header, body, summary = _cells(tree)
+    lines = ["| " + " | ".join(r) + " |" for r in [header, *body]]
+    lines.insert(1, "|" + " --- |" * len(header))
+    return "\n".join([*lines, "", summary])
+
+
+def log_table(tree: Any, logger: logging.Logger = log) -> None:
+    """Logs `table` at INFO level on process 0."""
+    if jax.process_index() == 0:
+        logger.info("State:\n%s", table(tree))

@@ -1,0 +1,131 @@
+"""Sown intermediates: values a model sows (linen ``self.sow``, nnx ``self.sow``) become step
+outputs, so `SummaryAction` writes them like the loss.
+
+A `Step` given ``sown=('intermediates',)`` records, while its `run` is traced, the named
+collections of every ``state.apply_fn`` call (the last call's values win) and adds them to
+the step's outputs as ``'<collection>/<module path>/<name>'``: scalars only by default
+(``sown_scalars_only=False`` keeps every array). `run` needs no change: its calls of
+``state.apply_fn`` return what they returned before. nnx models sow ``nnx.Intermediate``
+variables, which the adapter returns as the ``intermediates`` collection.
+
+Recorded values carry no gradient (`jax.lax.stop_gradient`), which also lets them leave a
+``jax.grad``/``jax.value_and_grad`` around the model call. They cannot leave a
+transformation that traces the model on its own (``jax.vmap``, ``jax.lax.scan`` as in
+gradient accumulation, ``jax.checkpoint``): that is a ValueError naming the collection.
+
+Example::
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.Dense(32)(x))
+            self.sow('intermediates', 'act_mean', h.mean())
+            return nn.Dense(10)(h)
+
+    step = MyStep(key, Net(), optax.adam(1e-3), train=True, sown=('intermediates',))
+    # outputs['intermediates/act_mean'] is a per-step scalar
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["Recorder", "record"]
+
+
+@dataclasses.dataclass(eq=False)
+class _RecordingApply:
+    """An ``apply_fn`` that also asks for the recorded collections and keeps them."""
+
+    apply_fn: Callable[..., Any]
+    recorder: Recorder
+
+    def __call__(self, variables: Any, *args: Any, mutable: Any = False, **kwargs: Any) -> Any:
+        names = self.recorder.collections
+        if mutable is True:
+            out, mutated = self.apply_fn(variables, *args, mutable=True, **kwargs)
+            self.recorder.keep(mutated)
+            return out, mutated
+        given = [] if mutable is False else (
+            [mutable] if isinstance(mutable, str) else list(mutable))
+        out, mutated = self.apply_fn(
+            variables, *args, mutable=given + [n for n in names if n not in given], **kwargs)
+        self.recorder.keep(mutated)
+        if not given:
+            return out
+        return out, {k: v for k, v in mutated.items() if k in given}
+
+
+class Recorder:
+    """The sown values of one traced `run` (see `record`)."""
+
+    def __init__(self, collections: Sequence[str], scalars_only: bool):
+        self.collections = tuple(collections)
+        self._scalars_only = scalars_only
+        self._values: dict[str, Any] = {}
+
+    def keep(self, mutated: Mapping[str, Any]) -> None:
+        for name in self.collections:
+            for path, leaf in jax.tree_util.tree_leaves_with_path(mutated.get(name) or {}):
+                key = "/".join([name, *_names(path)])
+                self._values[key] = jax.lax.stop_gradient(leaf)
+
+    def outputs(self, outputs: Any) -> dict[str, Any]:
+        """`outputs` (a mapping or None) with the recorded values added.
+
+        Raises:
+          ValueError: an output of the same name exists, or a value was recorded inside a
+            transformation it cannot leave.
+        """
+        merged = dict(outputs or {})
+        for key, value in self._values.items():
+            if key in merged:
+                raise ValueError(f"Step output {key!r} exists; a sown value has that name")
+            try:
+                size = int(np.prod(value.shape, dtype=np.int64))
+                if self._scalars_only and size != 1:
+                    continue
+                merged[key] = value.reshape(()) if size == 1 else value + 0
+            except jax.errors.UnexpectedTracerError as e:
+                raise ValueError(
+                    f"The sown value {key!r} was recorded inside a transformation that traces "
+                    "the model on its own (jax.vmap, jax.lax.scan, jax.checkpoint) and cannot "
+                    "leave it: return it from that function yourself, or call the model "
+                    "outside it"
+                ) from e
+        return merged
+
+
+def _names(path: tuple) -> list[str]:
+    # A linen sow keeps a tuple of values: one value is named by its module path alone.
+    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    if path and isinstance(path[-1], jax.tree_util.SequenceKey) and path[-1].idx == 0:
+        names = names[:-1]
+    return names
+
+
+def record(state: Any, collections: Sequence[str], scalars_only: bool = True
+           ) -> tuple[Any, Recorder]:
+    """`state` with an ``apply_fn`` that records `collections`, and the `Recorder`.
+
+    Raises:
+      TypeError: the state has no ``apply_fn`` to record from.
+    """
+    if not hasattr(state, "apply_fn") or not hasattr(state, "replace"):
+        raise TypeError(
+            f"Step(sown=...) records the collections of state.apply_fn, but the state "
+            f"({type(state).__name__}) has none")
+    recorder = Recorder(collections, scalars_only)
+    return state.replace(apply_fn=_RecordingApply(state.apply_fn, recorder)), recorder
+
+
+def restored(new_state: Any, original: Any) -> Any:
+    """`new_state` with the ``apply_fn`` of `original` (the one `record` wrapped)."""
+    if isinstance(getattr(new_state, "apply_fn", None), _RecordingApply):
+        return new_state.replace(apply_fn=original.apply_fn)
+    return new_state

@@ -1,0 +1,129 @@
+"""OuterLoop.history: recorded per step and per evaluation, continued by a second call,
+restored with a checkpoint in a fresh OuterLoop, plotted and tabulated."""
+
+import jax
+import matplotlib
+import optax
+import pytest
+from models import ClassifierStep, LinenMLP, toy_data
+
+from jaxloop import actions as actions_lib
+from jaxloop import checkpoint, data, outer_loop
+from jaxloop import eval_loop as eval_loop_lib
+from jaxloop import train_loop as train_loop_lib
+from jaxloop.history import History
+
+matplotlib.use("Agg")
+
+DATA = toy_data(128)
+EVAL = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 128, 16)]
+
+
+def make(workdir=None):
+    """A notebook's cells: steps, loops with an eval loop, an OuterLoop (checkpointed when
+    given a workdir)."""
+    train = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    end_actions, spec = [], None
+    if workdir is not None:
+        end_actions = [actions_lib.CheckpointAction(checkpoint.make_manager(workdir / "ckpt"))]
+        spec = outer_loop.CheckpointSpec(workdir / "ckpt")
+    outer = outer_loop.OuterLoop(
+        train_loop_lib.TrainLoop(train, end_actions=end_actions),
+        [eval_loop_lib.EvalLoop(ClassifierStep(jax.random.key(0), LinenMLP()))],
+        checkpoint_spec=spec,
+    )
+    return train, outer
+
+
+def fit(outer, state, it, total):
+    return outer(state, it, train_total_steps=total, train_loop_steps=4,
+                 eval_specs=[outer_loop.EvalSpec(EVAL, num_steps=2)])
+
+
+def test_history_continues_across_calls_and_plots():
+    train, outer = make()
+    it = iter(data.GlobalBatchDataset(DATA, 16, seed=0))
+    state, outputs = fit(outer, train.initialize_model([1, 16]), it, 8)
+    history = outer.history
+    assert history["train/loss"].steps == list(range(1, 9))
+    # The per-step losses are the loop's own, value for value.
+    last_loop = [float(v) for v in jax.device_get(outputs["loss"])]
+    assert history["train/loss"].values[-4:] == pytest.approx(last_loop)
+    assert history["eval/accuracy"].steps == [4, 8]
+
+    state, _ = fit(outer, state, it, 16)  # the cell run again, further
+    assert outer.history is history
+    assert history["train/loss"].steps == list(range(1, 17))
+    assert history["eval/loss"].steps == [4, 8, 12, 16]
+    assert "train/jaxloop/steps_per_sec" not in history and "train/logits" not in history
+
+    table = history.as_dict()
+    assert set(table) == {"name", "step", "value"}
+    assert table["name"].count("train/loss") == 16
+    assert len(table["step"]) == len(table["value"]) == sum(
+        len(history[n].steps) for n in history.names)
+
+    fig = history.plot()
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert set(panels) == {"loss", "accuracy"}
+    lengths = sorted(len(line.get_xdata()) for line in panels["accuracy"].get_lines())
+    assert lengths == [4, 16]  # eval points, train steps
+
+
+def test_history_restarted_from_an_earlier_state_rewrites_its_future():
+    train, outer = make()
+    it = iter(data.GlobalBatchDataset(DATA, 16, seed=0))
+    start = train.initialize_model([1, 16])
+    fit(outer, start, it, 12)
+    fit(outer, start, it, 4)  # the untrained state again: the history goes back with it
+    assert outer.history["train/loss"].steps == [1, 2, 3, 4]
+    assert outer.history["eval/accuracy"].steps == [4]
+
+
+def test_history_comes_back_with_the_checkpoint_in_a_new_outer_loop(tmp_path):
+    train, outer = make(tmp_path)
+    dataset = data.GlobalBatchDataset(DATA, 16, seed=0)
+    fit(outer, train.initialize_model([1, 16]), iter(dataset), 8)
+    before = outer.history.as_dict()
+
+    # A restarted kernel: new objects, the same directory.
+    train, resumed = make(tmp_path)
+    state, _ = fit(resumed, train.initialize_model([1, 16]), iter(dataset), 12)
+    assert int(state.step) == 12
+    history = resumed.history
+    assert history["train/loss"].steps == list(range(1, 13))
+    # The saved steps are the earlier run's values, exactly.
+    assert history["train/loss"].values[:8] == before["value"][
+        before["name"].index("train/loss"):before["name"].index("train/loss") + 8]
+    assert history["eval/accuracy"].steps == [4, 8, 12]
+
+
+def test_history_record_and_errors():
+    history = History()
+    history.record("train/loss", [1, 2, 3], [3.0, 2.0, 1.0])
+    history.record("train/loss", [3, 4], [0.5, 0.25])  # step 3 again: replaced
+    assert history["train/loss"].steps == [1, 2, 3, 4]
+    assert history["train/loss"].values == [3.0, 2.0, 0.5, 0.25]
+    assert history.latest("train") == {"loss": 0.25}
+    copy = History()
+    copy.load_state_dict(history.state_dict())
+    assert copy.as_dict() == history.as_dict()
+    with pytest.raises(KeyError, match="train/loss"):
+        history["eval/loss"]
+    with pytest.raises(ValueError, match="2 steps but 1 values"):
+        history.record("x", [1, 2], [1.0])
+    with pytest.raises(ValueError, match="empty"):
+        History().plot()
+
+
+def test_history_eval_values_are_the_loops_means_over_examples():
+    # 120 examples in batches of 16: the last batch holds 8, and counts for 8.
+    uneven = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 120, 16)]
+    train, outer = make()
+    state, _ = outer(train.initialize_model([1, 16]),
+                     iter(data.GlobalBatchDataset(DATA, 16, seed=0)), train_total_steps=4,
+                     eval_specs=[outer_loop.EvalSpec(uneven)])
+    _, outputs = outer.eval_loops[0](state, uneven)
+    expected = actions_lib.scalar_metrics(outputs)
+    assert outer.history["eval/loss"].values == [pytest.approx(expected["loss"])]
+    assert outer.history["eval/accuracy"].values == [pytest.approx(expected["accuracy"])]

@@ -1,0 +1,343 @@
+"""Stopping keeps your work: Ctrl-C (a notebook's Stop) and SIGTERM end a run at a step
+boundary, save if a checkpoint action exists, say whether they did, and raise so that no
+code after training runs as if it had finished; the live state stays reachable.
+
+The in-process tests send the signal to this process from a step action (the handler runs in
+the main thread at that point, deterministically). The notebook tests interrupt a real
+kernel with nbclient; the SIGTERM tests run a real script in a subprocess.
+"""
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from models import ClassifierStep, LinenMLP, toy_data
+
+from jaxloop import actions, checkpoint, eval_loop, outer_loop, preemption, train_loop
+
+SPEC = [1, 16]
+
+
+def batches(n=16, seed=0):
+    data = toy_data(n * 16, seed=seed)
+    return [{k: v[i * 16:(i + 1) * 16] for k, v in data.items()} for i in range(n)]
+
+
+class Kill:
+    """A step action that sends this process `signum` (`times` times) on step `at`."""
+
+    def __init__(self, at, signum=signal.SIGINT, times=1):
+        self.interval, self.at, self.signum, self.times = 1, at, signum, times
+        self.sent = 0
+
+    def __call__(self, state, outputs=None, per_loop_step_number=None, **kwargs):
+        self.sent += 1
+        if self.sent == self.at:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+
+def train_step(kill=None):
+    return ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True,
+                          end_actions=[kill] if kill else None)
+
+
+def test_ctrl_c_stops_a_bare_train_loop_with_a_live_state_and_saves(tmp_path):
+    step = train_step(Kill(at=3))
+    manager = checkpoint.make_manager(tmp_path / "ckpt")
+    loop = train_loop.TrainLoop(step, end_actions=[actions.CheckpointAction(manager,
+                                                                            interval=1000)])
+    state = step.initialize_model(SPEC)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        loop(state, batches(), num_steps=16)
+    stop = caught.value
+    assert isinstance(stop, preemption.Interrupted)
+    assert stop.step == 3 and int(stop.state.step) == 3 and stop.saved
+    assert loop.stopped_state is stop.state
+    assert manager.all_steps() == [3]
+    # The live state continues, and the one passed in is untouched.
+    more, _ = loop(stop.state, batches(), num_steps=2)
+    assert int(more.step) == 5 and int(state.step) == 0
+    # Handlers are restored: Python's own again.
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_still_leaves_a_live_state():
+    step = train_step(Kill(at=2, times=2))
+    loop = train_loop.TrainLoop(step)
+    with pytest.raises(preemption.Interrupted) as caught:
+        loop(step.initialize_model(SPEC), batches(), num_steps=16)
+    state = caught.value.state
+    assert int(state.step) == 2 and not caught.value.saved
+    jax.tree.map(np.asarray, state.params)  # alive
+
+
+def test_stopping_without_a_checkpoint_action_says_nothing_was_saved(caplog):
+    step = train_step(Kill(at=2))
+    outer = outer_loop.OuterLoop(train_loop=train_loop.TrainLoop(step), prefetch=0)
+    with caplog.at_level(logging.WARNING, logger="jaxloop"), \
+            pytest.raises(preemption.Interrupted) as caught:
+        outer(step.initialize_model(SPEC), train_dataset=batches() * 4, train_total_steps=60,
+              train_loop_steps=5)
+    assert caught.value.saved is False and outer.preempted
+    assert int(outer.stopped_state.step) == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("nothing was saved" in m for m in messages), messages
+    assert not any("after saving" in m for m in messages)
+
+
+def test_ctrl_c_during_a_long_evaluation_stops_at_the_next_batch(tmp_path):
+    kill = Kill(at=3)
+    read = []
+
+    class EvalBatches:
+        def __iter__(self):
+            for i in range(10_000):
+                read.append(i)
+                yield batches(1, seed=i)[0]
+
+    evaluate = ClassifierStep(jax.random.key(0), LinenMLP(), end_actions=[kill])
+    step = train_step()
+    manager = checkpoint.make_manager(tmp_path / "ckpt")
+    outer = outer_loop.OuterLoop(
+        train_loop=train_loop.TrainLoop(step, end_actions=[actions.CheckpointAction(manager)]),
+        eval_loops=[eval_loop.EvalLoop(evaluate)], prefetch=0)
+    with pytest.raises(preemption.Interrupted) as caught:
+        outer(step.initialize_model(SPEC), train_dataset=batches() * 4, train_total_steps=60,
+              train_loop_steps=5, eval_specs=[outer_loop.EvalSpec(dataset=EvalBatches())])
+    assert len(read) <= 4  # not the 10,000 of a whole evaluation
+    assert caught.value.step == 5 and caught.value.saved and manager.all_steps() == [5]
+
+
+def test_request_raises_preempted_a_system_exit_with_status_143(tmp_path):
+    class Request:
+        interval = 1
+
+        def __call__(self, state, outputs=None, **kwargs):
+            if int(state.step) == 4:
+                preemption.request()
+
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
+                          train=True, end_actions=[Request()])
+    manager = checkpoint.make_manager(tmp_path / "ckpt")
+    outer = outer_loop.OuterLoop(
+        train_loop=train_loop.TrainLoop(step, end_actions=[actions.CheckpointAction(manager)]))
+    with pytest.raises(SystemExit) as caught:
+        outer(step.initialize_model(SPEC), train_dataset=batches() * 4, train_total_steps=60,
+              train_loop_steps=10)
+    assert isinstance(caught.value, preemption.Preempted) and caught.value.code == 143
+    assert outer.preempted and caught.value.step == 4 and 4 in manager.all_steps()
+
+
+# -- a real script that gets SIGTERM ---------------------------------------------------------
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, {tests!r})
+    import jax, optax
+    from models import ClassifierStep, LinenMLP, toy_data
+    from jaxloop import actions, checkpoint, outer_loop, preemption, train_loop
+
+    workdir, catch = sys.argv[1], sys.argv[2] == "catch"
+
+    class Ready(actions.Action):
+        def __call__(self, state, outputs, **kwargs):
+            open(os.path.join(workdir, "READY"), "w").close()
+
+    data = toy_data(256)
+    batches = [{{k: v[i:i + 16] for k, v in data.items()}} for i in range(0, 256, 16)]
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    manager = checkpoint.make_manager(os.path.join(workdir, "ckpt"))
+    outer = outer_loop.OuterLoop(train_loop=train_loop.TrainLoop(
+        step, end_actions=[Ready(), actions.CheckpointAction(manager, interval=10**6)]))
+
+    def forever():
+        while True:
+            yield from batches
+
+    try:
+        outer(step.initialize_model([1, 16]), train_dataset=forever(),
+              train_total_steps=10**9, train_loop_steps=5)
+    except preemption.Preempted as stop:
+        if not catch:
+            raise
+        print(json.dumps({{"preempted": outer.preempted, "step": stop.step,
+                           "saved": stop.saved, "steps": manager.all_steps()}}))
+        sys.exit(0)
+    print("AFTER TRAINING")
+""")
+
+
+def run_until_sigterm(tmp_path, mode):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "READY").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the job never finished a loop"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_143_without_running_code_after_training(tmp_path):
+    code, out, err = run_until_sigterm(tmp_path, "raise")
+    assert code == 143, err[-3000:]
+    assert "AFTER TRAINING" not in out
+    manager = checkpoint.make_manager(tmp_path / "ckpt")
+    assert len(manager.all_steps()) == 1  # the preemption's own save
+
+
+@pytest.mark.slow
+def test_sigterm_caught_reads_preempted_and_the_saved_step(tmp_path):
+    code, out, err = run_until_sigterm(tmp_path, "catch")
+    assert code == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["preempted"] is True and result["saved"] is True
+    assert result["steps"] == [result["step"]] and result["step"] >= 5
+
+
+# -- a real notebook kernel, interrupted -------------------------------------------------------
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+from test_notebooks import kernel_env  # noqa: E402, F401 (the fixture: a kernel on this Python)
+
+SETUP = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    import jax, optax
+    from models import ClassifierStep, LinenMLP, toy_data
+    from jaxloop import actions, checkpoint, eval_loop, outer_loop, train_loop
+
+    data = toy_data(256)
+    batches = [{{k: v[i:i + 16] for k, v in data.items()}} for i in range(0, 256, 16)]
+
+    def forever():
+        while True:
+            yield from batches
+
+    class Ready(actions.Action):
+        def __call__(self, state, outputs, **kwargs):
+            open("READY", "w").close()
+
+    read_at = [0.0]
+
+    class SlowEval:  # a long evaluation: 2,000 batches of 20 ms
+        def __iter__(self):
+            open("EVALUATING", "w").close()
+            for i in range(2000):
+                time.sleep(0.02)
+                read_at[0] = time.time()
+                yield batches[i % len(batches)]
+
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    evaluate = ClassifierStep(jax.random.key(0), LinenMLP())
+    manager = checkpoint.make_manager("ckpt")  # relative, as a notebook writes it
+    outer = outer_loop.OuterLoop(
+        train_loop=train_loop.TrainLoop(
+            step, end_actions=[Ready(), actions.CheckpointAction(manager, interval=10**6)]),
+        eval_loops=[eval_loop.EvalLoop(evaluate)])
+    untrained = step.initialize_model([1, 16])
+""")
+
+TRAIN = ("state, outputs = outer(untrained, train_dataset=forever(), train_total_steps=10**9, "
+         "train_loop_steps=5, eval_specs=[outer_loop.EvalSpec(dataset={eval})])")
+
+AFTER = textwrap.dedent("""
+    stop = sys.last_value
+    live = outer.stopped_state
+    print("raised:", type(stop).__name__, isinstance(stop, KeyboardInterrupt))
+    print("stopped at:", int(live.step), stop.step, "saved:", stop.saved, manager.all_steps())
+    more, _ = train_loop.TrainLoop(step)(live, forever(), num_steps=3)
+    print("continued to:", int(more.step), "untrained at:", int(untrained.step))
+    print("last eval batch read at:", read_at[0])
+""")
+
+
+def interrupt_kernel(workdir, eval_source, wait_for, interrupts=1):
+    """Runs SETUP, then the training cell; interrupts the kernel once `wait_for` exists;
+    runs AFTER. Returns (the training cell's outputs, AFTER's stdout, the wall-clock time of
+    the first interrupt)."""
+    cells = [nbformat.v4.new_code_cell(SETUP.format(tests=str(Path(__file__).parent))),
+             nbformat.v4.new_code_cell(TRAIN.format(eval=eval_source)),
+             nbformat.v4.new_code_cell(AFTER)]
+    nb = nbformat.v4.new_notebook(cells=cells)
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
+                                     resources={"metadata": {"path": str(workdir)}})
+
+    async def run():
+        async with client.async_setup_kernel():
+            await client.async_execute_cell(nb.cells[0], 0)
+            training = asyncio.ensure_future(client.async_execute_cell(nb.cells[1], 1))
+            deadline = time.monotonic() + 300
+            while not (workdir / wait_for).exists():
+                assert not training.done(), nb.cells[1].outputs
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            interrupted_at = time.time()
+            for _ in range(interrupts):
+                await client.km.interrupt_kernel()
+                await asyncio.sleep(0.05)
+            await training
+            await client.async_execute_cell(nb.cells[2], 2)
+            return interrupted_at
+
+    interrupted_at = asyncio.run(run())
+    after = "".join(o.get("text", "") for o in nb.cells[2].outputs if o.output_type == "stream")
+    errors = [o for o in nb.cells[2].outputs if o.output_type == "error"]
+    assert not errors, errors
+    return nb.cells[1].outputs, after, interrupted_at
+
+
+def _check_stopped(train_outputs, after):
+    errors = [o for o in train_outputs if o.output_type == "error"]
+    assert [e.ename for e in errors] == ["Interrupted"], train_outputs
+    assert "raised: Interrupted True" in after
+    stopped = [int(x) for x in after.split("stopped at: ")[1].split()[:2]]
+    assert stopped[0] == stopped[1] > 0
+    assert "saved: True" in after and f"[{stopped[0]}]" in after
+    continued = int(after.split("continued to: ")[1].split()[0])
+    assert continued == stopped[0] + 3
+    assert "untrained at: 0" in after
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("kernel_env")
+def test_notebook_stop_during_training_raises_and_keeps_the_live_state(tmp_path):
+    outputs, after, _ = interrupt_kernel(tmp_path, "batches", "READY")
+    _check_stopped(outputs, after)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("kernel_env")
+def test_notebook_double_stop_still_leaves_a_live_state(tmp_path):
+    outputs, after, _ = interrupt_kernel(tmp_path, "batches", "READY", interrupts=2)
+    _check_stopped(outputs, after)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("kernel_env")
+def test_notebook_stop_during_a_long_evaluation_is_honoured_at_once(tmp_path):
+    outputs, after, interrupted_at = interrupt_kernel(tmp_path, "SlowEval()", "EVALUATING")
+    _check_stopped(outputs, after)
+    # The kernel and this process share the machine's clock. The whole evaluation takes
+    # 40 s; it stops at the next batch (20 ms), then saves and raises.
+    seconds = float(after.split("last eval batch read at: ")[1].split()[0]) - interrupted_at
+    print(f"evaluation stopped {seconds:.3f} s after the interrupt")
+    assert seconds < 2.0
