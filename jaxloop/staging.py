@@ -159,7 +159,10 @@ def _placer(mesh: jax.sharding.Mesh, axis: str | None, treedef: Any, shapes: tup
     shardings = jax.tree_util.tree_unflatten(
         treedef, _leaf_shardings(mesh, axis, treedef, shapes, stacked))
     if mesh.size == 1:
-        return jax.jit(lambda batch: batch, in_shardings=(shardings,), out_shardings=shardings)
+        def place_batch(batch: Batch) -> Batch:
+            return batch
+
+        return jax.jit(place_batch, in_shardings=(shardings,), out_shardings=shardings)
     return functools.partial(jax.device_put, device=shardings)
 
 
