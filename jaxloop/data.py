@@ -3,8 +3,9 @@
 The loops accept a dataset in whichever form the user has it and turn it into an iterator
 with `as_iterator`. For multi-host training `GlobalBatchDataset` defines the batches
 globally, so the data a run sees does not depend on how many processes read it, and its
-iterator state (a global batch index) restores under any process count.
-`prefetch_to_device` overlaps host-side reading and the host-to-device copy with the step.
+iterator state (a global batch index) restores under any process count; with
+``num_workers`` its per-record work runs in grain worker processes. `prefetch_to_device`
+overlaps host-side reading and the host-to-device copy with the step.
 `pad_to_global_batches` gives every process the same number of eval steps and a mask that
 marks the real examples, so eval covers each example exactly once.
 
@@ -26,7 +27,7 @@ from typing import Any
 import grain
 import jax
 import numpy as np
-from grain.experimental import ZipMapDataset, get_next_index, set_next_index
+from grain.experimental import ZipMapDataset
 
 __all__ = [
     "ArraySource",
@@ -310,8 +311,9 @@ def _stack(examples: Sequence[Example]) -> Batch:
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
 
 
-# Batches are read in the caller's thread: jaxloop's device prefetch decides what is read
-# ahead, where grain's default read options would start 16 threads reading 500 batches ahead.
+# Without workers, batches are read in the caller's thread (the device prefetch thread):
+# jaxloop's prefetch decides what is read ahead, where grain's default read options would
+# start 16 threads reading 500 batches ahead.
 _READ_IN_CALLER = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
@@ -357,6 +359,9 @@ class GlobalBatchDataset(Iterable[Batch]):
       partitioner: read the rows this process's devices hold in `partitioner.mesh` along
         `partitioner.data_axis` (instead of by process index). Needed when the data axis
         does not split the devices in process order, e.g. a model axis across processes.
+      num_workers: grain worker processes that read and transform the batches (0: read in
+        the thread that iterates).
+      worker_buffer_size: batches each worker keeps ready.
 
     Example::
 
@@ -384,7 +389,14 @@ class GlobalBatchDataset(Iterable[Batch]):
         process_count: int | None = None,
         mask_key: str = "mask",
         partitioner: Any = None,
+        num_workers: int = 0,
+        worker_buffer_size: int = 2,
     ):
+        if num_workers < 0 or worker_buffer_size < 1:
+            raise ValueError(
+                f"num_workers must be >= 0 and worker_buffer_size >= 1, got "
+                f"num_workers={num_workers}, worker_buffer_size={worker_buffer_size}."
+            )
         if isinstance(source, Mapping):
             # A dict has __len__ and __getitem__ too, but indexes keys, not examples.
             source = ArraySource(source)
@@ -424,6 +436,8 @@ class GlobalBatchDataset(Iterable[Batch]):
         self.process_index = int(process_index)
         self.process_count = int(process_count)
         self.mask_key = mask_key
+        self.num_workers = int(num_workers)
+        self.worker_buffer_size = int(worker_buffer_size)
         self.num_examples = int(num_examples)
         if partitioner is not None:
             self.rows = batch_rows(
@@ -476,7 +490,8 @@ class GlobalBatchDataset(Iterable[Batch]):
             f"global_batch_size={self.global_batch_size}, seed={self.seed}, "
             f"shuffle={self.shuffle}, num_epochs={self.num_epochs}, "
             f"drop_remainder={self.drop_remainder}, "
-            f"process={self.process_index}/{self.process_count}, rows={self.rows})"
+            f"process={self.process_index}/{self.process_count}, rows={self.rows}, "
+            f"num_workers={self.num_workers})"
         )
 
     def _example(self, index: int) -> Example:
@@ -520,26 +535,76 @@ class GlobalBatchDataset(Iterable[Batch]):
         return {**batch, self.mask_key: real}
 
 
+# Batches a GlobalBatchIterator with workers keeps to step back without restarting them:
+# more than an OuterLoop prefetcher reads ahead (2 * prefetch + 1 at its default of 2).
+_REPLAYABLE = 8
+
+
+def _absl_flags_usable() -> None:
+    """Lets grain's worker processes start where absl never parsed the command line (a
+    script or notebook not run by ``absl.app``): grain reads an absl flag of its own when it
+    starts workers, which raises until the flags are parsed; they keep their defaults."""
+    from absl import flags  # noqa: PLC0415 (a dependency of grain)
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
 class GlobalBatchIterator(Iterator[Batch]):
-    """Iterator of a `GlobalBatchDataset`: grain's iterator over its `batches`.
+    """Iterator of a `GlobalBatchDataset`: grain's iterator over its `batches` from the next
+    global batch on (through its worker processes, with ``num_workers``).
 
     ``get_state()`` returns ``{'next_batch': k, 'global_batch_size': G, 'num_examples': N,
-    'seed': s, 'shuffle': b}``, where ``k`` is grain's next index (JSON-serialisable, no
-    process count); ``set_state`` checks that the recorded global batch size, dataset size,
-    seed and shuffle flag match.
+    'seed': s, 'shuffle': b}``, where ``k`` counts the batches returned so far
+    (JSON-serialisable, no process or worker count); ``set_state`` checks that the recorded
+    global batch size, dataset size, seed and shuffle flag match, and reads on from batch
+    ``k`` (workers restart there when next read). `close` stops the workers.
     """
 
     def __init__(self, dataset: GlobalBatchDataset):
         self._dataset = dataset
-        self._iterator = iter(dataset.batches.to_iter_dataset(_READ_IN_CALLER))
+        self._next_batch = 0
+        self._iterator: Any = None  # made at the first read: workers start only if used
+        # With workers, the last batches returned, so that a position a few batches back
+        # (where a prefetcher that read ahead hands the iterator back) is restored without
+        # restarting the workers; and the batches to return again before reading on.
+        self._recent: collections.deque = collections.deque(
+            maxlen=_REPLAYABLE if dataset.num_workers else 0)
+        self._replay: collections.deque = collections.deque()
+
+    def _open(self) -> Iterator[Batch]:
+        ds = self._dataset
+        pipeline = ds.batches[self._next_batch:].to_iter_dataset(_READ_IN_CALLER)
+        if ds.num_workers:
+            _absl_flags_usable()
+            pipeline = pipeline.mp_prefetch(grain.MultiprocessingOptions(
+                num_workers=ds.num_workers, per_worker_buffer_size=ds.worker_buffer_size))
+        return iter(pipeline)
 
     def __next__(self) -> Batch:
-        return next(self._iterator)
+        if self._replay:
+            batch = self._replay.popleft()
+        else:
+            if self._iterator is None:
+                self._iterator = self._open()
+            batch = next(self._iterator)
+        self._recent.append(batch)
+        self._next_batch += 1
+        return batch
+
+    def close(self) -> None:
+        """Stops the worker processes (if any); a later read starts them again."""
+        iterator, self._iterator = self._iterator, None
+        self._recent.clear()
+        self._replay.clear()
+        close = getattr(iterator, "close", None)
+        if callable(close):
+            close()
 
     def get_state(self) -> dict[str, Any]:
         ds = self._dataset
         return {
-            "next_batch": get_next_index(self._iterator),
+            "next_batch": self._next_batch,
             "global_batch_size": ds.global_batch_size,
             "num_examples": ds.num_examples,
             "seed": ds.seed,
@@ -564,7 +629,13 @@ class GlobalBatchIterator(Iterator[Batch]):
                 f"next_batch={next_batch} is outside this dataset's "
                 f"{len(self._dataset.batches)} batches."
             )
-        set_next_index(self._iterator, next_batch)
+        back = self._next_batch - next_batch
+        if 0 < back <= len(self._recent):
+            for _ in range(back):  # read again, the workers running on
+                self._replay.appendleft(self._recent.pop())
+        elif back:
+            self.close()
+        self._next_batch = next_batch
 
 
 def pad_to_global_batches(
@@ -715,6 +786,8 @@ class DevicePrefetchIterator(Iterator[Batch]):
             raise ValueError(f"size must be >= 0, got {size}.")
         self._thread: threading.Thread | None = None
         self._source = as_iterator(iterator)
+        if isinstance(self._source, grain.DatasetIterator):
+            _absl_flags_usable()  # its pipeline may start worker processes (mp_prefetch)
         self._shard_fn = shard_fn
         self._size = size
         self._track_state = callable(getattr(self._source, "get_state", None))

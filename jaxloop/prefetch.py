@@ -2,15 +2,20 @@
 
 `Prefetcher` stands beside the iterator a loop was given: the loop reads its batches
 through it, while a background thread (`data.prefetch_to_device`) prepares the next ones
-with the step's `prepare_batch`. The thread starts at the first read, so a loop that reads
-``next(dataset)`` itself never starts it and loses no batch to it. `position` is the
-iterator's position after the batches read through the prefetcher, not after those read
-ahead, so a checkpoint resumes exactly.
+with the step's `prepare_batch`: preprocessed and placed on the devices (global arrays with
+several processes), held in a bounded buffer, so the training thread only dispatches steps
+and jit copies nothing. The two stages of grain's ``experimental.device_put``: the host
+stage is the reading (in this thread, or ahead in grain worker processes with
+``GlobalBatchDataset(num_workers=n)`` or a pipeline's ``mp_prefetch``), the device stage this
+buffer. The thread starts at the first read, so a loop that reads ``next(dataset)`` itself
+never starts it and loses no batch to it. `position` is the iterator's position after the
+batches read through the prefetcher, not after those read ahead, so a checkpoint resumes
+exactly.
 
 Example::
 
     ahead = Prefetcher(iterator, step.prepare_batch, size=2)
-    batch = next(ahead)      # a PreparedBatch; the thread starts here
+    batch = next(ahead)      # a PreparedBatch of placed arrays; the thread starts here
     meta = ahead.position()  # for a checkpoint
     ahead.close()            # stops the thread; the iterator goes on after `batch`
 """

@@ -1,9 +1,10 @@
 """Step: what happens to one batch. Users subclass it and override `run`.
 
 `Step.__call__` runs ``preprocess_batch -> begin actions -> begin -> compiled run -> end ->
-end actions``. `run` is compiled once (`jaxloop.program`) and called directly every step; the
-program's input shardings place a host batch on the mesh (with several processes the batch
-is assembled into global arrays first; `begin` and begin actions see it on the devices).
+end actions``. `run` is compiled once (`jaxloop.program`) and called directly every step on a
+batch already placed on the mesh (`prepare_batch`, which a prefetcher runs in its thread ahead
+of the step; with several processes the batch is assembled into global arrays), so the
+compiled call copies nothing. `begin` and begin actions see the placed batch.
 `Step.call_steps` runs up to k batches in one compiled call, which is what a loop with
 ``steps_per_execution=k`` does.
 
@@ -61,7 +62,8 @@ _IDENTITY = optax.identity()
 
 
 def _index(tree: Any, i: int) -> Any:
-    return jax.tree.map(lambda x: x[i], tree)
+    # A static slice: `x[i]` would send the index to the devices first.
+    return jax.tree.map(lambda x: jax.lax.index_in_dim(x, i, keepdims=False), tree)
 
 
 class Step:
@@ -139,9 +141,8 @@ class Step:
         self._train = train
         self._should_shard_batch = should_shard_batch
         self._begin_actions = list(begin_actions or [])
-        self._overrides_begin = type(self).begin is not Step.begin
-        self._overrides_shard_batch = type(self).shard_batch is not Step.shard_batch
         self._end_actions = list(end_actions or [])
+        self._overrides_shard_batch = type(self).shard_batch is not Step.shard_batch
         self._jit_kwargs: dict[str, Any] = {}
         self._donating = False
         # Programs by (size, carry_state, unrolled, donating): size None is the single
@@ -424,43 +425,31 @@ class Step:
         return batch
 
     def prepare_batch(self, batch: Batch) -> PreparedBatch:
-        """`preprocess_batch`, then the batch as the program takes it
-        (`staging.for_program`: with several processes, global arrays; in one, the host
-        batch, which the program's input shardings place in jit's dispatch). This is the
-        host-side work for a batch, which a prefetcher does in the background ahead of the
-        step.
+        """`preprocess_batch`, then the batch placed on the devices as the program takes it
+        (`shard_batch`; with several processes, global arrays). This is all the work for a
+        batch before its step, which a prefetcher does in its thread ahead of the step, so
+        the step receives arrays already placed.
 
         Example::
 
             prepared = step.prepare_batch(batch)
-            state, outputs = step(state, prepared)  # not preprocessed again
+            state, outputs = step(state, prepared)  # not preprocessed or copied again
         """
         return PreparedBatch(self._placed(batch))
 
     def shard_batch(self, batch: Batch) -> Batch:
-        """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`). The step
-        calls it only when a subclass overrides it: otherwise the program's input shardings
-        place host batches in jit's dispatch."""
-        return self._partitioner.shard_batch(batch)
+        """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`): split along
+        the data axis, as global arrays with several processes."""
+        return staging.place(self._partitioner, batch)
 
     def _placed(self, batch: Batch | PreparedBatch, preprocessed: bool = False) -> Batch:
-        """The batch preprocessed (unless `preprocessed`), as the program takes it
-        (`prepare_batch`)."""
+        """The batch preprocessed (unless `preprocessed`) and placed (`prepare_batch`)."""
         if isinstance(batch, PreparedBatch):
             return batch.batch
         if not preprocessed:
             batch = self.preprocess_batch(batch)
         if self._should_shard_batch:
-            batch = (self.shard_batch(batch) if self._overrides_shard_batch
-                     else staging.for_program(self._partitioner, batch))
-        return batch
-
-    def _for_begin(self, batch: Batch, stacked: bool = False) -> Batch:
-        """The batch on the devices where `begin` or a begin action will see it (as the
-        reference's do); as it is otherwise. Like Keras, which skips batch hooks no callback
-        overrides, the per-step placement is paid only when something looks at it."""
-        if self._should_shard_batch and (self._begin_actions or self._overrides_begin):
-            return staging.place(self._partitioner, batch, stacked)
+            batch = self.shard_batch(batch)
         return batch
 
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
@@ -509,7 +498,10 @@ class Step:
         ``batch_preprocessed=True`` (a keyword the reference reads, passed on to `run` with
         the others) skips `preprocess_batch`."""
         program = self._program()
-        batch = self._for_begin(self._placed(batch, kwargs.get("batch_preprocessed", False)))
+        # Placed even where nothing looks at it before the program: jit traces a host batch
+        # and a placed one as two programs (measured: a second compile), so every path
+        # hands the program placed arrays.
+        batch = self._placed(batch, kwargs.get("batch_preprocessed", False))
         step_actions.fire(self._begin_actions, True, per_loop_step_number, state, batch=batch)
         state, batch = self.begin(state, batch)
         if log_num_flops:
@@ -559,14 +551,23 @@ class Step:
         size = count if size is None else size
         first, last = per_loop_step_number, per_loop_step_number + count - 1
         step_actions.check_none_inside(self._begin_actions, self._end_actions, first, last)
-        placed = [self._placed(b) for b in batches]
-        stacked = staging.stack(placed, size, self._partitioner, shard=self._should_shard_batch)
-        stacked = self._for_begin(stacked, stacked=True)
-        if self._begin_actions:  # the first step's batch, as placed in the stack
-            step_actions.fire(self._begin_actions, True, first, state, batch=_index(stacked, 0))
+        # The stack holds only the real batches' data: prefetched ones are on the devices
+        # already; host ones are stacked on the host and sent in one transfer (placed one
+        # by one only through an overridden `shard_batch`). Entries past them are made on
+        # the devices.
+        ready = [b.batch if isinstance(b, PreparedBatch)
+                 else self._placed(b) if self._overrides_shard_batch
+                 else self.preprocess_batch(b) for b in batches]
+        stacked = staging.stack(ready, size, self._partitioner, shard=self._should_shard_batch)
+        first_batch = ready[0]
+        if any(action_fires(a, first, True) for a in self._begin_actions):
+            # Placed for the actions only on the steps where one fires.
+            first_batch = self._placed(first_batch, preprocessed=True)
+            step_actions.fire(self._begin_actions, True, first, state, batch=first_batch)
         state, stacked = self.begin(state, stacked)
         if log_num_flops:
-            self.compute_num_flops(state, _index(stacked, 0), **kwargs)
+            self.compute_num_flops(state, self._placed(first_batch, preprocessed=True),
+                                   **kwargs)
         program = self._program(size, carry_state, unroll)
         new_state, outputs = program(state, stacked, count, **kwargs)
         state = new_state if carry_state else state
