@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -126,8 +125,8 @@ def _scalar_values(value: Any) -> float | list[float] | dict[str, float] | None:
 
     Scalars are picked from shapes before any transfer, so a per-example array (logits,
     say) is never copied to the host, and in a multi-process job never fetched from devices
-    of other processes. A per-step list of scalars is stacked on the device and comes back
-    in one transfer. A clu Collection (a dict once computed) gives its scalar entries.
+    of other processes. A per-step list of scalars comes back
+    in one `device_get`. A clu Collection (a dict once computed) gives its scalar entries.
     """
     value = _computed(value)
     if isinstance(value, Mapping):
@@ -137,9 +136,8 @@ def _scalar_values(value: Any) -> float | list[float] | dict[str, float] | None:
     if isinstance(value, list | tuple):
         if not value or not all(_is_number(v) for v in value):
             return None
-        arrays = [v for v in value if isinstance(v, jax.Array)]
-        if len(arrays) == len(value) > 1 and len({(v.shape, v.dtype) for v in value}) == 1:
-            return [float(v) for v in np.asarray(fetch(jnp.stack(value)), np.float64).ravel()]
+        # One device_get of the list: its copies start together, and no program is
+        # compiled per loop length (a stack on the device would be).
         return [float(np.asarray(v, np.float64).reshape(())) for v in fetch(list(value))]
     if _is_number(value):
         return float(np.asarray(fetch(value), np.float64).reshape(()))

@@ -438,9 +438,10 @@ class Step:
         return PreparedBatch(self._placed(batch))
 
     def shard_batch(self, batch: Batch) -> Batch:
-        """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`): split along
-        the data axis, as global arrays with several processes."""
-        return staging.place(self._partitioner, batch)
+        """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`, so a
+        partitioner subclass or a patched method decides): split along the data axis, as
+        global arrays with several processes."""
+        return self._partitioner.shard_batch(batch)
 
     def _placed(self, batch: Batch | PreparedBatch, preprocessed: bool = False) -> Batch:
         """The batch preprocessed (unless `preprocessed`) and placed (`prepare_batch`)."""

@@ -195,11 +195,6 @@ def test_the_notebooks_trainer_subclass_refuses_eval_specs_its_outer_loop_has_no
     assert int(trainer.model_state.step) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs Step to place batches through Partitioner.shard_batch (a one-line change "
-           "in jaxloop/step.py: Step.shard_batch returns self._partitioner.shard_batch(batch))",
-)
 def test_a_patched_spmd_shard_batch_places_the_steps_batches(monkeypatch):
     calls = []
 
