@@ -233,9 +233,8 @@ class Program:
 
         return one_step if self._steps is None else execution
 
-    def _build(self, state: PyTree, call: tuple) -> Callable[..., Any]:
-        _, positional, kwargs, static = call
-        shardings = self._partitioner.state_shardings(state)
+    def _traced(self, shardings: PyTree) -> Callable[..., Any]:
+        """The function jit takes: ``(state, positional, kwargs, static)`` -> `_body`'s."""
         body = self._body(shardings)
 
         def traced(state: PyTree, positional: tuple, kwargs: dict[str, Any],
@@ -250,6 +249,12 @@ class Program:
 
         # Named after the step function, as compile events and profiles show it.
         traced.__name__ = getattr(self._fn, "__name__", "step")
+        return traced
+
+    def _build(self, state: PyTree, call: tuple) -> Callable[..., Any]:
+        _, positional, kwargs, static = call
+        shardings = self._partitioner.state_shardings(state)
+        traced = self._traced(shardings)
         batch = (self._batch_shardings(positional[0]),) if positional else ()
         in_shardings = (shardings, (*batch, *[None] * (len(positional) - len(batch))), None)
         flags = dict(in_shardings=in_shardings, static_argnums=(3,),
@@ -302,6 +307,10 @@ class Program:
 
     def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
         call = self._call(state, args, kwargs)
+        if jax.config.jax_disable_jit:
+            # Debugging (`jax.disable_jit`): `fn` runs op by op, so prints and breakpoints
+            # in it work; nothing is traced, nor cached for when jit is back.
+            return self._traced(self._partitioner.state_shardings(state))(*call)
         jitted = self._jit_for(call)
         try:
             return jitted(*call)

@@ -250,28 +250,24 @@ def _stacked_sharding(x: jax.Array) -> jax.sharding.Sharding:
 
 @functools.lru_cache(maxsize=64)
 def _device_stacker(size: int, shardings: Any) -> Any:
-    """A jitted function stacking placed batches (or padding placed stacked batches, with
-    `pad`) to `size` entries on the devices, the last real one repeated."""
+    """A jitted function stacking `size` placed batches on a new leading axis, on the
+    devices."""
 
-    def stack_to(batches: list[Batch], pad: bool) -> Batch:
-        def one(*xs: jax.Array) -> jax.Array:
-            if pad:  # one stacked leaf of fewer than `size` entries
-                (x,) = xs
-                return jnp.concatenate([x, jnp.repeat(x[-1:], size - x.shape[0], axis=0)])
-            return jnp.stack([*xs, *[xs[-1]] * (size - len(xs))])
-
-        return jax.tree.map(one, *batches)
+    def stack_to(batches: list[Batch]) -> Batch:
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
 
     treedef, leaves = shardings
-    return jax.jit(stack_to, static_argnums=1,
+    return jax.jit(stack_to,
                    out_shardings=jax.tree_util.tree_unflatten(treedef, list(leaves)))
 
 
-def _on_device_to(size: int, batches: list[Batch], pad: bool) -> Batch:
-    template = batches[0]
-    leaves, treedef = jax.tree_util.tree_flatten(template)
-    shardings = tuple(x.sharding if pad else _stacked_sharding(x) for x in leaves)
-    return _device_stacker(size, (treedef, shardings))(batches, pad)
+def _on_device_to(size: int, batches: list[Batch]) -> Batch:
+    # Always `size` arguments, the last real batch repeated (the same arrays, no copy), so
+    # one program serves every count of real batches.
+    batches = [*batches, *[batches[-1]] * (size - len(batches))]
+    leaves, treedef = jax.tree_util.tree_flatten(batches[0])
+    shardings = tuple(_stacked_sharding(x) for x in leaves)
+    return _device_stacker(size, (treedef, shardings))(batches)
 
 
 def check_layouts(batches: Sequence[Batch | PreparedBatch]) -> None:
@@ -291,9 +287,11 @@ def stack(
     program takes it (placed, with `shard`).
 
     Entries past ``len(batches)`` repeat the last batch: an execution's program always
-    takes `size` batches and is told how many are real. Only the real batches are stacked
-    and sent: host (numpy) batches are stacked on the host and placed in one transfer,
-    batches already placed are stacked on the devices, and the repeats are made there.
+    takes `size` batches and is told how many are real. Host (numpy) batches are stacked
+    on the host and placed in one transfer; batches already placed (prefetched) are stacked
+    on the devices, the repeats made there. Either way the stack has one shape for every
+    count of real batches, so its placement and stacking compile once, in a loop's first
+    execution, whatever the lengths of later loops.
 
     Example::
 
@@ -303,17 +301,13 @@ def stack(
         raise ValueError(f"stack needs 1 to {size} batches, got {len(batches)}")
     check_layouts(batches)
     batches = list(batches)
-    on_host = not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batches))
-    if on_host and not shard:
+    if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batches)):
         padded = [*batches, *[batches[-1]] * (size - len(batches))]
-        return jax.tree.map(lambda *xs: np.stack(xs), *padded)
-    if on_host:
-        real = place(partitioner, jax.tree.map(lambda *xs: np.stack(xs), *batches),
-                     stacked=True)
-        return real if len(batches) == size else _on_device_to(size, [real], pad=True)
+        stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)
+        return place(partitioner, stacked, stacked=True) if shard else stacked
     if shard and not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batches)):
         batches = [place(partitioner, b) for b in batches]
-    return _on_device_to(size, batches, pad=False)
+    return _on_device_to(size, batches)
 
 
 @jax.jit
