@@ -13,7 +13,6 @@ every loop. All processes must follow process 0.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ if os.environ.get("JAXLOOP_COORDINATOR"):
     distributed.initialize()
 
 import jax  # noqa: E402
+import job_results  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from models import ClassifierStep, LinenMLP, toy_data  # noqa: E402
@@ -81,10 +81,7 @@ def main() -> None:
         "checkpoints": checkpoint.all_steps(workdir / "ckpt"),
         "step": int(state.step),
     }
-    out = result_dir / f"result-{jax.process_index()}.json"
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out)
+    job_results.write(result_dir, result)
 
 
 if __name__ == "__main__":

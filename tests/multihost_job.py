@@ -26,7 +26,6 @@ Scenarios:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import signal
@@ -41,6 +40,7 @@ if os.environ.get("JAXLOOP_COORDINATOR"):
     distributed.initialize()
 
 import jax  # noqa: E402
+import job_results  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
@@ -307,10 +307,7 @@ def main() -> None:
         result = jobs[scenario](workdir)
     result["process_index"] = jax.process_index()
     result["process_count"] = jax.process_count()
-    out = result_dir / f"result-{jax.process_index()}.json"
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out)
+    job_results.write(result_dir, result)
     if result.get("exit"):
         sys.exit(result["exit"])
 

@@ -17,7 +17,6 @@ Scenarios:
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ if os.environ.get("JAXLOOP_COORDINATOR"):
     distributed.initialize()
 
 import jax  # noqa: E402
+import job_results  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from models import ClassifierStep, LinenMLP, toy_data  # noqa: E402
@@ -97,10 +97,7 @@ def main() -> None:
     scenario, result_dir = sys.argv[1], Path(sys.argv[2])
     result_dir.mkdir(parents=True, exist_ok=True)
     result = {"every_secs": every_secs_job, "integrity": integrity_job}[scenario]()
-    out = result_dir / f"result-{jax.process_index()}.json"
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out)
+    job_results.write(result_dir, result)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -118,11 +116,9 @@ JOB = Path(__file__).resolve().parent / "sched_job.py"
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_integrity_across_two_processes(tmp_path):
-    from test_multiprocess import job_envs, run_to_success  # noqa: PLC0415
+    from test_multiprocess import run_job  # noqa: PLC0415
 
-    command = [sys.executable, str(JOB), "integrity", str(tmp_path)]
-    run_to_success("integrity", [command] * 2, job_envs(2), tmp_path / "logs")
-    results = [json.loads((tmp_path / f"result-{i}.json").read_text()) for i in range(2)]
+    results = run_job("integrity", tmp_path, job=JOB)
     for r in results:
         assert r["healthy"] == {"b": 0.0, "w": 0.0}
         assert r["perturbed"] is not None and "b: the copies on" in r["perturbed"]

@@ -437,11 +437,12 @@ def run_to_success(what: str, commands: Sequence[Sequence[str]],
         assert code == 0, f"{what}: process {i} exited {code}:\n{log.stderr[-4000:]}"
 
 
-def run_job(scenario: str, result_dir: Path, processes: int = 2) -> list[dict]:
-    """Runs a multihost_job scenario as `processes` processes x 4 devices (1: one process
-    with 8 devices) and returns each process's results, read from its result file."""
+def run_job(scenario: str, result_dir: Path, processes: int = 2, job: Path = JOB) -> list[dict]:
+    """Runs a scenario of `job` (multihost_job by default) as `processes` processes x 4
+    devices (1: one process with 8 devices) and returns each process's results, read from
+    its result file (`job_results.write`)."""
     result_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(JOB), scenario, str(result_dir)]
+    command = [sys.executable, str(job), scenario, str(result_dir)]
     run_to_success(scenario, [command] * processes, job_envs(processes), result_dir / "logs")
     return [json.loads((result_dir / f"result-{i}.json").read_text()) for i in range(processes)]
 

@@ -4,8 +4,6 @@ this process, every x seconds), step-level and loop-level."""
 from __future__ import annotations
 
 import itertools
-import json
-import sys
 from pathlib import Path
 
 import jax
@@ -151,11 +149,9 @@ JOB = Path(__file__).resolve().parent / "sched_job.py"
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_every_secs_fires_at_the_same_steps_on_two_processes(tmp_path):
-    from test_multiprocess import job_envs, run_to_success  # noqa: PLC0415
+    from test_multiprocess import run_job  # noqa: PLC0415
 
-    command = [sys.executable, str(JOB), "every_secs", str(tmp_path)]
-    run_to_success("every_secs", [command] * 2, job_envs(2), tmp_path / "logs")
-    results = [json.loads((tmp_path / f"result-{i}.json").read_text()) for i in range(2)]
+    results = run_job("every_secs", tmp_path, job=JOB)
     # Process 1's clock runs 3x as fast as process 0's: on its own it would fire more often.
     assert results[0]["loop"] == results[1]["loop"] and results[0]["loop"]
     assert results[0]["step"] == results[1]["step"] and results[0]["step"]
