@@ -14,12 +14,15 @@ from jaxloop import step
 
 
 class MLP(nn.Module):
-    """784-1024-1024-10: enough work per step that timings are not all dispatch."""
+    """784-1024-1024-10 (`hidden` wide): enough work per step that timings are not all
+    dispatch."""
+
+    hidden: int = 1024
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = nn.relu(nn.Dense(1024)(x))
-        x = nn.relu(nn.Dense(1024)(x))
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        x = nn.relu(nn.Dense(self.hidden)(x))
         return nn.Dense(10)(x)
 
 

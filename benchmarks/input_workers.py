@@ -29,11 +29,10 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import TrainStep  # noqa: E402
+from common import MLP, TrainStep  # noqa: E402
 
 from jaxloop import data, outer_loop, train_loop  # noqa: E402
 
@@ -79,21 +78,13 @@ def input_rate(it, n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-class WideMLP(nn.Module):
-    """784-2048-2048-10: a step costing about what the input's decode and crop cost."""
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = nn.relu(nn.Dense(2048)(x))
-        x = nn.relu(nn.Dense(2048)(x))
-        return nn.Dense(10)(x)
-
-
 class Trainer:
     """One state and one OuterLoop, trained a window of steps at a time."""
 
     def __init__(self, batches):
-        self.step = TrainStep(jax.random.key(0), WideMLP(), optimizer=optax.sgd(1e-3), train=True)
+        # 784-2048-2048-10: a step costing about what the input's decode and crop cost.
+        self.step = TrainStep(jax.random.key(0), MLP(hidden=2048), optimizer=optax.sgd(1e-3),
+                              train=True)
         self.state = self.step.initialize_model([1, 784])
         self.outer = outer_loop.OuterLoop(train_loop.TrainLoop(self.step), prefetch=2,
                                           progress=False)
