@@ -364,12 +364,10 @@ class Step:
         """The program of one step (`size` None) or of executions of up to `size` steps,
         made on first use with the jit flags of `compile`; a training step's donates the
         state inside `donating_state`."""
-        kwargs = dict(self._jit_kwargs)
-        donate = self._train and self._donating and "donate_argnums" not in kwargs
-        if donate:
-            kwargs["donate_argnums"] = (0,)
+        donate = self._train and self._donating and "donate_argnums" not in self._jit_kwargs
         key = (size, carry_state, unroll is True, donate)
-        if key not in self._programs:
+        if key not in self._programs:  # called every step: the flags are built on a miss only
+            kwargs = dict(self._jit_kwargs, **({"donate_argnums": (0,)} if donate else {}))
             self._programs[key] = (
                 self._partitioner.partition(self._run_in_mode, **kwargs) if size is None
                 else program_lib.Program(
