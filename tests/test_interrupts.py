@@ -260,7 +260,12 @@ TRAIN = ("state, outputs = outer(untrained, train_dataset=forever(), train_total
          "train_loop_steps=5, eval_specs=[outer_loop.EvalSpec(dataset={eval})])")
 
 AFTER = textwrap.dedent("""
+    from jaxloop import preemption
     stop = sys.last_value
+    # A second Stop that lands while the first one's exception is on its way out raises a
+    # plain KeyboardInterrupt there, with the Interrupted as its context.
+    while stop is not None and not isinstance(stop, preemption.Interrupted):
+        stop = stop.__context__
     live = outer.stopped_state
     print("raised:", type(stop).__name__, isinstance(stop, KeyboardInterrupt))
     print("stopped at:", int(live.step), stop.step, "saved:", stop.saved,
@@ -323,8 +328,14 @@ def interrupt_kernel(workdir):
 
 
 def _check_stopped(name, train_outputs, after):
-    errors = [o for o in train_outputs if o.output_type == "error"]
-    assert [e.ename for e in errors] == ["Interrupted"], (name, train_outputs)
+    errors = [o.ename for o in train_outputs if o.output_type == "error"]
+    if name == "double":
+        # The second press may land after the stop, while the kernel shows the first one's
+        # traceback: a plain KeyboardInterrupt then replaces (or cuts short) that display.
+        # That the cell raised Interrupted is read from sys.last_value below.
+        assert set(errors) <= {"Interrupted", "KeyboardInterrupt"}, (name, train_outputs)
+    else:
+        assert errors == ["Interrupted"], (name, train_outputs)
     assert "raised: Interrupted True" in after, (name, after)
     stopped = [int(x) for x in after.split("stopped at: ")[1].split()[:2]]
     assert stopped[0] == stopped[1] > 0, (name, after)
