@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -41,7 +42,8 @@ _STATS_PREFIX = "jaxloop/"
 
 
 class Series(NamedTuple):
-    """One metric's recorded values and the steps they belong to."""
+    """One metric's recorded values and the steps they belong to (`History[name]` gives a
+    copy, which later training leaves as it is)."""
 
     steps: list[int]
     values: list[float]
@@ -73,7 +75,9 @@ class History:
     def __getitem__(self, name: str) -> Series:
         if name not in self._settled():
             raise KeyError(f"No metric {name!r} in the history; it has {self.names}")
-        return self._series[name]
+        series = self._series[name]
+        # A copy: what a notebook took stays as it was when the next cell trains on.
+        return Series(list(series.steps), list(series.values))
 
     def __len__(self) -> int:
         return len(self._settled())
@@ -94,12 +98,13 @@ class History:
             raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
         if not steps:
             return
-        old = self._settled().get(name, Series([], []))
-        keep = sum(1 for s in old.steps if s < steps[0])
-        self._series[name] = Series(
-            old.steps[:keep] + [int(s) for s in steps],
-            old.values[:keep] + [float(v) for v in values],
-        )
+        series = self._settled().setdefault(name, Series([], []))
+        # Steps ascend, so the values from steps[0] on are a tail: cut it and append, in
+        # time proportional to what is recorded (a run records every step's loss).
+        keep = bisect.bisect_left(series.steps, steps[0])
+        del series.steps[keep:], series.values[keep:]
+        series.steps.extend(int(s) for s in steps)
+        series.values.extend(float(v) for v in values)
 
     def record_outputs(self, prefix: str, step: int, outputs: types.Output | None,
                        first_step: int | None = None) -> None:
@@ -221,7 +226,7 @@ def _scalar_like(value: Any) -> bool:
     if callable(getattr(value, "compute", None)):
         return True  # a clu metric, or a loop's per-step list of them
     if isinstance(value, list | tuple):
-        return bool(value) and all(actions._is_number(v) for v in value)
+        return bool(value) and actions._all_numbers(value)
     if isinstance(value, Mapping):
         return all(actions._is_number(v) for v in value.values())
     return actions._is_number(value)

@@ -275,6 +275,7 @@ class OuterLoop:
         self._cut_by_total = False
         # The scalars of every loop this OuterLoop ran, across calls (`jaxloop.history`).
         self.history = history_lib.History()
+        self._logged_layouts: list[Any] = []
 
     @property
     def train_loop(self) -> train_loop_lib.TrainLoop | None:
@@ -418,7 +419,11 @@ class OuterLoop:
         given = state
         # A run resumed inside a loop finishes that loop first, to its boundary.
         state, align = self._restore(state, iterator, loop_steps)
-        param_table_lib.log_table(state)  # process 0 logs the state's layout
+        layout = jax.tree.structure(state)
+        if layout not in self._logged_layouts:
+            # Once per state structure, not at every call of a notebook's training cell.
+            param_table_lib.log_table(state)  # process 0 logs the state's layout
+            self._logged_layouts.append(layout)
         # A state restored or built here is this run's own: the train loop donates it
         # without a copy. The caller's own state is copied once by the first train loop.
         owned = state is not given

@@ -150,6 +150,6 @@ def markdown(tree: Any) -> str:
 
 
 def log_table(tree: Any, logger: logging.Logger = log) -> None:
-    """Logs `table` at INFO level on process 0."""
-    if jax.process_index() == 0:
+    """Logs `table` at INFO level on process 0 (built only when that level is logged)."""
+    if jax.process_index() == 0 and logger.isEnabledFor(logging.INFO):
         logger.info("State:\n%s", table(tree))

@@ -111,6 +111,11 @@ def _leaf_shardings(mesh: jax.sharding.Mesh, axis: str | None, treedef: Any,
                 f"{jax.process_index()}. Use a per-process batch size that is a multiple "
                 f"of {shards}."
             )
+    if mesh.size == 1:
+        # The same placement, but without the mesh, which jit puts in the type of an array
+        # placed on it: a host batch and a placed one then trace alike, where a program
+        # given both compiled twice.
+        return [jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])] * len(shapes)
     return [replicated if len(shape) <= dim else split for shape in shapes]
 
 

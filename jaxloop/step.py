@@ -451,6 +451,35 @@ class Step:
             batch = self.shard_batch(batch)
         return batch
 
+    def _for_program(self, batch: Batch | PreparedBatch, preprocessed: bool,
+                     step_number: int) -> Batch:
+        """The batch a single step's program is called with.
+
+        On a one-device mesh, a host batch goes to the program as it is unless something
+        sees it first (`begin` overridden, a begin action firing on this step, a
+        `shard_batch` of the user's: a subclass's or a patched partitioner's); the jit
+        copies it to the device in its own dispatch, the copy that placing it would make,
+        on the same thread, without a dispatch of its own (7 us a step on this machine's
+        CPU). A host batch and a placed one trace alike there (`staging.batch_shardings`
+        replicates on one device). On several devices a split batch's type differs from
+        a host batch's, so jit would compile the program twice: every batch is placed
+        (`_placed`) and the program always receives placed arrays. A prefetcher's batches
+        (`PreparedBatch`) were placed in its thread and pass through.
+        """
+        if isinstance(batch, PreparedBatch):
+            return batch.batch
+        partitioner = self._partitioner
+        if (
+            partitioner.mesh.size > 1
+            or type(self).begin is not Step.begin
+            or self._overrides_shard_batch
+            or type(partitioner).shard_batch is not partition_lib.Partitioner.shard_batch
+            or "shard_batch" in vars(partitioner)
+            or any(action_fires(a, step_number, True) for a in self._begin_actions)
+        ):
+            return self._placed(batch, preprocessed)
+        return batch if preprocessed else self.preprocess_batch(batch)
+
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
         """Runs on the host before each compiled call, on the batch it is given (placed).
 
@@ -497,10 +526,8 @@ class Step:
         ``batch_preprocessed=True`` (a keyword the reference reads, passed on to `run` with
         the others) skips `preprocess_batch`."""
         program = self._program()
-        # Placed even where nothing looks at it before the program: jit traces a host batch
-        # and a placed one as two programs (measured: a second compile), so every path
-        # hands the program placed arrays.
-        batch = self._placed(batch, kwargs.get("batch_preprocessed", False))
+        batch = self._for_program(batch, kwargs.get("batch_preprocessed", False),
+                                  per_loop_step_number)
         step_actions.fire(self._begin_actions, True, per_loop_step_number, state, batch=batch)
         state, batch = self.begin(state, batch)
         if log_num_flops:

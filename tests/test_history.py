@@ -127,3 +127,35 @@ def test_history_eval_values_are_the_loops_means_over_examples():
     expected = actions_lib.scalar_metrics(outputs)
     assert outer.history["eval/loss"].values == [pytest.approx(expected["loss"])]
     assert outer.history["eval/accuracy"].values == [pytest.approx(expected["accuracy"])]
+
+
+def test_a_long_loops_losses_come_back_exactly_and_a_series_taken_stays_as_it_was():
+    train = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    outer = outer_loop.OuterLoop(train_loop_lib.TrainLoop(train))
+    it = iter(data.GlobalBatchDataset(DATA, 16, seed=0))
+    # One loop of 300 steps: its losses are read in groups stacked on the device.
+    state, outputs = outer(train.initialize_model([1, 16]), it, train_total_steps=300,
+                           train_loop_steps=300)
+    taken = outer.history["train/loss"]  # a notebook keeps what it plotted
+    assert taken.steps == list(range(1, 301))
+    assert taken.values == [float(v) for v in jax.device_get(outputs["loss"])]
+
+    outer(state, it, train_total_steps=310, train_loop_steps=10)  # the next cell trains on
+    assert len(taken.steps) == len(taken.values) == 300
+    assert outer.history["train/loss"].steps == list(range(1, 311))
+
+
+def test_bfloat16_losses_are_recorded():
+    class HalfLoss(ClassifierStep):
+        def run(self, state, batch):
+            state, outputs = super().run(state, batch)
+            return state, {"loss": outputs["loss"].astype(jax.numpy.bfloat16)}
+
+    train = HalfLoss(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    outer = outer_loop.OuterLoop(train_loop_lib.TrainLoop(train))
+    it = iter(data.GlobalBatchDataset(DATA, 16, seed=0))
+    _, outputs = outer(train.initialize_model([1, 16]), it, train_total_steps=20,
+                       train_loop_steps=20)
+    assert outer.history["train/loss"].values == [
+        float(v) for v in jax.device_get(outputs["loss"])]
+    assert actions_lib.scalar_metrics(outputs)["loss"] > 0

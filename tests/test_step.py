@@ -265,7 +265,10 @@ class _CompileCounter:
             _CompileCounter.active.count += 1
 
 
-def test_begin_actions_and_flops_compile_one_program():
+@pytest.mark.parametrize("devices", [8, 1])
+def test_begin_actions_and_flops_compile_one_program(devices):
+    # On one device the steps without a firing action hand the program the host batch
+    # (jit copies it), the others a placed one: still one program.
     seen = []
 
     class EveryOther:
@@ -274,12 +277,13 @@ def test_begin_actions_and_flops_compile_one_program():
         def __call__(self, state, outputs, batch=None, **kwargs):
             seen.append(type(batch["x"]).__name__)
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
     step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
                           partitioner=partition.DataParallelPartitioner(mesh, "data"),
                           train=True, begin_actions=[EveryOther()])
     state = step.initialize_model([1, 16])
     data = toy_data(16)
+    step.prepare_batch(data)  # on one device placing compiles an identity: not counted
     with _CompileCounter() as compiles:
         for n in range(1, 5):
             state, out = step(state, data, n, log_num_flops=n == 1)
