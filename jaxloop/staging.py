@@ -292,11 +292,14 @@ def stack(
     program takes it (placed, with `shard`).
 
     Entries past ``len(batches)`` repeat the last batch: an execution's program always
-    takes `size` batches and is told how many are real. Host (numpy) batches are stacked
-    on the host and placed in one transfer; batches already placed (prefetched) are stacked
-    on the devices, the repeats made there. Either way the stack has one shape for every
-    count of real batches, so its placement and stacking compile once, in a loop's first
-    execution, whatever the lengths of later loops.
+    takes `size` batches and is told how many are real. A full group of host (numpy)
+    batches is stacked on the host and placed in one transfer
+    (`Partitioner.shard_stacked_batch`). Batches already placed (prefetched) are stacked on
+    the devices, the repeats made there; so is a partial group of host batches, each real
+    one placed by `Partitioner.shard_batch` (no repeat is copied from the host). Either way
+    the stack has one shape and placement for every count of real batches, so stacking
+    compiles once, whatever the lengths of later loops. With `shard` False the host stack
+    is padded on the host: the program's jit places it.
 
     Example::
 
@@ -306,12 +309,15 @@ def stack(
         raise ValueError(f"stack needs 1 to {size} batches, got {len(batches)}")
     check_layouts(batches)
     batches = list(batches)
-    if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batches)):
+    host = not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batches))
+    if host and (len(batches) == size or not shard):
         padded = [*batches, *[batches[-1]] * (size - len(batches))]
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)
-        return place(partitioner, stacked, stacked=True) if shard else stacked
+        return partitioner.shard_stacked_batch(stacked) if shard else stacked
     if shard and not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batches)):
-        batches = [place(partitioner, b) for b in batches]
+        # A partial group of host batches: only the real ones cross, one by one.
+        batches = [b if all(isinstance(x, jax.Array) for x in jax.tree.leaves(b))
+                   else partitioner.shard_batch(b) for b in batches]
     return _on_device_to(size, batches)
 
 

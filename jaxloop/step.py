@@ -577,10 +577,10 @@ class Step:
         size = count if size is None else size
         first, last = per_loop_step_number, per_loop_step_number + count - 1
         step_actions.check_none_inside(self._begin_actions, self._end_actions, first, last)
-        # The stack holds only the real batches' data: prefetched ones are on the devices
-        # already; host ones are stacked on the host and sent in one transfer (placed one
-        # by one only through an overridden `shard_batch`). Entries past them are made on
-        # the devices.
+        # Only the real batches' data crosses to the devices: prefetched ones are there
+        # already; a full group of host ones is stacked on the host and sent in one
+        # transfer, a partial group batch by batch (and any group through an overridden
+        # `shard_batch`). Entries past them are made on the devices (`staging.stack`).
         ready = [b.batch if isinstance(b, PreparedBatch)
                  else self._placed(b) if self._overrides_shard_batch
                  else self.preprocess_batch(b) for b in batches]

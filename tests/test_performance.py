@@ -236,7 +236,8 @@ def test_prefetching_compiles_the_step_once():
     with counting_compiles() as names:
         state, _ = outer(state, forever(), train_total_steps=20, train_loop_steps=10)
     assert int(state.step) == 20
-    assert names == ["jit(_run_in_mode)"], names
+    # Besides the step, the history's stacking of per-step scalars (once per process).
+    assert [n for n in names if n != "jit(_stack_scalars)"] == ["jit(_run_in_mode)"], names
 
 
 def test_the_compiled_step_keeps_no_state_alive():

@@ -198,3 +198,31 @@ def test_outer_loop_with_prefetch_places_batches_and_checkpoints_the_position(tm
     checkpoint.restore(step.initialize_model([1, 16]), tmp_path / "ckpt", dataset=restored)
     assert restored.get_state()["next_batch"] == 8
     manager.close()
+
+
+class RecordingPartitioner(partition.DataParallelPartitioner):
+    """A user's partitioner that records how many batch entries each placement sends."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent = []
+
+    def shard_batch(self, batch):
+        self.sent.append(("batch", len(batch["x"])))
+        return super().shard_batch(batch)
+
+    def shard_stacked_batch(self, batch):
+        self.sent.append(("stacked", batch["x"].shape[:2]))
+        return super().shard_stacked_batch(batch)
+
+
+def test_a_partial_group_of_host_batches_sends_only_its_real_batches():
+    part = RecordingPartitioner(Mesh(np.array(jax.devices()), ("data",)), "data")
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.sgd(0.1),
+                          partitioner=part, train=True)
+    loop = train_loop.TrainLoop(step, steps_per_execution=4)
+    state, out = loop(step.initialize_model([1, 16]), iter(batches(7)))  # 4 + 3, no prefetch
+    assert len(out["loss"]) == 7 and int(state.step) == 7
+    # The full group in one transfer of 4 batches; the last three one by one, the fourth
+    # entry made on the devices.
+    assert part.sent == [("stacked", (4, 16))] + [("batch", 16)] * 3
