@@ -5,6 +5,9 @@ Measures, side by side in one run, steps/s of
                   `jax.jit` with the state donated, no per-step sync, losses kept in a list
   p=0 / p=2       ``OuterLoop(train_loop=TrainLoop(step), prefetch=0 or 2)``, train loops
                   of --loop-steps steps (default 200)
+  p=2 host        p=2 with a prefetch thread that only reads ahead and hands the step host
+                  batches (one device): what placing batches in the prefetch thread
+                  costs or gains against jit's copy in the training thread's dispatch
   k=K             ``TrainLoop(step, steps_per_execution=K)``, prefetch 0 (as the
                   hand-written loop reads its batches): K steps per compiled call (the
                   CNN: with ``unroll=True``)
@@ -113,6 +116,15 @@ class TrainStep(step.Step):
         return train_step(state, batch)
 
 
+class HostPrefetchStep(TrainStep):
+    """Its prefetch thread only reads ahead: the step gets host batches, which jit copies
+    to the device in its dispatch on the training thread (jaxloop's default places them in
+    the prefetch thread)."""
+
+    def prepare_batch(self, batch):
+        return self.preprocess_batch(batch)
+
+
 def make_batches(shape, batch_size, count=64):
     rng = np.random.default_rng(0)
     return [
@@ -143,6 +155,9 @@ class Case:
         self.batches = make_batches(shape, batch_size)
         self.step = TrainStep(jax.random.key(0), model, optimizer=optax.sgd(0.005, 0.9),
                               partitioner=partitioner, train=True)
+        self.host_step = HostPrefetchStep(jax.random.key(0), model,
+                                          optimizer=optax.sgd(0.005, 0.9),
+                                          partitioner=partitioner, train=True)
         state = self.fresh_state()
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         mesh = partitioner.mesh
@@ -162,6 +177,8 @@ class Case:
         self.variants = {"hand-written": self.hand_written}
         for prefetch in per_step:
             self.variants[f"p={prefetch}"] = self.jaxloop(f"p={prefetch}", 1, prefetch)
+        if 2 in per_step and mesh.size == 1:
+            self.variants["p=2 host"] = self.jaxloop("p=2 host", 1, 2, step=self.host_step)
         # Fused variants read the batches as the hand-written loop does, without a
         # prefetch thread; `k=16 p=2` shows what the thread costs on top.
         for k in fused:
@@ -190,9 +207,10 @@ class Case:
                     in_flight.popleft().block_until_ready()
         return state
 
-    def jaxloop(self, name, steps_per_execution, prefetch, unroll=1, loop_steps=None):
-        loop = train_loop.TrainLoop(self.step, steps_per_execution=steps_per_execution,
-                                    unroll=unroll)
+    def jaxloop(self, name, steps_per_execution, prefetch, unroll=1, loop_steps=None,
+                step=None):
+        loop = train_loop.TrainLoop(step or self.step,
+                                    steps_per_execution=steps_per_execution, unroll=unroll)
         self.loops[name] = loop
         outer = outer_loop.OuterLoop(train_loop=loop, prefetch=prefetch, progress=False)
         loop_steps = loop_steps or self.loop_steps

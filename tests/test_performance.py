@@ -219,7 +219,11 @@ def test_fused_runs_equal_single_steps_and_compile_nothing_after_the_first_loop(
             for num_steps in (200, 200, 37, 5, 16, 1):
                 state, outputs = tl(state, data, num_steps=num_steps)
                 losses += outputs["loss"]
-        assert first and later == [], (spe, later)
+        # After the first loop no step program compiles. The first partial group (the
+        # first loop had none) compiles the two small programs that place its batches one
+        # by one and pad the group on the device.
+        expected = [] if spe == 1 else ["jit(place_batch)", "jit(stack_to)"]
+        assert first and sorted(later) == expected, (spe, later)
         results[spe] = (host(state), np.stack(host(losses)))
     assert int(results[16][0].step) == 651
     jax.tree.map(np.testing.assert_array_equal, results[1][0].params, results[16][0].params)
