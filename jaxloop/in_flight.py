@@ -56,7 +56,11 @@ class InFlight:
     def add(self, outputs: Any, state: Any) -> None:
         """Records a dispatched execution by its outputs; waits if the bound is reached."""
         # Any output array: ready when its step is, and never donated to a later step.
-        token = next((x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)), None)
+        token = None
+        for leaf in jax.tree.leaves(outputs):
+            if isinstance(leaf, jax.Array):
+                token = leaf
+                break
         if token is None:
             # No array outputs: the state is the only thing to wait on, and the next
             # (donating) step would delete it, so wait now.

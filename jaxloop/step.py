@@ -475,7 +475,8 @@ class Step:
             or self._overrides_shard_batch
             or type(partitioner).shard_batch is not partition_lib.Partitioner.shard_batch
             or "shard_batch" in vars(partitioner)
-            or any(action_fires(a, step_number, True) for a in self._begin_actions)
+            or (self._begin_actions
+                and any(action_fires(a, step_number, True) for a in self._begin_actions))
         ):
             return self._placed(batch, preprocessed)
         return batch if preprocessed else self.preprocess_batch(batch)
@@ -528,13 +529,16 @@ class Step:
         program = self._program()
         batch = self._for_program(batch, kwargs.get("batch_preprocessed", False),
                                   per_loop_step_number)
-        step_actions.fire(self._begin_actions, True, per_loop_step_number, state, batch=batch)
+        if self._begin_actions:
+            step_actions.fire(self._begin_actions, True, per_loop_step_number, state,
+                              batch=batch)
         state, batch = self.begin(state, batch)
         if log_num_flops:
             self.compute_num_flops(state, batch, **kwargs)
         state, outputs = program(state, batch, **kwargs)
         state, outputs = self.end(state, outputs)
-        step_actions.fire(self._end_actions, False, per_loop_step_number, state, outputs)
+        if self._end_actions:
+            step_actions.fire(self._end_actions, False, per_loop_step_number, state, outputs)
         return state, outputs
 
     def call_steps(
