@@ -24,8 +24,8 @@ def test_overhead_benchmark_pools_processes_and_reports_every_variant():
     out = proc.stdout
     assert "-- 1 device(s), 2 process(es) x 2 rounds" in out
     assert "-- 8 device(s), 1 process(es) x 2 rounds" in out
-    for variant in ("p=0", "p=2", "p=2 host", "k=4", "k=8", "k=16", "k=32", "k=16 p=2", "k=16 L=192",
-                    "k=16 192>200"):
+    for variant in ("p=0", "p=2", "p=2 host", "k=4", "k=8", "k=16", "k=32", "k=16 p=2",
+                    "k=16 L=192", "k=16 192>200"):
         assert re.search(rf"^    {re.escape(variant)} +{RATIO}$", out, re.M), variant
     # 'auto' shows each process's choice, and each ratio its per-process medians.
     assert re.search(rf"^    auto \[k=\d+,\d+\] +{RATIO}$", out, re.M)
