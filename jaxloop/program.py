@@ -6,7 +6,8 @@ the partitioner (`Partitioner.state_shardings`) as the state's input shardings a
 new state's output shardings, so donated buffers are reused in place and an FSDP state
 stays split. The batch's input shardings are the partitioner's (`Partitioner.batch_shardings`;
 a leaf already placed keeps its own): batches reach the program placed (a prefetcher places
-them ahead, `Step.prepare_batch`), and jit copies nothing. A state placed differently on the
+them ahead, `Step.prepare_batch`), and jit copies nothing; a host batch is copied to those
+shardings in jit's own dispatch. A state placed differently on the
 mesh is jax's error naming both shardings, never a silent second program.
 
 The jit flags given (`static_argnums`, `static_argnames`, `donate_argnums`,

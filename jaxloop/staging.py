@@ -1,8 +1,9 @@
 """Batches made ready for a step's compiled program: placed, built from specs, stacked, split.
 
 - `batch_shardings` / `place`: a process-local batch split along the partitioner's data axis
-  (what `Partitioner.shard_batch` does); `for_program`: a batch placed so, as every compiled
-  step receives it (jit then copies nothing).
+  (what `Partitioner.shard_batch` does; on a one-device mesh with a `SingleDeviceSharding`,
+  so that a placed batch and a host one trace alike); `for_program`: a batch placed so, as
+  a prefetched step receives it (jit then copies nothing).
 - `zeros_from_spec` / `abstract_batch`: a batch from a spec such as ``[1, 28, 28, 1]``, built
   (numpy zeros) or only described (`jax.ShapeDtypeStruct`s placed as the partitioner would).
 - `stack`: up to k batches of one layout stacked on a new leading axis of k and placed for an

@@ -4,7 +4,9 @@
 end actions``. `run` is compiled once (`jaxloop.program`) and called directly every step on a
 batch already placed on the mesh (`prepare_batch`, which a prefetcher runs in its thread ahead
 of the step; with several processes the batch is assembled into global arrays), so the
-compiled call copies nothing. `begin` and begin actions see the placed batch.
+compiled call copies nothing. Without a prefetcher on a one-device mesh, a host batch goes to
+the program as it is and jit copies it in its own dispatch (`_for_program` says why). `begin`
+and begin actions see the placed batch.
 `Step.call_steps` runs up to k batches in one compiled call, which is what a loop with
 ``steps_per_execution=k`` does.
 
