@@ -160,10 +160,16 @@ class Loop:
                 or getattr(step, "donates_input_state", True)):
             return state
         leaves, treedef = jax.tree.flatten(state)
-        at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-        copies = _copier(tuple(leaves[i].sharding for i in at))([leaves[i] for i in at])
-        for i, copy in zip(at, copies, strict=True):
-            leaves[i] = copy
+        # One copy per set of devices: a state may hold leaves on several (params placed
+        # on a mesh beside a step counter on one device), and one jit takes only one set.
+        groups: dict[frozenset, list[int]] = {}
+        for i, x in enumerate(leaves):
+            if isinstance(x, jax.Array):
+                groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+        for at in groups.values():
+            copies = _copier(tuple(leaves[i].sharding for i in at))([leaves[i] for i in at])
+            for i, copy in zip(at, copies, strict=True):
+                leaves[i] = copy
         return jax.tree.unflatten(treedef, leaves)
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
