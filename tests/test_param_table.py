@@ -72,7 +72,10 @@ def test_outer_loop_logs_the_table_and_run_record_writes_it(tmp_path, caplog):
     data = toy_data(16, din=8)
     outer = outer_loop.OuterLoop(train_loop.TrainLoop(step), progress=False)
     with caplog.at_level(logging.INFO, logger="jaxloop.param_table"):
-        outer(state, itertools.repeat(data), train_total_steps=2, train_loop_steps=2)
+        state, _ = outer(state, itertools.repeat(data), train_total_steps=2,
+                         train_loop_steps=2)
+        # The training cell run again: the same state's layout is not logged again.
+        outer(state, itertools.repeat(data), train_total_steps=4, train_loop_steps=2)
     (logged,) = [r.getMessage() for r in caplog.records if r.name == "jaxloop.param_table"]
     assert "params/dense1/kernel" in logged and "(8, 8)" in logged and "162 parameters" in logged
 
