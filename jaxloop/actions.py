@@ -137,23 +137,23 @@ def _host_scalars(values: list[Any]) -> list[float]:
     devices in groups of `_STACK_GROUP` (one program, the last group padded) so that a
     loop of n steps makes n / 128 transfers, not n (each a device-to-host copy on an
     accelerator; 9 us each even on this CPU)."""
+    host = None
     if (
-        len(values) <= 8
-        or jax.process_count() > 1  # a program here would be a collective: fetch gathers
-        or not all(isinstance(v, jax.Array) for v in values)
-        or len({v.dtype for v in values}) > 1
+        len(values) > 8
+        and jax.process_count() == 1  # a program here would be a collective: fetch gathers
+        and all(isinstance(v, jax.Array) for v in values)
+        and len({v.dtype for v in values}) == 1
     ):
-        return np.asarray(fetch(values), np.float64).reshape(-1).tolist()
-    groups = []
-    for start in range(0, len(values), _STACK_GROUP):
-        group = values[start:start + _STACK_GROUP]
-        group += [group[-1]] * (_STACK_GROUP - len(group))
+        groups = [values[start:start + _STACK_GROUP]
+                  for start in range(0, len(values), _STACK_GROUP)]
         try:
-            groups.append(_stack_scalars(group))
+            stacked = [_stack_scalars(g + [g[-1]] * (_STACK_GROUP - len(g))) for g in groups]
+            host = np.concatenate(jax.device_get(stacked))[:len(values)]
         except ValueError:  # scalars on different devices (a list from two placements)
-            return np.asarray(fetch(values), np.float64).reshape(-1).tolist()
-    host = np.concatenate(jax.device_get(groups))[:len(values)]
-    return host.astype(np.float64).tolist()
+            pass
+    if host is None:
+        host = fetch(values)
+    return np.asarray(host, np.float64).reshape(-1).tolist()
 
 
 def _computed(value: Any) -> Any:

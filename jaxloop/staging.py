@@ -315,7 +315,7 @@ def stack(
         padded = [*batches, *[batches[-1]] * (size - len(batches))]
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)
         return partitioner.shard_stacked_batch(stacked) if shard else stacked
-    if shard and not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batches)):
+    if shard:
         # A partial group of host batches: only the real ones cross, one by one.
         batches = [b if all(isinstance(x, jax.Array) for x in jax.tree.leaves(b))
                    else partitioner.shard_batch(b) for b in batches]

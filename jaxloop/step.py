@@ -463,10 +463,10 @@ class Step:
         copies it to the device in its own dispatch, the copy that placing it would make,
         on the same thread, without a dispatch of its own (7 us a step on this machine's
         CPU). A host batch and a placed one trace alike there (`staging.batch_shardings`
-        replicates on one device). On several devices a split batch's type differs from
-        a host batch's, so jit would compile the program twice: every batch is placed
-        (`_placed`) and the program always receives placed arrays. A prefetcher's batches
-        (`PreparedBatch`) were placed in its thread and pass through.
+        gives a `SingleDeviceSharding` on one device). On several devices a split batch's
+        type differs from a host batch's, so jit would compile the program twice: every
+        batch is placed (`_placed`) and the program always receives placed arrays. A
+        prefetcher's batches (`PreparedBatch`) were placed in its thread and pass through.
         """
         if isinstance(batch, PreparedBatch):
             return batch.batch
