@@ -3,7 +3,8 @@
 Per record, the pipeline decodes a small image (uint8 to float), crops it at a random offset
 from a 2-pixel padding, flips it, and runs a tokenizer-like Python loop over its bytes whose
 hash sets a brightness jitter: plain Python and numpy on small arrays, which hold the GIL.
-Its length is calibrated so that the input alone costs about as much as a step alone.
+Its length is calibrated so that the input alone costs about as much as a step alone
+(--input-cost 2: twice as much).
 Measures, side by side in one run (variants alternating, best of --repeats):
 
   step alone      the train step on batches already in memory (OuterLoop, prefetch 2)
@@ -16,9 +17,11 @@ Measures, side by side in one run (variants alternating, best of --repeats):
 
 and prints steps/s and the ratio 2 workers / caller thread (goal >= 1.3). Worker start-up
 is not timed: each variant keeps one endless iterator (and its workers) across rounds.
+It also prints the CPU time per step of the step and of the input, and the most steps/s
+the machine's cores can give both: the ceiling of any arrangement of the input.
 
     python benchmarks/input_workers.py
-    python benchmarks/input_workers.py --steps 100 --repeats 5
+    python benchmarks/input_workers.py --steps 100 --repeats 5 --input-cost 2
 """
 
 from __future__ import annotations
@@ -111,6 +114,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--input-cost", type=float, default=1.0,
+                        help="the input's cost per batch as a multiple of the step's")
     args = parser.parse_args()
     n, size = args.steps, args.batch_size
 
@@ -121,7 +126,7 @@ def main() -> None:
     probes = {w: iter(dataset(size, w, 0)) for w in (0, 2000)}
     costs = {w: 1 / max(input_rate(it, 30) for _ in range(3)) for w, it in probes.items()}
     per_work = (costs[2000] - costs[0]) / 2000
-    work = max(0, round((1 / step_rate - costs[0]) / per_work))
+    work = max(0, round((args.input_cost / step_rate - costs[0]) / per_work))
 
     caller_it, workers_it = iter(dataset(size, work, 0)), iter(dataset(size, work, 2))
     next(workers_it)  # starts the workers before anything is timed
@@ -133,10 +138,13 @@ def main() -> None:
         "2 workers": Trainer(workers_it).window,
     }
     rates: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}  # this process's, per step
     names = list(variants)
     for r in range(args.repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.process_time()
             rates[name].append(variants[name](n))
+            cpu[name].append((time.process_time() - start) / n)
     workers_it.close()
     best = {name: max(v) for name, v in rates.items()}
     print(f"devices={jax.device_count()} cores={os.cpu_count()} steps={n} batch={size} "
@@ -146,6 +154,13 @@ def main() -> None:
         print(f"{name:>28}: {best[name]:8.1f} steps/s")
     ratio = best["2 workers"] / best["caller thread"]
     print(f"ratio 2 workers / caller thread = {ratio:.3f} (goal >= 1.3)")
+    # Workers move the input's CPU work, they do not shrink it: whatever runs where, the
+    # machine's cores must supply the step's CPU time plus the input's for every step.
+    step_cpu, input_cpu = min(cpu["step alone"]), min(cpu["input alone, caller thread"])
+    ceiling = os.cpu_count() / (step_cpu + input_cpu)
+    print(f"CPU per step: step {1e3 * step_cpu:.2f} ms ({step_cpu * best['step alone']:.2f} "
+          f"cores busy), input {1e3 * input_cpu:.2f} ms; {os.cpu_count()} cores give at most "
+          f"{ceiling:.1f} steps/s, {ceiling / best['caller thread']:.2f}x the caller thread")
     slower = min(best["step alone"], best["input alone, 2 workers"])
     print(f"ratio 2 workers / slower of step alone and input alone (2 workers) = "
           f"{best['2 workers'] / slower:.3f}")
