@@ -57,13 +57,15 @@ def live_device_bytes() -> int:
     for x in jax.live_arrays():
         try:
             # A shard's `.data` views the array's buffer: count each buffer once.
-            for s in x.addressable_shards:
-                buffers[(s.device.id, s.data.unsafe_buffer_pointer())] = s.data.nbytes
-        except RuntimeError as error:
-            # A buffer that a step beside this read is donating raises XLA's error before the
-            # array says it is deleted; either way the buffer is no longer held.
-            if not (x.is_deleted() or isinstance(error, jax.errors.JaxRuntimeError)):
-                raise
+            held = {(s.device.id, s.data.unsafe_buffer_pointer()): s.data.nbytes
+                    for s in x.addressable_shards}
+        except (RuntimeError, TypeError):
+            # Only an array deleted or donated by a thread beside this read fails here, in
+            # one of three ways by how far the deletion got: jax's deleted-array error,
+            # XLA's donated-buffer error, or a shard list already dropped (TypeError). Its
+            # buffers are no longer held.
+            continue
+        buffers.update(held)
     return sum(buffers.values())
 
 

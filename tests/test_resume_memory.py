@@ -172,3 +172,29 @@ def test_abstract_state_without_checkpoint_is_initialised(tmp_path):
     for a, b in zip(jax.tree.leaves(initialised), jax.tree.leaves(reference), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert a.sharding == b.sharding
+
+
+def test_live_device_bytes_reads_beside_steps_that_donate():
+    """A sampler thread reads the live arrays while the training thread donates states:
+    an array freed under it counts as freed, and no read fails."""
+    grow = jax.jit(lambda x: x + 1, donate_argnums=0)
+    x = jax.numpy.zeros((256, 1024))
+    totals, errors, stop = [], [], threading.Event()
+
+    def read():
+        try:
+            while not stop.is_set():
+                totals.append(device_bytes())
+        except BaseException as e:  # noqa: BLE001 (reported by the assertion below)
+            errors.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for _ in range(3000):
+        x = grow(x)
+    x.block_until_ready()
+    stop.set()
+    reader.join()
+    assert errors == []
+    assert totals and max(totals) >= x.nbytes
+    assert float(x[0, 0]) == 3000
