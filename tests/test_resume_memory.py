@@ -188,13 +188,17 @@ def test_live_device_bytes_reads_beside_steps_that_donate():
         except BaseException as e:  # noqa: BLE001 (reported by the assertion below)
             errors.append(e)
 
-    reader = threading.Thread(target=read)
+    # Unpaced, unlike `PeakSampler`: as many reads as it can make land inside donations.
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    for _ in range(3000):
-        x = grow(x)
-    x.block_until_ready()
-    stop.set()
-    reader.join()
+    try:
+        for _ in range(3000):
+            x = grow(x)
+        x.block_until_ready()
+    finally:  # a failing step must not leave the reader running
+        stop.set()
+        reader.join(timeout=60)
+    assert not reader.is_alive()
     assert errors == []
     assert totals and max(totals) >= x.nbytes
     assert float(x[0, 0]) == 3000
