@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxloop import actions as actions_lib
 from jaxloop import async_action_context, stat_loop, stop_handler, triggers, types
+from jaxloop import loop as loop_lib
 
 Output = types.Output
 State = types.TrainState
@@ -107,13 +108,14 @@ class ActionLoop(stat_loop.StatLoop):
         first = self._first_step or 0
         if begin:
             return trigger.fires(first)
-        last = int(state.step) if state is not None else first
+        last = first + self.num_steps_run if getattr(self._step, "train", False) else first
         return trigger.fires(first + 1, last) if last > first else trigger.fires(last)
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         self._loop_count += 1
-        # Read on the host once per loop: an action boundary, not a per-step sync.
-        self._first_step = int(state.step) if state is not None else None
+        # The host's count for a state a loop returned (no device read; `loop.host_step`).
+        self._first_step = (loop_lib.host_step(state) if state is not None
+                            and hasattr(state, "step") else None)
         # A train step's triggered actions count global steps from where this loop starts.
         step = self._step
         offset = (self._first_step or 0) if getattr(step, "train", False) else 0

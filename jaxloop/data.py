@@ -19,6 +19,7 @@ import collections.abc
 import json
 import logging
 import math
+import queue
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -693,84 +694,38 @@ _BATCH, _END, _ERROR = "batch", "end", "error"
 _POLL_SECONDS = 0.05
 
 
-class _Handoff:
-    """The buffer between the prefetch thread and the consumer.
-
-    Waking a thread costs far more than a step of a small model on a loaded machine (the
-    woken thread takes the GIL from the consumer), so the thread is woken in bursts: it
-    fills the buffer to ``2 * size`` items, sleeps, and is woken once the consumer has
-    taken it down to `size`, i.e. once per `size` batches rather than once per batch. The
-    consumer takes items without locking while any are ready.
-    """
-
-    def __init__(self, size: int):
-        self.low = size
-        self.high = 2 * size
-        self.items: collections.deque = collections.deque()
-        self.cond = threading.Condition()
-        self.stop = threading.Event()
-        self.consumer_waiting = False
-
-    def put(self, item: tuple[str, Any, Any]) -> bool:
-        """Producer side: appends `item`, first sleeping while the buffer is full. False
-        if stopped instead."""
-        items, cond = self.items, self.cond
-        if len(items) >= self.high:
-            with cond:
-                while len(items) > self.low and not self.stop.is_set():
-                    cond.wait(_POLL_SECONDS)
-        if self.stop.is_set():
-            return False
-        items.append(item)
-        if self.consumer_waiting:
-            with cond:
-                cond.notify_all()
-        return True
-
-    def get(self, thread: threading.Thread) -> tuple[str, Any, Any]:
-        """Consumer side: the next item, waiting for one if none is ready."""
-        items = self.items
-        if len(items) <= self.low:
-            with self.cond:
-                self.cond.notify_all()  # the producer may be asleep on a full buffer
-                self.consumer_waiting = True
-                try:
-                    while not items:
-                        if not thread.is_alive() and not items:
-                            raise RuntimeError("jaxloop prefetch thread exited unexpectedly.")
-                        self.cond.wait(_POLL_SECONDS * 10)
-                finally:
-                    self.consumer_waiting = False
-        return items.popleft()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.items.clear()
-        with self.cond:
-            self.cond.notify_all()
+def _put(items: queue.Queue, stop: threading.Event, item: tuple[str, Any, Any]) -> bool:
+    """Puts `item` once there is room; False if stopped first."""
+    while not stop.is_set():
+        try:
+            items.put(item, timeout=_POLL_SECONDS)
+            return True
+        except queue.Full:
+            pass
+    return False
 
 
 def _produce(
     source: Iterator[Batch],
     shard_fn: Callable[[Batch], Batch],
-    handoff: _Handoff,
+    items: queue.Queue,
+    stop: threading.Event,
     track_state: bool,
 ) -> None:
     # A module-level function holding no reference to the DevicePrefetchIterator, so an
     # abandoned prefetcher can be garbage-collected (and its __del__ stop this thread).
     try:
-        while not handoff.stop.is_set():
+        while not stop.is_set():
             try:
                 batch = next(source)
             except StopIteration:
-                handoff.put((_END, None, None))
+                _put(items, stop, (_END, None, None))
                 return
             state = iterator_state(source) if track_state else None
-            batch = shard_fn(batch)
-            if not handoff.put((_BATCH, batch, state)):
+            if not _put(items, stop, (_BATCH, shard_fn(batch), state)):
                 return
     except BaseException as e:  # re-raised in the consumer thread
-        handoff.put((_ERROR, e, None))
+        _put(items, stop, (_ERROR, e, None))
 
 
 class DevicePrefetchIterator(Iterator[Batch]):
@@ -799,10 +754,11 @@ class DevicePrefetchIterator(Iterator[Batch]):
         self._finished = False
         if self._size == 0:
             return
-        self._handoff = _Handoff(self._size)
+        self._items: queue.Queue = queue.Queue(self._size)
+        self._stop = threading.Event()
         self._thread = threading.Thread(
             target=_produce,
-            args=(self._source, self._shard_fn, self._handoff, self._track_state),
+            args=(self._source, self._shard_fn, self._items, self._stop, self._track_state),
             name="jaxloop-device-prefetch",
             daemon=True,  # never block interpreter exit on a stuck source
         )
@@ -812,7 +768,9 @@ class DevicePrefetchIterator(Iterator[Batch]):
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        self._handoff.close()
+        self._stop.set()
+        while not self._items.empty():  # frees a producer blocked on a full queue
+            self._items.get_nowait()
         if thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
@@ -839,12 +797,15 @@ class DevicePrefetchIterator(Iterator[Batch]):
         if thread is None:  # closed
             self._finished = True
             raise StopIteration
-        try:
-            kind, value, state = self._handoff.get(thread)
-        except RuntimeError:
-            self._finished = True
-            self._shutdown()
-            raise
+        while True:
+            try:
+                kind, value, state = self._items.get(timeout=_POLL_SECONDS * 10)
+                break
+            except queue.Empty:
+                if not thread.is_alive() and self._items.empty():
+                    self._finished = True
+                    self._shutdown()
+                    raise RuntimeError("jaxloop prefetch thread exited unexpectedly.") from None
         if kind == _BATCH:
             self._state = state
             return value
@@ -923,8 +884,6 @@ def prefetch_to_device(
     Args:
       iterator: source iterator (anything `as_iterator` accepts) of host numpy batches.
       shard_fn: puts a host batch on the devices, e.g. ``Partitioner.shard_batch``.
-      size: number of batches kept ready on device: the thread keeps between `size` and
-        ``2 * size`` ready, refilling in bursts of `size` (one thread wake-up per `size`
-        batches instead of one per batch).
+      size: number of batches kept ready (a bounded queue).
     """
     return DevicePrefetchIterator(iterator, shard_fn, size)

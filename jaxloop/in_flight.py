@@ -1,16 +1,18 @@
 """How far the host may run ahead of the device.
 
 A loop never waits for a step's result; it only bounds the executions dispatched but not
-finished. That keeps the device fed while capping queued work: unbounded dispatch of
-sharded steps deadlocked XLA's CPU collectives ("Expected 8 threads to join the
-rendezvous"), and queued steps hold their batches in memory.
+finished, waiting on the oldest once the bound is reached. That keeps the
+device fed while capping queued work: unbounded dispatch of sharded steps deadlocked XLA's
+CPU collectives ("Expected 8 threads to join the rendezvous"), and queued steps hold their
+batches in memory. Each execution is known by a token: an array its program made (a
+`Program`'s `last_token`), never a state leaf, which the next step donates.
 
 Example::
 
     in_flight = InFlight(default_max_steps_in_flight(step))
     for batch in batches:
         state, outputs = step(state, batch)
-        in_flight.add(outputs, state)  # waits only when the bound is reached
+        in_flight.add(token(step, outputs, state))  # waits only beyond the bound
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ def default_max_steps_in_flight(step: Any) -> int:
     return DEFAULT_MAX_STEPS_IN_FLIGHT if cpu and mesh.size > 1 else 8
 
 
+def token(step: Any, outputs: Any, state: Any) -> jax.Array | None:
+    """The array that is ready once the execution just dispatched has finished: the step's
+    `last_token` (a jaxloop `Step`), else an output array. For a plain callable that
+    returned no array, None after waiting for its state (the next call may donate it).
+    """
+    found = getattr(step, "last_token", None)
+    if found is not None:
+        return found
+    for leaf in jax.tree.leaves(outputs):
+        if isinstance(leaf, jax.Array):
+            return leaf
+    jax.block_until_ready(state)
+    return None
+
+
 class InFlight:
     """The dispatched executions not known to be finished, at most `bound` of them."""
 
@@ -48,31 +65,14 @@ class InFlight:
         self.bound = bound
         self._tokens: collections.deque = collections.deque()
 
-    @property
-    def last(self) -> jax.Array | None:
-        """An array ready once the newest execution has finished (None: none in flight)."""
-        return self._tokens[-1] if self._tokens else None
-
-    def add(self, outputs: Any, state: Any) -> None:
-        """Records a dispatched execution by its outputs; waits if the bound is reached."""
-        # Any output array: ready when its step is, and never donated to a later step.
-        token = None
-        for leaf in jax.tree.leaves(outputs):
-            if isinstance(leaf, jax.Array):
-                token = leaf
-                break
+    def add(self, token: jax.Array | None) -> None:
+        """Records a dispatched execution by its token; once `bound` are recorded, waits
+        for the oldest (so fewer than `bound` stay unfinished)."""
         if token is None:
-            # No array outputs: the state is the only thing to wait on, and the next
-            # (donating) step would delete it, so wait now.
-            jax.block_until_ready(state)
             return
         tokens = self._tokens
         tokens.append(token)
         if len(tokens) >= self.bound:
-            # Wait until half the bound remains, not just one fewer: one wait per bound/2
-            # steps. Steps finish in order, so only the newest of those needs a wait.
-            for _ in range(len(tokens) - self.bound // 2 - 1):
-                tokens.popleft()
             tokens.popleft().block_until_ready()
 
     def clear(self) -> None:

@@ -19,13 +19,14 @@ import collections
 import contextlib
 import functools
 import signal
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxloop import execution_size, in_flight, outputs, preemption, staging, step_actions, types
+from jaxloop import in_flight, outputs, preemption, staging, step_actions, types
 from jaxloop import prefetch as prefetch_lib
 from jaxloop import step as step_lib
 
@@ -36,6 +37,38 @@ Step = step_lib.Step
 MetricList = outputs.MetricList
 DEFAULT_MAX_STEPS_IN_FLIGHT = in_flight.DEFAULT_MAX_STEPS_IN_FLIGHT
 default_max_steps_in_flight = in_flight.default_max_steps_in_flight
+
+
+# The train step of each state a loop returned, as the host counted it (see `host_step`).
+_host_steps: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def host_step(state: Any) -> int:
+    """The train step of `state` without reading the device where the host knows it: for a
+    state a training loop returned (or an evaluation was given), the loop's count (its
+    first step plus the steps it ran: a training step advances ``state.step`` by one per
+    batch, as ``TrainState.apply_gradients`` does); for any other state, ``int(state.step)``.
+
+    Example::
+
+        state, _ = train_loop(state, batches, num_steps=100)
+        host_step(state)  # the step, with the last steps possibly still running
+    """
+    entry = _host_steps.get(id(state))
+    if entry is not None and entry[0]() is state:
+        return entry[1]
+    return int(state.step)
+
+
+def remember_step(state: Any, step: int) -> None:
+    """Records that `state` is at train step `step` (see `host_step`); states that take no
+    weak reference (a plain dict) are not recorded."""
+    key = id(state)
+    try:
+        ref = weakref.ref(state, lambda _: _host_steps.pop(key, None))
+    except TypeError:
+        return
+    _host_steps[key] = (ref, step)
 
 
 @functools.lru_cache(maxsize=32)
@@ -52,17 +85,12 @@ class Loop:
       step: the Step to run on each batch.
       max_steps_in_flight: how many dispatched executions may be unfinished at once
         (>= 1); None: `in_flight.default_max_steps_in_flight(step)`.
-      steps_per_execution: how many steps run in one compiled call (>= 1), or ``'auto'``:
-        the loop times its first executions of 1, 2, 4, ... steps and keeps the smallest
-        size within 2.5% of the best predicted loop time, at most the loop's length and the
-        smallest interval of the step's actions (see `execution_size`; with several
-        processes, process 0's timings decide). `steps_per_execution` reports the choice
-        (1 until it is made).
+      steps_per_execution: how many steps run in one compiled call (>= 1). Larger k spreads
+        the host's dispatch over k steps: choose it by measuring (``benchmarks/overhead.py``
+        shows how).
       unroll: with ``steps_per_execution > 1``, True compiles an execution's steps as
-        straight-line code; otherwise they are one loop body run `count` times (a dynamic
-        trip count, which XLA cannot partly unroll: an integer means the same). XLA:CPU
-        runs convolutions inside a loop body on a slower kernel, so unroll conv nets there
-        (see `jaxloop.program`).
+        straight-line code; False runs them as one loop body `count` times (see
+        `jaxloop.program`).
       donate_input_state: False (the default) leaves the state you pass untouched: a
         training loop copies it once on the devices, with its own shardings, and then
         donates only the states its steps produce (one state plus the step's temporaries
@@ -87,24 +115,21 @@ class Loop:
         self,
         step: Step,
         max_steps_in_flight: int | None = None,
-        steps_per_execution: int | str = 1,
-        unroll: int | bool = 1,
+        steps_per_execution: int = 1,
+        unroll: bool = False,
         donate_input_state: bool = False,
     ):
         if max_steps_in_flight is None:
             max_steps_in_flight = default_max_steps_in_flight(step)
         self._in_flight = in_flight.InFlight(max_steps_in_flight)
-        self._auto: execution_size.Auto | None = None
-        if steps_per_execution == "auto":
-            self._auto = execution_size.Auto(execution_size.size_limit(
-                [*getattr(step, "begin_actions", ()), *getattr(step, "end_actions", ())]
-            ))
-            steps_per_execution = 1
-        elif not isinstance(steps_per_execution, int) or steps_per_execution < 1:
+        if (not isinstance(steps_per_execution, int) or isinstance(steps_per_execution, bool)
+                or steps_per_execution < 1):
             raise ValueError(
-                "steps_per_execution must be a positive integer or 'auto', got "
-                f"{steps_per_execution!r}"
+                "steps_per_execution must be a positive integer (choose k by measuring: "
+                f"see benchmarks/overhead.py), got {steps_per_execution!r}"
             )
+        if not isinstance(unroll, bool):
+            raise TypeError(f"unroll must be True or False, got {unroll!r}")
         self._step = step
         self._steps_per_execution = steps_per_execution
         self._unroll = unroll
@@ -129,14 +154,8 @@ class Loop:
 
     @property
     def steps_per_execution(self) -> int:
-        """Steps per compiled call; with 'auto', the size chosen (1 while measuring)."""
+        """Steps per compiled call."""
         return self._steps_per_execution
-
-    @property
-    def execution_size_tuner(self) -> execution_size.ExecutionSizeTuner | None:
-        """With ``steps_per_execution='auto'``: the measurements (per-step seconds by
-        size in ``per_step_secs``) and whether the choice is made (``done``)."""
-        return None if self._auto is None else self._auto.tuner
 
     def adopt(self, state: State) -> State:
         """Hands the loop a state that no caller holds (one restored from a checkpoint,
@@ -199,11 +218,14 @@ class Loop:
         return next(ahead if ahead is not None and ahead.source is dataset else dataset)
 
     @contextlib.contextmanager
-    def prefetching(self, dataset: Iterator[Any], size: int = 2) -> Iterator[Iterator[Any]]:
+    def prefetching(self, dataset: Iterator[Any], size: int = 2, place: bool | None = None
+                    ) -> Iterator[Iterator[Any]]:
         """Prepares the batches of `dataset` `size` ahead in a background thread while
-        open (`prefetch.Prefetcher`, which `_get_next_batch` reads through). The loop still
-        receives `dataset` itself: ``run``, ``_get_next_batch`` and the actions see the
-        very object the user passed. `data_position` is after the batches consumed.
+        open (`prefetch.Prefetcher`, which `_get_next_batch` reads through): preprocessed,
+        and placed on the devices where that pays (`place`; None: `prefetch.places_ahead`,
+        decided by the step's devices). The loop still receives `dataset` itself: ``run``,
+        ``_get_next_batch`` and the actions see the very object the user passed.
+        `data_position` is after the batches consumed.
 
         Example::
 
@@ -215,7 +237,11 @@ class Loop:
             yield dataset
             return
         previous = self._prefetch
-        self._prefetch = prefetch_lib.Prefetcher(dataset, self._step.prepare_batch, size)
+        if place is None:
+            place = prefetch_lib.places_ahead(self._step)
+        step = self._step
+        self._prefetch = prefetch_lib.Prefetcher(dataset, step.prepare_batch if place else (
+            lambda b: staging.PreparedBatch(step.preprocess_batch(b))), size)
         try:
             yield dataset
         finally:
@@ -253,7 +279,7 @@ class Loop:
         )
         if return_state_from_step:
             state = new_state
-        self._in_flight.add(step_outputs, new_state)
+        self._in_flight.add(in_flight.token(self._step, step_outputs, new_state))
         return state, self.update_outputs(loop_outputs, step_outputs)
 
     def _run_steps(
@@ -275,10 +301,13 @@ class Loop:
         """
         batches = [self._pending] if self._pending is not None else []
         self._pending = None
+        layout = staging.batch_layout(batches[0]) if batches else None
         try:
             while len(batches) < num_steps:
                 batch = self._get_next_batch(dataset)
-                if batches and staging.batch_layout(batch) != staging.batch_layout(batches[0]):
+                if layout is None:
+                    layout = staging.batch_layout(batch)
+                elif staging.batch_layout(batch) != layout:
                     self._pending = batch
                     break
                 batches.append(batch)
@@ -295,19 +324,10 @@ class Loop:
         if return_state_from_step:
             state = new_state
         per_step = [None] * count if stacked is None else staging.unstack(stacked)[:count]
-        self._in_flight.add(per_step[-1], new_state)
+        self._in_flight.add(in_flight.token(self._step, stacked, new_state))
         for step_outputs in per_step:
             loop_outputs = self.update_outputs(loop_outputs, step_outputs)
         return state, loop_outputs, count
-
-    def _execution_size(self, first: int, remaining: int | None, size: int | None = None) -> int:
-        """How many steps the execution starting at step `first` runs, of at most `size`
-        (default: `steps_per_execution`; see `Loop`)."""
-        size = size or self._steps_per_execution
-        if remaining is not None:
-            size = min(size, remaining)
-        return step_actions.execution_length(
-            self._step.begin_actions, self._step.end_actions, first, size)
 
     def run(
         self,
@@ -320,58 +340,51 @@ class Loop:
         """Runs steps until `num_steps` or the end of `dataset`."""
         if num_steps is not None and num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {num_steps}")
-        return_state_from_step = kwargs.pop("return_state_from_step", True)
+        train = kwargs.pop("return_state_from_step", True)
         loop_outputs: Output = collections.defaultdict(list)
         self.dataset_exhausted = False
         self.preempted = False
-        self._in_flight.clear()
         self._pending = None
-        # Preemption is checked between training steps against a host-side step count, read
-        # once here (a loop boundary) so the per-step check never waits for the device.
-        check_preemption = preemption.active() and return_state_from_step
-        host_step = int(state.step) if check_preemption else 0
+        # Preemption is checked between training steps against the host's step count, so
+        # the per-step check never waits for the device.
+        check_preemption = preemption.active() and train
+        first_step = host_step(state) if train and hasattr(state, "step") else None
         # An evaluation may stop at any batch on Ctrl-C; a training loop at a step boundary.
-        check_interrupt = preemption.active() and not return_state_from_step
-        auto = self._auto
-        if auto is not None:
-            auto.begin_loop(num_steps, None if num_steps is None else lambda k: (
-                execution_size.executions(lambda f, r: self._execution_size(f, r, k), num_steps)
-            ))
+        check_interrupt = preemption.active() and not train
         done = 0
-        if return_state_from_step:
+        if train:
             state = self._own(state)
         donating = getattr(self._step, "donating_state", None)
-        with donating() if donating and return_state_from_step else contextlib.nullcontext():
+        size = self._steps_per_execution
+        with donating() if donating and train else contextlib.nullcontext():
             while num_steps is None or done < num_steps:
-                if auto is not None:
-                    self._steps_per_execution = auto.size(done)
                 first_flops = log_num_flops and done == 0
                 try:
-                    if self._steps_per_execution == 1 and self._pending is None:
-                        size = 1
+                    if size == 1 and self._pending is None:
                         state, loop_outputs = self._run_one_step(
                             state, dataset, loop_outputs, done + 1, log_num_flops=first_flops,
-                            return_state_from_step=return_state_from_step, **kwargs,
+                            return_state_from_step=train, **kwargs,
                         )
+                        ran = 1
                     else:
-                        remaining = None if num_steps is None else num_steps - done
-                        state, loop_outputs, size = self._run_steps(
+                        remaining = size if num_steps is None else min(size, num_steps - done)
+                        state, loop_outputs, ran = self._run_steps(
                             state, dataset, loop_outputs, done + 1,
-                            self._execution_size(done + 1, remaining), log_num_flops=first_flops,
-                            return_state_from_step=return_state_from_step, **kwargs,
+                            step_actions.execution_length(
+                                self._step.begin_actions, self._step.end_actions, done + 1,
+                                remaining),
+                            log_num_flops=first_flops, return_state_from_step=train, **kwargs,
                         )
                 except StopIteration:
                     self.dataset_exhausted = True
                     break
-                done += size
-                if auto is not None:
-                    auto.executed(self._in_flight.last, done)
+                done += ran
                 # Every step number is offered: with several processes the agreed sync step may
                 # fall inside an execution, and all processes then stop at that execution's end.
                 if check_preemption and (
-                        preemption.reached_sync_point(host_step + done) if size == 1
-                        else any(preemption.reached_sync_point(host_step + n)
-                                 for n in range(done - size + 1, done + 1))):
+                        preemption.reached_sync_point(first_step + done) if ran == 1
+                        else any(preemption.reached_sync_point(first_step + n)
+                                 for n in range(done - ran + 1, done + 1))):
                     self.preempted = True
                     break
                 if check_interrupt and preemption.interrupted():
@@ -379,9 +392,8 @@ class Loop:
                     break
                 if self.dataset_exhausted:
                     break
-        self._in_flight.clear()
-        if auto is not None:
-            self._steps_per_execution = auto.end_loop(done, self.dataset_exhausted)
+        if first_step is not None:
+            remember_step(state, first_step + done)
         self.num_steps_run = done
         return state, dict(loop_outputs)
 
@@ -414,7 +426,7 @@ class Loop:
             if owner and self.preempted:
                 self.stopped_state = state
                 saved = self.save_checkpoint(state, outputs)
-                raise preemption.stopped(state, int(state.step), saved)
+                raise preemption.stopped(state, host_step(state), saved)
         return state, outputs
 
     def save_checkpoint(self, state: State, outputs: Output | None) -> bool:

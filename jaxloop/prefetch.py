@@ -2,13 +2,15 @@
 
 `Prefetcher` stands beside the iterator a loop was given: the loop reads its batches
 through it, while a background thread (`data.prefetch_to_device`) prepares the next ones
-with the step's `prepare_batch`: preprocessed and placed on the devices (global arrays with
-several processes), held in a bounded buffer, so the training thread only dispatches steps
-and jit copies nothing. The two stages of grain's ``experimental.device_put``: the host
-stage is the reading (in this thread, or ahead in grain worker processes with
-``GlobalBatchDataset(num_workers=n)`` or a pipeline's ``mp_prefetch``), the device stage this
-buffer. The thread starts at the first read, so a loop that reads ``next(dataset)`` itself
-never starts it and loses no batch to it. `position` is the iterator's position after the
+with the step's `prepare_batch`, held in a bounded queue. Where a host-to-device copy exists
+(GPU, TPU) the thread also places them on the devices, so the copy overlaps the step; where
+device arrays are host memory (CPU) it only reads ahead, and the program's jit places each
+batch in its own dispatch (`places_ahead` decides, in this one place). The two stages of
+grain's ``experimental.device_put``: the host stage is the reading (in this thread, or ahead
+in grain worker processes with ``GlobalBatchDataset(num_workers=n)`` or a pipeline's
+``mp_prefetch``), the device stage this queue. The thread starts at the first read, so a
+loop that reads ``next(dataset)`` itself never starts it and loses no batch to it. `position`
+is the iterator's position after the
 batches read through the prefetcher, not after those read ahead, so a checkpoint resumes
 exactly.
 
@@ -24,6 +26,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any
+
+# What an `OuterLoop` reads ahead by default where batches are placed ahead (`places_ahead`).
+DEFAULT_SIZE = 2
+
+
+def places_ahead(step: Any) -> bool:
+    """Whether a prefetcher places the step's batches on its devices ahead of the step: where
+    the step's mesh has a device other than a CPU (a copy to device memory, which the thread
+    overlaps with the step). On CPUs a device array is host memory: placing ahead buys
+    nothing and takes a core from XLA.
+
+    Example::
+
+        places_ahead(step)  # False for a step on CPU devices
+    """
+    mesh = getattr(getattr(step, "partitioner", None), "mesh", None)
+    devices = mesh.devices.flat if mesh is not None else ()
+    return any(d.platform != "cpu" for d in devices)
+
+
+def default_size(step: Any) -> int:
+    """Batches an `OuterLoop` reads ahead unless told: `DEFAULT_SIZE` where they are placed
+    ahead (`places_ahead`), else 0 (batches are read in the training thread, as a
+    hand-written loop reads them; ask for a read-ahead thread for a slow input pipeline).
+
+    Example::
+
+        OuterLoop(train_loop, prefetch=4)  # an explicit size always wins
+    """
+    return DEFAULT_SIZE if places_ahead(step) else 0
 
 
 class Prefetcher(Iterator[Any]):

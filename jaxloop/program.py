@@ -1,32 +1,34 @@
-"""The compiled program of a step: one `jax.jit` with explicit input and output shardings.
+"""The compiled program of a step: one `jax.jit` with explicit shardings, called directly.
 
-A `Program` jits ``fn(state, batch, ...)`` as MaxText does its train step: ``jax.jit(...,
-in_shardings=..., out_shardings=..., donate_argnums=...)`` with the state's shardings from
-the partitioner (`Partitioner.state_shardings`) as the state's input shardings and as the
-new state's output shardings, so donated buffers are reused in place and an FSDP state
-stays split. The batch's input shardings are the partitioner's (`Partitioner.batch_shardings`;
-a leaf already placed keeps its own): batches reach the program placed (a prefetcher places
-them ahead, `Step.prepare_batch`), and jit copies nothing; a host batch is copied to those
-shardings in jit's own dispatch. A state placed differently on the
-mesh is jax's error naming both shardings, never a silent second program.
+A `Program` is MaxText's train step: ``jax.jit(fn, in_shardings=(state, batch, ...),
+out_shardings=(state, ...), donate_argnums=...)``, built on the first call from the state's
+shardings (`Partitioner.state_shardings`) and the batch's (`Partitioner.batch_shardings`; a
+leaf already placed keeps its own), then called as it is every step. A host (numpy) batch
+and a placed one are the same program: jit places a host batch in its own dispatch, so
+the caller need not (several processes still hand it global arrays).
 
-The jit flags given (`static_argnums`, `static_argnames`, `donate_argnums`,
-`compiler_options`, ...) reach that jit: positions and names are those of `fn`.
+Jit flags (`static_argnums`, `static_argnames`, `donate_argnums`, `donate_argnames`,
+`compiler_options`, ...) reach that jit as written, with the positions and names of `fn`'s
+own signature: ``donate_argnums=(2,)`` donates `fn`'s third argument and nothing else.
 
-`fn` returns ``(new_state, outputs)``; the new state must have the state's tree structure
-(a `ValueError` names the leaves added or missing otherwise). A result that is not a pair
-is returned as it is, with XLA's shardings (`Partitioner.partition` jits any function);
-``returns_state=False`` treats every result so.
+`fn` returns ``(new_state, outputs)``; the new state keeps the state's tree structure (a
+`ValueError` names the leaves added or missing otherwise). ``returns_state=None`` (what
+`Partitioner.partition` uses) accepts any result: a pair's first item is pinned as a
+state, anything else is returned as it is. A state of another tree structure than the one
+the program was built for (a new optimizer, say) gets a program of its own.
 
 With ``steps=k`` the program runs an execution of up to k steps over k stacked batches whose
-first ``count`` entries are real: a loop of ``count`` iterations (``count`` is an argument,
-so one program serves every execution length from 1 to k). Each step's state is pinned as a
-single step's is, so the steps compute exactly what single steps do.
+first ``count`` entries are real (``count`` is an argument, so one program serves every
+execution length from 1 to k). Each step's state is pinned as a single step's is, so the
+steps compute exactly what single steps do.
+
+Every call also leaves `last_token`, a scalar made by the same execution: a loop waits on
+it to bound the steps in flight, whatever `fn` returns.
 
 Example::
 
     train = Program(step_fn, partitioner, donate_argnums=(0,))
-    state, outputs = train(state, placed_batch)
+    state, outputs = train(state, batch)
 
     train_k = Program(step_fn, partitioner, steps=16, donate_argnums=(0,))
     state, stacked_outputs = train_k(state, stacked_batches, 5)  # the first 5 of 16
@@ -37,7 +39,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -47,9 +50,6 @@ import numpy as np
 from jaxloop import annotations
 
 PyTree = Any
-
-# Flags a Program sets itself from the partitioner.
-_OWN_FLAGS = ("in_shardings", "out_shardings")
 
 
 def check_state_structure(new: PyTree, state: PyTree) -> None:
@@ -80,24 +80,17 @@ def check_state_structure(new: PyTree, state: PyTree) -> None:
     )
 
 
-def _argnums(value: int | Iterable[int] | None) -> tuple[int, ...]:
+def _as_tuple(value: Any, kind: type) -> tuple:
     if value is None:
         return ()
-    return (value,) if isinstance(value, int) else tuple(value)
-
-
-def _argnames(value: str | Iterable[str] | None) -> frozenset[str]:
-    if value is None:
-        return frozenset()
-    return frozenset((value,) if isinstance(value, str) else value)
+    return (value,) if isinstance(value, kind) else tuple(value)
 
 
 class Program:
     """`fn(state, batch, ...)` compiled as one `jax.jit` with the state's shardings in and out.
 
     Args:
-      fn: the step function, returning ``(new_state, outputs)`` (or, without a state,
-        anything else: see the module docstring).
+      fn: the step function, returning ``(new_state, outputs)``.
       partitioner: gives the state's shardings (`Partitioner.state_shardings`), the batch's
         (`Partitioner.batch_shardings`) and the context `fn` is traced in
         (`Partitioner.trace_context`).
@@ -106,18 +99,16 @@ class Program:
         **kwargs)``. Outputs come back stacked (entries from `count` on are no real step's).
       carry_state: with `steps`, False runs every step on the given state (evaluation)
         and returns None in its place (the caller holds the state).
-      unroll: with `steps`, True inlines all k steps as straight-line code, which XLA
-        compiles exactly like single steps (XLA:CPU compiles convolutions inside a loop
-        body to another kernel), and runs the steps past `count` too, dropping their
-        state; otherwise the steps are a loop of `count` iterations (one compiled body).
-      returns_state: False when `fn`'s result holds no new state (a 2-tuple too).
-      **jit_kwargs: flags of `jax.jit`, with `fn`'s argument positions and names:
-        ``donate_argnums=(0,)`` donates the state, ``static_argnames=('n',)`` makes the
-        keyword argument ``n`` static, ``compiler_options`` go to XLA. `in_shardings` and
-        `out_shardings` come from the partitioner and cannot be given.
+      unroll: with `steps`, True inlines all k steps as straight-line code (compiled as
+        single steps are; the steps past `count` run too and their state is dropped);
+        False runs them as a loop of `count` iterations.
+      returns_state: True: `fn` returns ``(new_state, outputs)``; None: any result.
+      **jit_kwargs: flags of `jax.jit`, with `fn`'s argument positions and names.
+        `in_shardings` and `out_shardings` come from the partitioner and cannot be given.
 
     Raises:
-      TypeError: an unknown jit flag, or `in_shardings`/`out_shardings`.
+      TypeError: an unknown jit flag, `in_shardings`/`out_shardings`, or a non-bool
+        `unroll`.
       ValueError: a static state or batch (`static_argnums` 0 or 1).
     """
 
@@ -128,64 +119,118 @@ class Program:
         *,
         steps: int | None = None,
         carry_state: bool = True,
-        unroll: int | bool = 1,
-        returns_state: bool = True,
+        unroll: bool = False,
+        returns_state: bool | None = True,
         **jit_kwargs: Any,
     ):
-        given = [flag for flag in _OWN_FLAGS if flag in jit_kwargs]
+        given = [flag for flag in ("in_shardings", "out_shardings") if flag in jit_kwargs]
         if given:
             raise TypeError(
                 f"Program sets {' and '.join(given)} from the partitioner's shardings; "
                 "place the state with the partitioner instead of passing them"
             )
+        if not isinstance(unroll, bool):
+            raise TypeError(f"unroll must be True or False, got {unroll!r}")
         jax.jit(fn, **jit_kwargs)  # an unknown jit flag is a TypeError here, not at first use
+        flags = dict(jit_kwargs)
+        self._static_nums = _as_tuple(flags.pop("static_argnums", None), int)
+        self._donate_nums = _as_tuple(flags.pop("donate_argnums", None), int)
+        if {0, 1} & set(self._static_nums):
+            raise ValueError(
+                f"static_argnums={self._static_nums}: the state (0) and the batch (1) are "
+                "arrays and cannot be static"
+            )
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        # Names that may arrive by position: a flag naming one applies there too.
+        self._positional_names = [p.name for p in params if p.kind in (
+            p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self._static_names = set(_as_tuple(flags.pop("static_argnames", None), str))
+        self._donate_names = set(_as_tuple(flags.pop("donate_argnames", None), str))
         self._fn = fn
         self._partitioner = partitioner
         self._steps = steps
         self._carry_state = carry_state
         self._unroll = unroll
         self._returns_state = returns_state
-        flags = dict(jit_kwargs)
-        static_nums = _argnums(flags.pop("static_argnums", None))
-        if {0, 1} & set(static_nums):
-            raise ValueError(
-                f"static_argnums={static_nums}: the state (0) and the batch (1) are arrays "
-                "and cannot be static"
-            )
-        # The jitted function is called as (state, positional, kwargs, static): `fn`'s
-        # argument i (i >= 1) is positional[i - 1], and in an execution of fused steps,
-        # whose count comes after the stacked batch, positional[i] from i = 2 on.
-        self._static_positions = frozenset(n if steps is not None else n - 1
-                                           for n in static_nums)
-        self._static_names = _argnames(flags.pop("static_argnames", None))
-        donated = {min(n, 1) for n in _argnums(flags.pop("donate_argnums", None))}
-        if _argnames(flags.pop("donate_argnames", None)):
-            donated.add(2)
-        self._donate = tuple(sorted(donated))
         self._flags = flags
-        self._jitted: dict[int, Callable[..., Any]] = {}
-        self._counts: dict[int, jax.Array] = {}
+        # By call signature (positional count, keyword names): the jit, and the state and
+        # batch structures it was built for.
+        self._jitted: dict[tuple, tuple[Callable[..., Any], Any, Any]] = {}
+        self.last_token: jax.Array | None = None
+
+    # -- building -----------------------------------------------------------------------
+
+    def _positions(self, nums: tuple[int, ...], names: set[str], num_args: int,
+                   kw_names: tuple[str, ...]) -> tuple[int, ...]:
+        """Positions in the jitted call ``(state, *args, *kwarg values)`` of `fn`'s
+        arguments given by number or name: a fused execution's count sits at 2."""
+        shift = 1 if self._steps is not None else 0
+        found = {n + shift if n >= 2 else n for n in nums}
+        found |= {i + shift if i >= 2 else i for i, name in enumerate(self._positional_names)
+                  if name in names}
+        found |= {1 + num_args + i for i, name in enumerate(kw_names) if name in names}
+        return tuple(sorted(p for p in found if p <= num_args + len(kw_names)))
 
     def _batch_shardings(self, batch: PyTree) -> PyTree:
-        """The partitioner's shardings for `batch`, a leaf already placed keeping its own
-        (prefetched or abstract batches). A ValueError names a leaf that does not split."""
+        """The partitioner's shardings for `batch`, a leaf already placed keeping its own.
+        A ValueError names a leaf that does not split."""
         rule = self._partitioner.batch_shardings(batch, stacked=self._steps is not None)
         return jax.tree.map(
-            lambda x, s: x.sharding if isinstance(getattr(x, "sharding", None),
-                                                   jax.sharding.Sharding) else s,
+            lambda x, s: x.sharding if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+            and isinstance(getattr(x, "sharding", None), jax.sharding.Sharding) else s,
             batch, rule,
         )
 
+    def _build(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> Callable[..., Any]:
+        kw_names = tuple(kwargs)
+        num_args = len(args)
+        shardings = self._partitioner.state_shardings(state)
+        body = self._body(shardings)
+        partitioner = self._partitioner
+        returns_state = self._returns_state
+
+        def step(state: PyTree, *flat: Any) -> tuple[Any, jax.Array]:
+            named = dict(zip(kw_names, flat[num_args:], strict=True))
+            with partitioner.trace_context():
+                result = body(state, *flat[:num_args], **named)
+            return result, jnp.zeros((), jnp.int32)  # `last_token`
+
+        # Named after the step function, as compile events and profiles show it.
+        step.__name__ = getattr(self._fn, "__name__", "step")
+        static = self._positions(self._static_nums, self._static_names, num_args, kw_names)
+        donate = self._positions(self._donate_nums, self._donate_names, num_args, kw_names)
+        batch = (self._batch_shardings(args[0]),) if args else ()
+        count = (jax.sharding.NamedSharding(partitioner.mesh, jax.sharding.PartitionSpec()),
+                 ) if self._steps is not None else ()
+        rest = [None] * (num_args - len(batch) - len(count) + len(kw_names))
+        in_shardings = (shardings, *batch, *count, *rest)
+        in_shardings = tuple(s for i, s in enumerate(in_shardings) if i not in static)
+        flags = dict(in_shardings=in_shardings, static_argnums=static, donate_argnums=donate,
+                     **self._flags)
+        if returns_state is None:
+            # Whether the result is a (state, outputs) pair is known once traced.
+            traced = jax.jit(step, **flags).trace(state, *args, *kwargs.values()).out_info[0]
+            returns_state = isinstance(traced, tuple) and len(traced) == 2
+        if not returns_state:
+            return jax.jit(step, **flags)
+        state_out = shardings if self._steps is None or self._carry_state else None
+        return jax.jit(step, out_shardings=((state_out, None), None), **flags)
+
     def _body(self, shardings: PyTree) -> Callable[..., Any]:
         """The function jit traces: one step, or an execution of up to `steps` steps."""
-        partitioner, fn = self._partitioner, self._fn
+        fn, check = self._fn, self._returns_state is not False
 
         def one_step(state: PyTree, *args: Any, **kwargs: Any) -> Any:
-            with partitioner.trace_context():
-                result = fn(state, *args, **kwargs)
-            if self._returns_state and isinstance(result, tuple) and len(result) == 2:
+            result = fn(state, *args, **kwargs)
+            if check and isinstance(result, tuple) and len(result) == 2:
                 check_state_structure(result[0], state)
             return result
+
+        if self._steps is None:
+            return one_step
 
         def pin(state: PyTree) -> PyTree:
             return jax.lax.with_sharding_constraint(state, shardings)
@@ -202,9 +247,7 @@ class Program:
                                         *args, **kwargs)
                 return (pin(new) if carry_state else new), outputs
 
-            if self._unroll is True:
-                # Straight-line code (no loop, no branch), compiled exactly like single
-                # steps: the steps past `count` run too and their state is dropped.
+            if self._unroll:
                 carry, per_step = state, []
                 for i in range(self._steps):
                     new, outputs = run_at(i, carry)
@@ -232,96 +275,61 @@ class Program:
                 0, count, body, (state if carry_state else None, buffers))
             return (carry if carry_state else None), outputs
 
-        return one_step if self._steps is None else execution
+        return execution
 
-    def _traced(self, shardings: PyTree) -> Callable[..., Any]:
-        """The function jit takes: ``(state, positional, kwargs, static)`` -> `_body`'s."""
-        body = self._body(shardings)
+    # -- calling ------------------------------------------------------------------------
 
-        def traced(state: PyTree, positional: tuple, kwargs: dict[str, Any],
-                   static: tuple) -> Any:
-            args, named = list(positional), dict(kwargs)
-            for key, value in static:
-                if isinstance(key, int):
-                    args[key] = value
-                else:
-                    named[key] = value
-            return body(state, *args, **named)
+    def _jit_for(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> Callable:
+        key = (len(args), tuple(kwargs))
+        entry = self._jitted.get(key)
+        if entry is None:
+            entry = (self._build(state, args, kwargs), jax.tree.structure(state),
+                     jax.tree.structure(args[0]) if args else None)
+            self._jitted[key] = entry
+        return entry[0]
 
-        # Named after the step function, as compile events and profiles show it.
-        traced.__name__ = getattr(self._fn, "__name__", "step")
-        return traced
+    def _rebuilt(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Makes a new jit where the state or batch structure differs from the one the
+        current jit was built for; False when they are the same."""
+        key = (len(args), tuple(kwargs))
+        _, state_def, batch_def = self._jitted[key]
+        if (jax.tree.structure(state) == state_def
+                and (not args or jax.tree.structure(args[0]) == batch_def)):
+            return False
+        del self._jitted[key]
+        self._jit_for(state, args, kwargs)
+        return True
 
-    def _build(self, state: PyTree, call: tuple) -> Callable[..., Any]:
-        _, positional, kwargs, static = call
-        shardings = self._partitioner.state_shardings(state)
-        traced = self._traced(shardings)
-        batch = (self._batch_shardings(positional[0]),) if positional else ()
-        in_shardings = (shardings, (*batch, *[None] * (len(positional) - len(batch))), None)
-        flags = dict(in_shardings=in_shardings, static_argnums=(3,),
-                     donate_argnums=self._donate, **self._flags)
-        if self._steps is not None:
-            out = (shardings if self._carry_state else None, None)
-        else:
-            # Whether the result is a (state, outputs) pair is known once traced; the
-            # trace is cached, so the jit below does not trace `fn` again.
-            result = jax.jit(traced, **flags).trace(state, positional, kwargs, static).out_info
-            is_pair = isinstance(result, tuple) and len(result) == 2
-            if not (self._returns_state and is_pair):
-                return jax.jit(traced, **flags)
-            out = (shardings, None)
-        return jax.jit(traced, out_shardings=out, **flags)
-
-    def _count(self, count: Any) -> jax.Array:
-        """An execution's count as a placed scalar, made once per value: the training
-        thread hands the program only arrays already on the devices."""
-        if isinstance(count, jax.Array):
-            return count
-        count = int(count)
-        if count not in self._counts:
-            replicated = jax.sharding.NamedSharding(self._partitioner.mesh,
-                                                    jax.sharding.PartitionSpec())
-            self._counts[count] = jax.make_array_from_callback(
-                (), replicated, lambda _: np.int32(count))
-        return self._counts[count]
-
-    def _call(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> tuple:
-        """The arguments of the jitted function: (state, positional, kwargs, static)."""
-        if self._steps is not None:
-            if len(args) < 2:
-                raise TypeError("An execution is called as program(state, stacked, count, ...)")
-            args = (args[0], self._count(args[1]), *args[2:])
-        if not (self._static_positions or self._static_names):
-            return state, args, kwargs, ()
-        static = tuple((i, args[i]) for i in sorted(self._static_positions) if i < len(args))
-        static += tuple(sorted(((k, v) for k, v in kwargs.items() if k in self._static_names),
-                               key=lambda item: item[0]))
-        args = tuple(None if i in self._static_positions else a for i, a in enumerate(args))
-        kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
-        return state, args, kwargs, static
-
-    def _jit_for(self, call: tuple) -> Callable[..., Any]:
-        jitted = self._jitted.get(len(call[1]))
-        if jitted is None:
-            jitted = self._jitted[len(call[1])] = self._build(call[0], call)
-        return jitted
+    def _arguments(self, args: tuple) -> tuple:
+        if self._steps is None:
+            return args
+        if len(args) < 2:
+            raise TypeError("An execution is called as program(state, stacked, count, ...)")
+        return (args[0], np.int32(args[1]), *args[2:])
 
     def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
-        call = self._call(state, args, kwargs)
+        args = self._arguments(args)
         if jax.config.jax_disable_jit:
             # Debugging (`jax.disable_jit`): `fn` runs op by op, so prints and breakpoints
             # in it work; nothing is traced, nor cached for when jit is back.
-            return self._traced(self._partitioner.state_shardings(state))(*call)
-        jitted = self._jit_for(call)
+            shardings = self._partitioner.state_shardings(state)
+            with self._partitioner.trace_context():
+                return self._body(shardings)(state, *args, **kwargs)
+        jitted = self._jit_for(state, args, kwargs)
         try:
-            return jitted(*call)
-        except ValueError:
-            if args:
-                self._batch_shardings(args[0])  # names a batch leaf that does not split
-            raise
+            result, self.last_token = jitted(state, *args, *kwargs.values())
+        except (ValueError, TypeError):
+            if not self._rebuilt(state, args, kwargs):
+                if args:
+                    self._batch_shardings(args[0])  # names a batch leaf that does not split
+                raise
+            result, self.last_token = self._jit_for(state, args, kwargs)(
+                state, *args, *kwargs.values())
+        return result
 
     def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lowers the program for these arguments (abstract ones too), e.g. to compile it
         ahead of time for XLA's cost and memory analyses."""
-        call = self._call(state, args, kwargs)
-        return self._jit_for(call).lower(*call)
+        args = self._arguments(args)
+        return self._jit_for(state, args, kwargs).lower(state, *args, *kwargs.values())
+

@@ -1,14 +1,12 @@
 """Batches made ready for a step's compiled program: placed, built from specs, stacked, split.
 
 - `batch_shardings` / `place`: a process-local batch split along the partitioner's data axis
-  (what `Partitioner.shard_batch` does; on a one-device mesh with a `SingleDeviceSharding`,
-  so that a placed batch and a host one trace alike); `for_program`: a batch placed so, as
-  a prefetched step receives it (jit then copies nothing).
+  (what `Partitioner.shard_batch` does, and the shardings a program's jit places a host
+  batch to in its own dispatch).
 - `zeros_from_spec` / `abstract_batch`: a batch from a spec such as ``[1, 28, 28, 1]``, built
   (numpy zeros) or only described (`jax.ShapeDtypeStruct`s placed as the partitioner would).
-- `stack`: up to k batches of one layout stacked on a new leading axis of k and placed for an
-  execution of fused steps: only the real batches are stacked and sent; the entries past
-  them (repeats of the last one) are made on the devices.
+- `stack`: up to k batches of one layout stacked on a new leading axis of k for an execution
+  of fused steps, the entries past the real ones repeating the last.
 - `unstack`: an execution's stacked outputs as one output per step.
 
 Example::
@@ -112,11 +110,6 @@ def _leaf_shardings(mesh: jax.sharding.Mesh, axis: str | None, treedef: Any,
                 f"{jax.process_index()}. Use a per-process batch size that is a multiple "
                 f"of {shards}."
             )
-    if mesh.size == 1:
-        # The same placement, but without the mesh, which jit puts in the type of an array
-        # placed on it: a host batch and a placed one then trace alike, where a program
-        # given both compiled twice.
-        return [jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])] * len(shapes)
     return [replicated if len(shape) <= dim else split for shape in shapes]
 
 
@@ -126,50 +119,23 @@ def _paths(treedef: Any) -> list[str]:
     return [annotations.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
-def for_program(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
-    """The batch as a step's program takes it: placed on the devices (`place`), so the
-    program's own dispatch copies nothing. A prefetcher calls this in its thread, ahead of
-    the step (`Step.prepare_batch`).
+def place(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
+    """This process's batch as global arrays placed by `batch_shardings`: with P processes
+    the global batch is P times larger. Leaves already placed so pass through.
 
     Example::
 
-        program(state, for_program(partitioner, {'x': np.ones((32, 784))}))
+        placed = place(partitioner, {'x': np.ones((32, 784))})
     """
-    return place(partitioner, batch, stacked)
-
-
-def place(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
-    """This process's batch as global arrays placed by `batch_shardings`: with P processes
-    the global batch is P times larger. Leaves already placed so pass through."""
+    shardings = batch_shardings(partitioner, batch, stacked)
     if jax.process_count() == 1:
-        # One process holds the whole global batch: one transfer of all leaves, by a
-        # function made once per batch layout (this runs for every batch).
-        leaves, treedef = jax.tree_util.tree_flatten(batch)
-        shapes = tuple(tuple(np.shape(x)) for x in leaves)
-        return _placer(partitioner.mesh, partitioner.data_axis, treedef, shapes, stacked)(batch)
+        return jax.device_put(batch, shardings)
     return jax.tree.map(
         lambda x, s: x
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
         else jax.make_array_from_process_local_data(s, np.asarray(x)),
-        batch, batch_shardings(partitioner, batch, stacked),
+        batch, shardings,
     )
-
-
-@functools.lru_cache(maxsize=256)
-def _placer(mesh: jax.sharding.Mesh, axis: str | None, treedef: Any, shapes: tuple,
-            stacked: bool) -> Any:
-    """Places a batch of this layout in one process. On one device through a jitted
-    identity's input shardings (jit's own C++ transfer): 7 us for a 2-leaf batch on this
-    machine's CPU, where jax.device_put took 53 us. On several devices by device_put: the
-    jitted copy ran a program on each (210 us against 80 us)."""
-    shardings = jax.tree_util.tree_unflatten(
-        treedef, _leaf_shardings(mesh, axis, treedef, shapes, stacked))
-    if mesh.size == 1:
-        def place_batch(batch: Batch) -> Batch:
-            return batch
-
-        return jax.jit(place_batch, in_shardings=(shardings,), out_shardings=shardings)
-    return functools.partial(jax.device_put, device=shardings)
 
 
 def _is_shape(x: Any) -> bool:
@@ -245,62 +211,30 @@ def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
     return jax.tree_util.tree_map_with_path(describe, zeros_from_spec(spec))
 
 
-def _stacked_sharding(x: jax.Array) -> jax.sharding.Sharding:
-    """Where k batches stacked on a new leading axis live: ``stacked[i]`` as `x`."""
-    sharding = x.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = jax.sharding.PartitionSpec(None, *sharding.spec)
-        return jax.sharding.NamedSharding(sharding.mesh, spec)
-    return sharding
-
-
 @functools.lru_cache(maxsize=64)
-def _device_stacker(size: int, shardings: Any) -> Any:
-    """A jitted function stacking `size` placed batches on a new leading axis, on the
-    devices."""
+def _device_stacker(treedef: Any, shardings: tuple) -> Any:
+    """One jitted stack of placed batches (compiled once per layout and size): eager
+    stacking would dispatch once per batch and leaf."""
 
-    def stack_to(batches: list[Batch]) -> Batch:
+    def stack_on_devices(batches: list[Batch]) -> Batch:
         return jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
 
-    treedef, leaves = shardings
-    return jax.jit(stack_to,
-                   out_shardings=jax.tree_util.tree_unflatten(treedef, list(leaves)))
+    return jax.jit(stack_on_devices,
+                   out_shardings=jax.tree_util.tree_unflatten(treedef, list(shardings)))
 
 
-def _on_device_to(size: int, batches: list[Batch]) -> Batch:
-    # Always `size` arguments, the last real batch repeated (the same arrays, no copy), so
-    # one program serves every count of real batches.
-    batches = [*batches, *[batches[-1]] * (size - len(batches))]
-    leaves, treedef = jax.tree_util.tree_flatten(batches[0])
-    shardings = tuple(_stacked_sharding(x) for x in leaves)
-    return _device_stacker(size, (treedef, shardings))(batches)
-
-
-def check_layouts(batches: Sequence[Batch | PreparedBatch]) -> None:
-    """Raises `BatchLayoutError` unless all `batches` share one layout (`batch_layout`)."""
-    layouts = {batch_layout(b) for b in batches}
-    if len(layouts) > 1:
-        raise BatchLayoutError(
-            f"Batches run in one execution must share one layout (tree structure and "
-            f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}"
-        )
-
-
-def stack(
-    batches: Sequence[Batch], size: int, partitioner: Any, shard: bool = True
-) -> Batch:
-    """Stacks `batches` (preprocessed, one layout) on a new leading axis of `size`, as the
-    program takes it (placed, with `shard`).
+def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool = False
+          ) -> Batch:
+    """Stacks `batches` (preprocessed, of one layout) on a new leading axis of `size`.
 
     Entries past ``len(batches)`` repeat the last batch: an execution's program always
-    takes `size` batches and is told how many are real. A full group of host (numpy)
-    batches is stacked on the host and placed in one transfer
-    (`Partitioner.shard_stacked_batch`). Batches already placed (prefetched) are stacked on
-    the devices, the repeats made there; so is a partial group of host batches, each real
-    one placed by `Partitioner.shard_batch` (no repeat is copied from the host). Either way
-    the stack has one shape and placement for every count of real batches, so stacking
-    compiles once, whatever the lengths of later loops. With `shard` False the host stack
-    is padded on the host: the program's jit places it.
+    takes `size` batches and is told how many are real, so one program (and one stack)
+    serves every count. Host batches are stacked on the host and left for the program's jit
+    to place, or placed here with `place_it` (`Partitioner.shard_stacked_batch`: global
+    arrays with several processes); batches already placed are stacked on the devices.
+
+    Raises:
+      BatchLayoutError: the batches differ in tree structure or leaf shapes.
 
     Example::
 
@@ -308,18 +242,21 @@ def stack(
     """
     if not 0 < len(batches) <= size:
         raise ValueError(f"stack needs 1 to {size} batches, got {len(batches)}")
-    check_layouts(batches)
-    batches = list(batches)
-    host = not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batches))
-    if host and (len(batches) == size or not shard):
-        padded = [*batches, *[batches[-1]] * (size - len(batches))]
+    layouts = {batch_layout(b) for b in batches}
+    if len(layouts) > 1:
+        raise BatchLayoutError(
+            f"Batches run in one execution must share one layout (tree structure and "
+            f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}"
+        )
+    padded = [*batches, *[batches[-1]] * (size - len(batches))]
+    leaves, treedef = jax.tree_util.tree_flatten(padded[0])
+    if not any(isinstance(x, jax.Array) for x in leaves):
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)
-        return partitioner.shard_stacked_batch(stacked) if shard else stacked
-    if shard:
-        # A partial group of host batches: only the real ones cross, one by one.
-        batches = [b if all(isinstance(x, jax.Array) for x in jax.tree.leaves(b))
-                   else partitioner.shard_batch(b) for b in batches]
-    return _on_device_to(size, batches)
+        return partitioner.shard_stacked_batch(stacked) if place_it else stacked
+    rule = jax.tree.leaves(batch_shardings(partitioner, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)), x.dtype), padded[0]),
+        stacked=True))
+    return _device_stacker(treedef, tuple(rule))(padded)
 
 
 @jax.jit

@@ -1,14 +1,12 @@
 """Step: what happens to one batch. Users subclass it and override `run`.
 
 `Step.__call__` runs ``preprocess_batch -> begin actions -> begin -> compiled run -> end ->
-end actions``. `run` is compiled once (`jaxloop.program`) and called directly every step on a
-batch already placed on the mesh (`prepare_batch`, which a prefetcher runs in its thread ahead
-of the step; with several processes the batch is assembled into global arrays), so the
-compiled call copies nothing. Without a prefetcher on a one-device mesh, a host batch goes to
-the program as it is and jit copies it in its own dispatch (`_for_program` says why). `begin`
-and begin actions see the placed batch.
-`Step.call_steps` runs up to k batches in one compiled call, which is what a loop with
-``steps_per_execution=k`` does.
+end actions``. `run` is compiled once (`jaxloop.program`: one `jax.jit` with the state's and
+the batch's shardings) and called directly every step. A host batch goes to it as it is and
+jit places it in its own dispatch; a batch is placed before the program only where something
+needs it placed (several processes, a `shard_batch` or `begin` of your own), or ahead of the
+step by a prefetcher (`prepare_batch`). `Step.call_steps` runs up to k batches in one compiled
+call, which is what a loop with ``steps_per_execution=k`` does.
 
 Example::
 
@@ -29,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -144,13 +143,13 @@ class Step:
         self._should_shard_batch = should_shard_batch
         self._begin_actions = list(begin_actions or [])
         self._end_actions = list(end_actions or [])
-        self._overrides_shard_batch = type(self).shard_batch is not Step.shard_batch
         self._jit_kwargs: dict[str, Any] = {}
         self._donating = False
-        # Programs by (size, carry_state, unrolled, donating): size None is the single
-        # step; a loop runs executions of several steps (`call_steps`; 'auto' tries a few
-        # sizes first), donating the states it produced.
+        # Programs by (size, carry_state, unroll, donating): size None is the single step; a
+        # loop runs executions of several steps (`call_steps`), donating the states it made.
         self._programs: dict[Any, program_lib.Program] = {}
+        self._last_program: program_lib.Program | None = None
+        self._placing: tuple[bool, bool] | None = None
         self._num_params: int | None = None
         # The batch spec of the last `abstract_state`, to initialise it when nothing is
         # restored (host-side configuration, like the model itself).
@@ -340,7 +339,9 @@ class Step:
         """Whether every call consumes the state it is given (``compile(donate_argnums=
         ...)`` names argument 0), so that a loop has no copy of the caller's state to make."""
         donate = self._jit_kwargs.get("donate_argnums", ())
-        return 0 in ((donate,) if isinstance(donate, int) else tuple(donate))
+        names = self._jit_kwargs.get("donate_argnames", ())
+        return 0 in ((donate,) if isinstance(donate, int) else tuple(donate)) or "state" in (
+            (names,) if isinstance(names, str) else tuple(names))
 
     @contextlib.contextmanager
     def donating_state(self) -> Iterator[None]:
@@ -362,20 +363,32 @@ class Step:
             self._donating = previous
 
     def _program(self, size: int | None = None, carry_state: bool = True,
-                 unroll: int | bool = 1) -> program_lib.Program:
+                 unroll: bool = False) -> program_lib.Program:
         """The program of one step (`size` None) or of executions of up to `size` steps,
         made on first use with the jit flags of `compile`; a training step's donates the
         state inside `donating_state`."""
-        donate = self._train and self._donating and "donate_argnums" not in self._jit_kwargs
-        key = (size, carry_state, unroll is True, donate)
-        if key not in self._programs:  # called every step: the flags are built on a miss only
+        donate = (self._train and self._donating and "donate_argnums" not in self._jit_kwargs
+                  and "donate_argnames" not in self._jit_kwargs)
+        key = (size, carry_state, unroll, donate)
+        program = self._programs.get(key)
+        if program is None:
             kwargs = dict(self._jit_kwargs, **({"donate_argnums": (0,)} if donate else {}))
-            self._programs[key] = (
-                self._partitioner.partition(self._run_in_mode, **kwargs) if size is None
-                else program_lib.Program(
-                    self._run_in_mode, self._partitioner, steps=size,
-                    carry_state=carry_state, unroll=unroll, **kwargs))
-        return self._programs[key]
+
+            def run(state: State, batch: Batch, *args: Any, **kw: Any) -> Any:
+                return self._run_in_mode(state, batch, *args, **kw)
+
+            # `run`'s own name and signature: jit flags name its arguments, profiles its name.
+            functools.update_wrapper(run, self.run)
+            program = self._programs[key] = program_lib.Program(
+                run, self._partitioner, steps=size, carry_state=carry_state, unroll=unroll,
+                **kwargs)
+        return program
+
+    @property
+    def last_token(self) -> jax.Array | None:
+        """A scalar made by the last compiled call's execution: ready when it has finished
+        (loops wait on it to bound the steps in flight)."""
+        return None if self._last_program is None else self._last_program.last_token
 
     def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float | None:
         """Flops of one `run` on this (placed) batch on one device, from XLA's cost
@@ -426,16 +439,17 @@ class Step:
 
     def prepare_batch(self, batch: Batch) -> PreparedBatch:
         """`preprocess_batch`, then the batch placed on the devices as the program takes it
-        (`shard_batch`; with several processes, global arrays). This is all the work for a
-        batch before its step, which a prefetcher does in its thread ahead of the step, so
-        the step receives arrays already placed.
+        (`shard_batch`; global arrays with several processes). This is all the work for a
+        batch before its step, which a prefetcher does in its thread ahead of the step where
+        placing ahead pays (`prefetch.places_ahead`).
 
         Example::
 
             prepared = step.prepare_batch(batch)
-            state, outputs = step(state, prepared)  # not preprocessed or copied again
+            state, outputs = step(state, prepared)  # not preprocessed or placed again
         """
-        return PreparedBatch(self._placed(batch))
+        batch = self.preprocess_batch(batch)
+        return PreparedBatch(self.shard_batch(batch) if self._should_shard_batch else batch)
 
     def shard_batch(self, batch: Batch) -> Batch:
         """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`, so a
@@ -443,45 +457,35 @@ class Step:
         global arrays with several processes."""
         return self._partitioner.shard_batch(batch)
 
-    def _placed(self, batch: Batch | PreparedBatch, preprocessed: bool = False) -> Batch:
-        """The batch preprocessed (unless `preprocessed`) and placed (`prepare_batch`)."""
+    def _placing_policy(self) -> tuple[bool, bool]:
+        """(whether a host batch is placed before the program, whether each batch is placed
+        by a `shard_batch` of the user's), decided once per step. Otherwise jit places a
+        host batch in its own dispatch, by the same shardings. Placed first: with several
+        processes (global arrays), where a `shard_batch` of the user's decides (a subclass's,
+        a partitioner subclass's or a patched one, as google's notebooks patch
+        ``SPMDPartitioner.shard_batch``), or where `begin` of the user's sees the batch."""
+        if self._placing is None:
+            partitioner = self._partitioner
+            custom = (type(self).shard_batch is not Step.shard_batch
+                      or type(partitioner).shard_batch is not partition_lib.Partitioner.shard_batch
+                      or "shard_batch" in vars(partitioner))
+            first = (custom or jax.process_count() > 1 or type(self).begin is not Step.begin)
+            self._placing = (self._should_shard_batch and first,
+                             self._should_shard_batch and custom)
+        return self._placing
+
+    def _placed(self, batch: Batch) -> Batch:
+        """A preprocessed batch on the devices (as it is when placed already)."""
+        placed = all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
+        return batch if placed or not self._should_shard_batch else self.shard_batch(batch)
+
+    def _ready(self, batch: Batch | PreparedBatch, preprocessed: bool = False) -> Batch:
+        """The batch as the single step's program takes it (see `_placing_policy`)."""
         if isinstance(batch, PreparedBatch):
             return batch.batch
         if not preprocessed:
             batch = self.preprocess_batch(batch)
-        if self._should_shard_batch:
-            batch = self.shard_batch(batch)
-        return batch
-
-    def _for_program(self, batch: Batch | PreparedBatch, preprocessed: bool,
-                     step_number: int) -> Batch:
-        """The batch a single step's program is called with.
-
-        On a one-device mesh, a host batch goes to the program as it is unless something
-        sees it first (`begin` overridden, a begin action firing on this step, a
-        `shard_batch` of the user's: a subclass's or a patched partitioner's); the jit
-        copies it to the device in its own dispatch, the copy that placing it would make,
-        on the same thread, without a dispatch of its own (7 us a step on this machine's
-        CPU). A host batch and a placed one trace alike there (`staging.batch_shardings`
-        gives a `SingleDeviceSharding` on one device). On several devices a split batch's
-        type differs from a host batch's, so jit would compile the program twice: every
-        batch is placed (`_placed`) and the program always receives placed arrays. A
-        prefetcher's batches (`PreparedBatch`) were placed in its thread and pass through.
-        """
-        if isinstance(batch, PreparedBatch):
-            return batch.batch
-        partitioner = self._partitioner
-        if (
-            partitioner.mesh.size > 1
-            or type(self).begin is not Step.begin
-            or self._overrides_shard_batch
-            or type(partitioner).shard_batch is not partition_lib.Partitioner.shard_batch
-            or "shard_batch" in vars(partitioner)
-            or (self._begin_actions
-                and any(action_fires(a, step_number, True) for a in self._begin_actions))
-        ):
-            return self._placed(batch, preprocessed)
-        return batch if preprocessed else self.preprocess_batch(batch)
+        return self.shard_batch(batch) if self._placing_policy()[0] else batch
 
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
         """Runs on the host before each compiled call, on the batch it is given (placed).
@@ -524,16 +528,18 @@ class Step:
         log_num_flops: bool = False,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
-        """Runs one batch: preprocess, shard, begin, compiled run, end, with step actions.
+        """Runs one batch: preprocess, begin, compiled run, end, with step actions.
 
         ``batch_preprocessed=True`` (a keyword the reference reads, passed on to `run` with
         the others) skips `preprocess_batch`."""
-        program = self._program()
-        batch = self._for_program(batch, kwargs.get("batch_preprocessed", False),
-                                  per_loop_step_number)
-        if self._begin_actions:
+        program = self._last_program = self._program()
+        batch = self._ready(batch, kwargs.get("batch_preprocessed", False))
+        if self._begin_actions and any(
+                action_fires(a, per_loop_step_number, True) for a in self._begin_actions):
+            # A placed copy for the actions only: jit traces a host and a placed batch apart,
+            # so the program keeps taking the batch in one form.
             step_actions.fire(self._begin_actions, True, per_loop_step_number, state,
-                              batch=batch)
+                              batch=self._placed(batch))
         state, batch = self.begin(state, batch)
         if log_num_flops:
             self.compute_num_flops(state, batch, **kwargs)
@@ -550,7 +556,7 @@ class Step:
         per_loop_step_number: int = 1,
         log_num_flops: bool = False,
         carry_state: bool = True,
-        unroll: int | bool = 1,
+        unroll: bool = False,
         size: int | None = None,
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
@@ -583,24 +589,18 @@ class Step:
         size = count if size is None else size
         first, last = per_loop_step_number, per_loop_step_number + count - 1
         step_actions.check_none_inside(self._begin_actions, self._end_actions, first, last)
-        # Only the real batches' data crosses to the devices: prefetched ones are there
-        # already; a full group of host ones is stacked on the host and sent in one
-        # transfer, a partial group batch by batch (and any group through an overridden
-        # `shard_batch`). Entries past them are made on the devices (`staging.stack`).
+        place_first, custom = self._placing_policy()
         ready = [b.batch if isinstance(b, PreparedBatch)
-                 else self._placed(b) if self._overrides_shard_batch
+                 else self.shard_batch(self.preprocess_batch(b)) if custom
                  else self.preprocess_batch(b) for b in batches]
-        stacked = staging.stack(ready, size, self._partitioner, shard=self._should_shard_batch)
-        first_batch = ready[0]
-        if any(action_fires(a, first, True) for a in self._begin_actions):
-            # Placed for the actions only on the steps where one fires.
-            first_batch = self._placed(first_batch, preprocessed=True)
-            step_actions.fire(self._begin_actions, True, first, state, batch=first_batch)
+        stacked = staging.stack(ready, size, self._partitioner, place_it=place_first)
+        if self._begin_actions and any(action_fires(a, first, True) for a in self._begin_actions):
+            step_actions.fire(self._begin_actions, True, first, state,
+                              batch=self._placed(ready[0]))
         state, stacked = self.begin(state, stacked)
         if log_num_flops:
-            self.compute_num_flops(state, self._placed(first_batch, preprocessed=True),
-                                   **kwargs)
-        program = self._program(size, carry_state, unroll)
+            self.compute_num_flops(state, ready[0], **kwargs)
+        program = self._last_program = self._program(size, carry_state, unroll)
         new_state, outputs = program(state, stacked, count, **kwargs)
         state = new_state if carry_state else state
         state, outputs = self.end(state, outputs)

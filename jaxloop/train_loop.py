@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jaxloop import action_loop, types
+from jaxloop import action_loop, loop, types
 from jaxloop import actions as actions_lib
 from jaxloop import step as step_lib
 
@@ -49,7 +49,7 @@ class TrainLoop(action_loop.ActionLoop):
             if not train_loop.save_checkpoint(state, outputs):
                 print('nothing saved')
         """
-        step = int(state.step)
+        step = loop.host_step(state)
         for action in self.end_actions:
             if (isinstance(action, actions_lib.CheckpointAction)
                     and not isinstance(action, actions_lib.BestCheckpointAction)):

@@ -202,7 +202,7 @@ def test_one_train_and_one_eval_program_for_any_loop_length():
             _, evaluated = el(state, data, num_steps=num_steps)
             assert len(outputs["loss"]) == len(evaluated["loss"]) == num_steps
     assert int(state.step) == 243
-    assert [n for n in names if "_run_in_mode" in n] == ["jit(_run_in_mode)"] * 2, names
+    assert [n for n in names if n == "jit(run)"] == ["jit(run)"] * 2, names
 
 
 def test_fused_runs_equal_single_steps_and_compile_nothing_after_the_first_loop():
@@ -241,7 +241,7 @@ def test_prefetching_compiles_the_step_once():
         state, _ = outer(state, forever(), train_total_steps=20, train_loop_steps=10)
     assert int(state.step) == 20
     # Besides the step, the history's stacking of per-step scalars (once per process).
-    assert [n for n in names if n != "jit(_stack_scalars)"] == ["jit(_run_in_mode)"], names
+    assert [n for n in names if n != "jit(_stack_scalars)"] == ["jit(run)"], names
 
 
 def test_the_compiled_step_keeps_no_state_alive():
@@ -438,7 +438,7 @@ def test_one_program_for_states_of_one_policy_and_an_error_for_another_placement
             Mesh(x.sharding.mesh.devices, x.sharding.mesh.axis_names), x.sharding.spec)),
             state)
         state, _ = step(state, BATCHES[1])
-    assert names == ["jit(_run_in_mode)"], names
+    assert names == ["jit(run)"], names
     if kind == "dp":
         # The same arrays split along the data axis: jax's own check names both shardings.
         split_rows = jax.sharding.NamedSharding(step.partitioner.mesh, P("data"))

@@ -1,6 +1,7 @@
-"""Accelerator-first data path: steps receive batches already placed on the devices (by the
-prefetch thread), an execution does only its real steps' data work, and the compiled program
-is explicit (the state's shardings in and out, the jit flags given to `Step.compile`)."""
+"""Accelerator-first data path: where placing ahead is asked for (the default off CPUs), steps
+receive batches already placed on the devices by the prefetch thread; an execution does only
+its real steps' data work, and the compiled program is explicit (the state's shardings in
+and out, the jit flags given to `Step.compile`)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def test_the_step_receives_arrays_placed_by_the_prefetch_thread():
     state = step.initialize_model([1, 16])
     it = iter(batches(6))
     # The training thread may not copy a host array to the devices: jit gets placed arrays.
-    with loop.prefetching(it, size=2), jax.transfer_guard_host_to_device("disallow"):
+    with (loop.prefetching(it, size=2, place=True),
+          jax.transfer_guard_host_to_device("disallow")):
         state, outputs = loop(state, it, num_steps=6)
     assert len(outputs["loss"]) == 6 and int(state.step) == 6
     for prepared in loop.seen:
@@ -87,13 +89,13 @@ def test_a_one_step_execution_transfers_one_batch(k):
     loop = train_loop.TrainLoop(step, steps_per_execution=k)
     state = step.initialize_model([1, 16])
     first = iter(batches(2))
-    with loop.prefetching(first):
+    with loop.prefetching(first, place=True):
         state, _ = loop(state, first, num_steps=2)  # compiles: run the cell twice
     step.prepared.clear()
     it = iter(batches(5, seed=1))
-    # No host-to-device copy at all on the training thread: the only ones are the
-    # prefetch thread's, one batch each (none of them padded to k batches).
-    with loop.prefetching(it), jax.transfer_guard_host_to_device("disallow_explicit"):
+    # The batches are placed by the prefetch thread, one batch each (none of them padded to
+    # k batches); the training thread sends only each execution's count.
+    with loop.prefetching(it, place=True):
         state, outputs = loop(state, it, num_steps=5)
     assert len(outputs["loss"]) == 5 and every.calls == 7
     assert [rows for _, rows in step.prepared] == [16] * 5
@@ -179,7 +181,7 @@ def test_a_run_that_changes_the_state_structure_names_the_leaves():
         train_loop.TrainLoop(step, steps_per_execution=2)(state, iter(batches(2)))
 
 
-def test_outer_loop_with_prefetch_places_batches_and_checkpoints_the_position(tmp_path):
+def test_outer_loop_with_prefetch_checkpoints_the_position_of_the_batches_trained_on(tmp_path):
     from jaxloop import checkpoint, data  # noqa: PLC0415
 
     ds = data.GlobalBatchDataset(toy_data(256), 16, seed=3)
@@ -189,9 +191,8 @@ def test_outer_loop_with_prefetch_places_batches_and_checkpoints_the_position(tm
     loop = train_loop.TrainLoop(step, end_actions=[actions.CheckpointAction(manager)])
     it = iter(ds)
     outer = outer_loop.OuterLoop(loop, prefetch=3)
-    with jax.transfer_guard_host_to_device("disallow"):
-        state, _ = outer(step.initialize_model([1, 16]), it, train_total_steps=8,
-                         train_loop_steps=4)
+    state, _ = outer(step.initialize_model([1, 16]), it, train_total_steps=8,
+                     train_loop_steps=4)
     manager.wait_until_finished()
     assert int(state.step) == 8 and it.get_state()["next_batch"] == 8
     restored = iter(ds)
@@ -216,13 +217,13 @@ class RecordingPartitioner(partition.DataParallelPartitioner):
         return super().shard_stacked_batch(batch)
 
 
-def test_a_partial_group_of_host_batches_sends_only_its_real_batches():
+def test_a_partial_group_placed_by_the_users_shard_batch_sends_only_its_real_batches():
     part = RecordingPartitioner(Mesh(np.array(jax.devices()), ("data",)), "data")
     step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.sgd(0.1),
                           partitioner=part, train=True)
     loop = train_loop.TrainLoop(step, steps_per_execution=4)
     state, out = loop(step.initialize_model([1, 16]), iter(batches(7)))  # 4 + 3, no prefetch
     assert len(out["loss"]) == 7 and int(state.step) == 7
-    # The full group in one transfer of 4 batches; the last three one by one, the fourth
-    # entry made on the devices.
-    assert part.sent == [("stacked", (4, 16))] + [("batch", 16)] * 3
+    # The user's shard_batch places each real batch; the padding of the last execution's
+    # fourth entry is made on the devices, never sent.
+    assert part.sent == [("batch", 16)] * 7
