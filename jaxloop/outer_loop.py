@@ -65,6 +65,7 @@ from jaxloop import debugging as debugging_lib
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import history as history_lib
 from jaxloop import param_table as param_table_lib
+from jaxloop import prefetch as prefetch_lib
 from jaxloop import train_loop as train_loop_lib
 
 Output = types.Output
@@ -232,9 +233,10 @@ class OuterLoop:
       eval_loops: one EvalLoop per EvalSpec passed at call time.
       checkpoint_spec: restore from / evaluate the checkpoints in this directory.
       progress: show a progress bar (None: only when interactive).
-      prefetch: batches to read and prepare (`Step.prepare_batch`: preprocessed, and with
-        several processes assembled into global arrays) in a background thread while the
-        current step runs (0: none), through `Loop.prefetching`: the loops still receive
+      prefetch: batches to read and prepare in a background thread while the current step
+        runs (0: none), through `Loop.prefetching`: preprocessed, and placed on the devices
+        where that pays (`prefetch.places_ahead`: off CPUs). None: `prefetch.default_size`
+        (2 where batches are placed ahead, else 0). The loops still receive
         the very iterator you pass (custom loops may check it, read its attributes, call
         its methods), and its saved position counts only the batches trained on.
       disable_jit / post_mortem: debugging switches (`jaxloop.debugging`): steps run
@@ -256,12 +258,12 @@ class OuterLoop:
         eval_loops: Sequence[eval_loop_lib.EvalLoop] | None = None,
         checkpoint_spec: CheckpointSpec | None = None,
         progress: bool | None = None,
-        prefetch: int = 2,
+        prefetch: int | None = None,
         disable_jit: bool | None = None,
         post_mortem: bool | None = None,
     ):
         self._debugging = (disable_jit, post_mortem)
-        if prefetch < 0:
+        if prefetch is not None and prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self._train_loop = train_loop
         self._prefetch = prefetch
@@ -284,6 +286,11 @@ class OuterLoop:
     @property
     def eval_loops(self) -> list[eval_loop_lib.EvalLoop]:
         return self._eval_loops
+
+    def _ahead(self, loop: Any) -> int:
+        """How many batches `loop` reads ahead: the size given, else by its step's devices."""
+        return self._prefetch if self._prefetch is not None else prefetch_lib.default_size(
+            loop.step)
 
     def _check_eval_specs(self, eval_specs: Sequence[EvalSpec] | None) -> list[EvalSpec]:
         specs = list(eval_specs or [])
@@ -308,7 +315,7 @@ class OuterLoop:
                 continue
             batches = spec.iterator()
             # Batches read ahead would be lost to the next evaluation of a shared iterator.
-            ahead = self._prefetch if spec.dataset_iterator is None else 0
+            ahead = self._ahead(loop) if spec.dataset_iterator is None else 0
             with loop.prefetching(batches, ahead):
                 _, outputs = loop(state, batches, num_steps=spec.num_steps)
             results.append(outputs)
@@ -462,7 +469,7 @@ class OuterLoop:
                 stop = True
         with (
             preemption.handling_preemption(),
-            train_loop.prefetching(iterator, self._prefetch),
+            train_loop.prefetching(iterator, self._ahead(train_loop)),
             contextlib.closing(progress),
         ):
             while not stop and (total_steps is None or step < total_steps):

@@ -12,7 +12,7 @@ Scenarios:
     under OuterLoop.
   cross_mesh: data=4 x model=2 with 'model' laid across the processes; GlobalBatchDataset
     reads rows by the partitioner's layout; trains and reports losses and the rows read.
-  auto: steps_per_execution='auto' and k=1 train the same steps from the same state;
+  fused: steps_per_execution=4 and k=1 train the same steps from the same state;
     reports the size chosen, the tuner's timings and both runs' parameters.
   digits ARGS...: the digits example with these flags; SIGUSR1 calls `preemption.request()`.
     Reports the final results, or the exit code and the step it stopped at if preempted.
@@ -178,37 +178,31 @@ def cross_mesh_job(workdir: Path) -> dict:
     }
 
 
-def auto_job(workdir: Path) -> dict:
+def fused_job(workdir: Path) -> dict:
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     part = partition.DataParallelPartitioner(mesh, "data")
     fired: list[int] = []
 
-    class Every2(actions.Action):
-        """A step action every 2 steps: it caps 'auto' at 2 steps per execution, so that
-        the tuner (5 rounds of segments of 32 steps of each size) is done in a few loops."""
+    class Every3(actions.Action):
+        """A step action every 3 steps: fused executions are cut around it."""
 
         def __call__(self, state, outputs, per_loop_step_number=None, **kwargs):
             fired.append(per_loop_step_number)
 
     step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
-                          partitioner=part, train=True, end_actions=[Every2(2)])
+                          partitioner=part, train=True, end_actions=[Every3(3)])
     result: dict = {}
-    for spe in (1, "auto"):
+    for spe in (1, 4):
         fired.clear()
         trainer = train_loop.TrainLoop(step, steps_per_execution=spe)
         batches = iter(data.GlobalBatchDataset(toy_data(256), 32, seed=1))  # endless
         state = step.initialize_model([1, 16])
         losses = []
-        for _ in range(10):  # 'auto' measures in about 7 loops, then runs at its choice
-            state, outputs = trainer(state, batches, num_steps=64)
+        for num_steps in (20, 7, 1):
+            state, outputs = trainer(state, batches, num_steps=num_steps)
             losses += [float(x) for x in np.asarray(jax.device_get(outputs["loss"]))]
         result[str(spe)] = {"fingerprint": fingerprint(state.params), "losses": losses,
-                            "step": int(state.step), "chosen": trainer.steps_per_execution,
-                            "fired": list(fired)}
-    tuner = trainer.execution_size_tuner
-    result["tuner_done"] = tuner.done
-    result["per_step_secs"] = {str(k): v for k, v in sorted(tuner.per_step_secs.items())}
-    result["sizes"] = tuner.sizes
+                            "step": int(state.step), "fired": list(fired)}
     return result
 
 
@@ -303,7 +297,7 @@ def main() -> None:
         job = trainer_job if scenario == "trainer" else continuous_eval_job
         result = job(Path(sys.argv[3]))
     else:
-        jobs = {"actions": actions_job, "auto": auto_job, "cross_mesh": cross_mesh_job}
+        jobs = {"actions": actions_job, "fused": fused_job, "cross_mesh": cross_mesh_job}
         result = jobs[scenario](workdir)
     result["process_index"] = jax.process_index()
     result["process_count"] = jax.process_count()

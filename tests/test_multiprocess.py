@@ -473,23 +473,16 @@ def test_actions_with_per_example_outputs_across_processes(tmp_path):
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
-def test_auto_steps_per_execution_agrees_across_processes(tmp_path):
-    """'auto' times on each host, but every process must run the same programs: they
-    choose one size from process 0's timings, and train exactly as k=1 does."""
-    first, second = run_job("auto", tmp_path)
-    assert first["tuner_done"] and second["tuner_done"]
-    assert first["auto"]["chosen"] == second["auto"]["chosen"]
-    assert first["auto"]["chosen"] in (1, 2)  # capped by the step action's interval
-    # The sizes still measured at the end hold process 0's timings on both processes.
-    assert first["sizes"] == second["sizes"]
-    for k in first["sizes"]:
-        assert first["per_step_secs"][str(k)] == second["per_step_secs"][str(k)]
+def test_fused_steps_agree_across_processes_and_with_single_steps(tmp_path):
+    """Every process runs the same executions (cut around a step action every 3 steps), and
+    they train exactly as k=1 does."""
+    first, second = run_job("fused", tmp_path)
     for result in (first, second):
-        assert result["auto"]["step"] == result["1"]["step"] == 10 * 64
-        assert result["auto"]["fired"] == result["1"]["fired"] == list(range(2, 65, 2)) * 10
-        assert result["auto"]["fingerprint"] == result["1"]["fingerprint"]
-        np.testing.assert_array_equal(result["auto"]["losses"], result["1"]["losses"])
-    assert first["auto"]["fingerprint"] == second["auto"]["fingerprint"]
+        assert result["4"]["step"] == result["1"]["step"] == 28
+        assert result["4"]["fired"] == result["1"]["fired"] == [3, 6, 9, 12, 15, 18, 3, 6]
+        assert result["4"]["fingerprint"] == result["1"]["fingerprint"]
+        np.testing.assert_array_equal(result["4"]["losses"], result["1"]["losses"])
+    assert first["4"]["fingerprint"] == second["4"]["fingerprint"]
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 60)
