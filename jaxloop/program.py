@@ -166,13 +166,17 @@ class Program:
     def _positions(self, nums: tuple[int, ...], names: set[str], num_args: int,
                    kw_names: tuple[str, ...]) -> tuple[int, ...]:
         """Positions in the jitted call ``(state, *args, *kwarg values)`` of `fn`'s
-        arguments given by number or name: a fused execution's count sits at 2."""
+        arguments given by number or name, however this call passes them (a fused
+        execution's count sits at 2)."""
         shift = 1 if self._steps is not None else 0
-        found = {n + shift if n >= 2 else n for n in nums}
-        found |= {i + shift if i >= 2 else i for i, name in enumerate(self._positional_names)
-                  if name in names}
+        positional = self._positional_names
+        names = names | {positional[n] for n in nums if n < len(positional)}
+        given = num_args - shift  # `fn`'s own positional arguments after the state
+        found = {n + shift if n >= 2 else n for n in nums if n <= given}
+        found |= {i + shift if i >= 2 else i for i, name in enumerate(positional)
+                  if name in names and i <= given}
         found |= {1 + num_args + i for i, name in enumerate(kw_names) if name in names}
-        return tuple(sorted(p for p in found if p <= num_args + len(kw_names)))
+        return tuple(sorted(found))
 
     def _batch_shardings(self, batch: PyTree) -> PyTree:
         """The partitioner's shardings for `batch`, a leaf already placed keeping its own.

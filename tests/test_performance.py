@@ -219,11 +219,9 @@ def test_fused_runs_equal_single_steps_and_compile_nothing_after_the_first_loop(
             for num_steps in (200, 200, 37, 5, 16, 1):
                 state, outputs = tl(state, data, num_steps=num_steps)
                 losses += outputs["loss"]
-        # After the first loop no step program compiles. The first partial group (the
-        # first loop had none) may compile the two small programs that place its batches
-        # one by one and pad the group on the device (unless this process made them).
-        allowed = set() if spe == 1 else {"jit(place_batch)", "jit(stack_to)"}
-        assert first and set(later) <= allowed and len(later) == len(set(later)), (spe, later)
+        # After the first loop nothing compiles, small helper programs included: a partial
+        # group is padded on the host and placed by the program's own jit.
+        assert first and later == [], (spe, later)
         results[spe] = (host(state), np.stack(host(losses)))
     assert int(results[16][0].step) == 651
     jax.tree.map(np.testing.assert_array_equal, results[1][0].params, results[16][0].params)
