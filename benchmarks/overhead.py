@@ -3,35 +3,28 @@
 Measures, side by side in one run, steps/s of
   hand-written    ``state, out = train_fn(state, batch)`` over in-memory numpy batches:
                   `jax.jit` with the state donated, no per-step sync, losses kept in a list
-  p=0 / p=2       ``OuterLoop(train_loop=TrainLoop(step), prefetch=0 or 2)``, train loops
-                  of --loop-steps steps (default 200)
-  p=2 host        p=2 with a prefetch thread that only reads ahead and hands the step host
-                  batches (one device): what placing batches in the prefetch thread
-                  costs or gains against jit's copy in the training thread's dispatch
-  k=K             ``TrainLoop(step, steps_per_execution=K)``, prefetch 0 (as the
-                  hand-written loop reads its batches): K steps per compiled call (the
-                  CNN: with ``unroll=True``)
-  k=16 p=2        k=16 with prefetch 2: what the prefetch thread costs on top
+  defaults        ``OuterLoop(train_loop=TrainLoop(step))``, everything at its default
+                  (on CPUs no prefetch thread: see `jaxloop.prefetch`), train loops of
+                  --loop-steps steps (default 200)
+  p=2             the same with ``prefetch=2``: a thread that reads two batches ahead
+  k=K             ``TrainLoop(step, steps_per_execution=K)``, defaults otherwise: K steps
+                  per compiled call (the CNN: with ``unroll=True``)
   k=16 L=192      k=16 on loops of 192 steps (a multiple of 16); the default 200-step loops
                   run their last 8 steps as a short execution of the same program
-  k=16 192>200    k=16, a first loop of 192 steps, then loops of 200: the program compiled
-                  for the first loop runs the later remainders too
-  auto            ``steps_per_execution='auto'`` (its choice in brackets); measured once
-                  the choice is made, as the fixed sizes are once compiled
 
 How. Each variant trains its own state throughout; a round times one window of every
 variant (one train loop of steps: an ``OuterLoop`` call for jaxloop), the variants taking
 turns in an order that rotates from round to round, and --rounds rounds (default 60) are
 run. A variant's ratio to the hand-written loop is taken within each round, from windows
 that ran moments apart, and the median over the rounds is printed with its 95%
-confidence interval (distribution-free, from the ranks). Whole runs of 3000 steps (1 s)
-of one program moved by 10-40% from run to run on the 2-core machine, and windows of 20
-steps by +-20%, so a ratio of two separate runs says little; paired windows cancel what
+confidence interval (distribution-free, from the ranks) and the spread (min-max). Whole
+runs of one program moved by 10-40% from run to run on a 2-core machine, and short windows
+by +-20%, so a ratio of two separate runs says little; paired windows cancel what
 changes slowly, and many of them narrow what does not. The one-device cases run in
 --processes processes (default 3) whose rounds are pooled: a process places its arrays
 anew, and the same variant measured 0.93-0.99x the hand-written loop from one process to
-the next (each process's median is printed too). Goals: >= 0.97 for p=2; auto within 5%
-of the best fixed k (the median of their per-round ratio).
+the next (each process's median is printed too). Goals: defaults >= 0.97, k=16 >= 1.3
+(MLP, one device); defaults >= 0.95 with 8 devices (DataParallel).
 
 It also prints jaxloop's host time per step on a tiny step (16-8-10 MLP, batch 8) whose
 device time is negligible, as wall time and as the CPU time of the thread that runs the
@@ -116,15 +109,6 @@ class TrainStep(step.Step):
         return train_step(state, batch)
 
 
-class HostPrefetchStep(TrainStep):
-    """Its prefetch thread only reads ahead: the step gets host batches, which jit copies
-    to the device in its dispatch on the training thread (jaxloop's default places them in
-    the prefetch thread)."""
-
-    def prepare_batch(self, batch):
-        return self.preprocess_batch(batch)
-
-
 def make_batches(shape, batch_size, count=64):
     rng = np.random.default_rng(0)
     return [
@@ -144,20 +128,16 @@ def cycle(batches, n):
 class Case:
     """One model on one partitioner, with a hand-written loop and jaxloop loops.
 
-    `fused` lists the fixed steps_per_execution sizes to run (with `unroll`); `auto` adds
-    ``steps_per_execution='auto'``; `aligned` adds k=16 on loops of 192 steps, and k=16
-    with a first loop of 192 steps and later loops of the default length.
+    `fused` lists the fixed steps_per_execution sizes to run (with `unroll`); `aligned`
+    adds k=16 on loops of 192 steps.
     """
 
     def __init__(self, model, shape, batch_size, partitioner, loop_steps=200,
-                 fused=(), unroll=1, auto=False, aligned=False, per_step=(0, 2)):
+                 fused=(), unroll=False, aligned=False):
         self.shape, self.loop_steps = shape, loop_steps
         self.batches = make_batches(shape, batch_size)
         self.step = TrainStep(jax.random.key(0), model, optimizer=optax.sgd(0.005, 0.9),
                               partitioner=partitioner, train=True)
-        self.host_step = HostPrefetchStep(jax.random.key(0), model,
-                                          optimizer=optax.sgd(0.005, 0.9),
-                                          partitioner=partitioner, train=True)
         state = self.fresh_state()
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         mesh = partitioner.mesh
@@ -173,24 +153,14 @@ class Case:
             self.bound = IN_FLIGHT
         self.loops = {}
         self.window = {}  # steps per timed window, where not loop_steps
-        self.first_window = {}  # steps of the first (compiling) loop, where not the window
-        self.variants = {"hand-written": self.hand_written}
-        for prefetch in per_step:
-            self.variants[f"p={prefetch}"] = self.jaxloop(f"p={prefetch}", 1, prefetch)
-        if 2 in per_step and mesh.size == 1:
-            self.variants["p=2 host"] = self.jaxloop("p=2 host", 1, 2, step=self.host_step)
-        # Fused variants read the batches as the hand-written loop does, without a
-        # prefetch thread; `k=16 p=2` shows what the thread costs on top.
+        self.variants = {"hand-written": self.hand_written,
+                         "defaults": self.jaxloop("defaults", 1),
+                         "p=2": self.jaxloop("p=2", 1, prefetch=2)}
         for k in fused:
-            self.variants[f"k={k}"] = self.jaxloop(f"k={k}", k, 0, unroll)
+            self.variants[f"k={k}"] = self.jaxloop(f"k={k}", k, unroll=unroll)
         if aligned:
-            self.variants["k=16 p=2"] = self.jaxloop("k=16 p=2", 16, 2, unroll)
-            self.variants["k=16 L=192"] = self.jaxloop("k=16 L=192", 16, 0, unroll,
+            self.variants["k=16 L=192"] = self.jaxloop("k=16 L=192", 16, unroll=unroll,
                                                        loop_steps=192)
-            self.variants["k=16 192>200"] = self.jaxloop("k=16 192>200", 16, 0, unroll)
-            self.first_window["k=16 192>200"] = 192
-        if auto:
-            self.variants["auto"] = self.jaxloop("auto", "auto", 0, unroll)
 
     def fresh_state(self):
         return jax.block_until_ready(self.step.initialize_model([1, *self.shape]))
@@ -207,10 +177,10 @@ class Case:
                     in_flight.popleft().block_until_ready()
         return state
 
-    def jaxloop(self, name, steps_per_execution, prefetch, unroll=1, loop_steps=None,
-                step=None):
-        loop = train_loop.TrainLoop(step or self.step,
-                                    steps_per_execution=steps_per_execution, unroll=unroll)
+    def jaxloop(self, name, steps_per_execution, prefetch=None, unroll=False,
+                loop_steps=None):
+        loop = train_loop.TrainLoop(self.step, steps_per_execution=steps_per_execution,
+                                    unroll=unroll)
         self.loops[name] = loop
         outer = outer_loop.OuterLoop(train_loop=loop, prefetch=prefetch, progress=False)
         loop_steps = loop_steps or self.loop_steps
@@ -233,19 +203,12 @@ class Case:
         so a window is a stretch of one long run.
         """
         states, done = {}, {}
-        # Compiles every program a window uses (one per variant); 'auto' runs until it has
-        # chosen.
+        # Compiles every program a window uses (one per variant).
         for name, run in self.variants.items():
             states[name], done[name] = self.fresh_state(), 0
-            for i in range(50):
-                n = self.window.get(name, self.loop_steps)
-                if i == 0:
-                    n = self.first_window.get(name, n)
-                states[name] = jax.block_until_ready(run(states[name], done[name], n))
-                done[name] += n
-                tuner = getattr(self.loops.get(name), "execution_size_tuner", None)
-                if tuner is None or tuner.done:
-                    break
+            n = self.window.get(name, self.loop_steps)
+            states[name] = jax.block_until_ready(run(states[name], done[name], n))
+            done[name] += n
         rates = {name: [] for name in self.variants}
         cpu = {name: [] for name in self.variants}
         names = list(self.variants)
@@ -293,12 +256,11 @@ def cases_for(devices, loop_steps):
         single = partition.SingleDevicePartitioner()
         return [
             ("MLP 784-256-10, batch 32", lambda: Case(
-                MLP(), (784,), 32, single, loop_steps,
-                fused=(4, 8, 16, 32), auto=True, aligned=True)),
+                MLP(), (784,), 32, single, loop_steps, fused=(4, 8, 16, 32), aligned=True)),
             # XLA:CPU runs convolutions inside a rolled loop on a slow kernel: unroll.
             ("guide CNN, batch 32", lambda: Case(
                 GuideCNN(), (28, 28, 1), 32, single, loop_steps // 5,
-                fused=(2, 4, 8), unroll=True, auto=True)),
+                fused=(2, 4, 8), unroll=True)),
         ]
     mesh = Mesh(np.array(jax.devices()), ("data",))
     return [
@@ -313,7 +275,7 @@ def cases_for(devices, loop_steps):
 
 def run_group(devices, loop_steps, rounds, only):
     """Measures this device count's cases in this process: per case, its loop length and
-    each variant's steps/s per round (and 'auto''s choice); 'tiny': host time per step."""
+    each variant's steps/s per round; 'tiny': host time per step."""
     assert jax.device_count() == devices, (jax.device_count(), devices)
     results = {}
     for name, build in cases_for(devices, loop_steps):
@@ -321,9 +283,7 @@ def run_group(devices, loop_steps, rounds, only):
             continue
         case = build()
         rates, _ = case.measure(rounds)
-        loop = case.loops.get("auto")
-        results[name] = {"loop_steps": case.loop_steps, "rates": rates,
-                         "auto": loop and loop.steps_per_execution}
+        results[name] = {"loop_steps": case.loop_steps, "rates": rates}
     if devices == 1 and (not only or only.lower() in "tiny"):
         results["tiny"] = host_overhead_us(rounds)
     return results
@@ -334,7 +294,7 @@ def report(devices, runs, rounds):
     all processes pooled: ratios are taken within each round, then their median."""
     print(f"-- {devices} device(s), {len(runs)} process(es) x {rounds} rounds; median "
           f"steps/s, and the median ratio to hand-written over the rounds [its 95% "
-          f"confidence interval]; load average {os.getloadavg()[0]:.1f} on "
+          f"confidence interval] (min-max); load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
     for name, first in runs[0].items():
         if name == "tiny":
@@ -346,20 +306,14 @@ def report(devices, runs, rounds):
         for variant in rates:
             if variant == "hand-written":
                 continue
-            label = variant
-            if variant == "auto":
-                label = f"auto [k={','.join(str(run[name]['auto']) for run in runs)}]"
-            mid, lo, hi = median_ci(ratios(rates, variant, "hand-written"))
-            print(f"    {label:22s} {median[variant]:8.1f} ({mid:.3f} [{lo:.3f}-{hi:.3f}])")
+            each_round = ratios(rates, variant, "hand-written")
+            mid, lo, hi = median_ci(each_round)
+            print(f"    {variant:22s} {median[variant]:8.1f} ({mid:.3f} [{lo:.3f}-{hi:.3f}]"
+                  f" ({min(each_round):.3f}-{max(each_round):.3f}))")
             if len(runs) > 1:
                 each = [statistics.median(ratios(run[name]["rates"], variant, "hand-written"))
                         for run in runs]
                 print(f"    {'':22s} per process: {' '.join(f'{x:.3f}' for x in each)}")
-        fixed = [n for n in rates if n == "p=0" or (n.startswith("k=") and " " not in n)]
-        if "auto" in rates and fixed:
-            best = max(fixed, key=median.get)
-            mid, lo, hi = median_ci(ratios(rates, "auto", best))
-            print(f"    auto / best fixed k ({best}): {mid:.3f} [{lo:.3f}-{hi:.3f}]")
     if "tiny" in runs[0]:
         def pooled(variant, kind):
             return [x for run in runs for x in run["tiny"][variant][kind]]
@@ -373,7 +327,7 @@ def report(devices, runs, rounds):
               f"{statistics.median(pooled('hand-written', 'cpu')):.1f} us loop-thread CPU; "
               "jaxloop adds " + ", ".join(
                   f"{v}: {added(v, 'wall'):+.1f} us wall, {added(v, 'cpu'):+.1f} us CPU"
-                  for v in runs[0]["tiny"] if v.startswith("p=")))
+                  for v in runs[0]["tiny"] if v != "hand-written"))
     sys.stdout.flush()
 
 

@@ -280,7 +280,7 @@ class Partitioner(abc.ABC):
             train_fn = partitioner.partition(step_fn, donate_argnums=(0,))
             state, outputs = train_fn(state, partitioner.shard_batch(batch))
         """
-        return program_lib.Program(fn, self, **jit_kwargs)
+        return program_lib.Program(fn, self, returns_state=None, **jit_kwargs)
 
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RATIO = r"[0-9.]+ \([0-9.]+ \[[0-9.]+-[0-9.]+\]\)"
+RATIO = r"[0-9.]+ \([0-9.]+ \[[0-9.]+-[0-9.]+\] \([0-9.]+-[0-9.]+\)\)"
 
 
 @pytest.mark.slow
@@ -24,14 +24,9 @@ def test_overhead_benchmark_pools_processes_and_reports_every_variant():
     out = proc.stdout
     assert "-- 1 device(s), 2 process(es) x 2 rounds" in out
     assert "-- 8 device(s), 1 process(es) x 2 rounds" in out
-    for variant in ("p=0", "p=2", "p=2 host", "k=4", "k=8", "k=16", "k=32", "k=16 p=2",
-                    "k=16 L=192", "k=16 192>200"):
+    for variant in ("defaults", "p=2", "k=4", "k=8", "k=16", "k=32", "k=16 L=192"):
         assert re.search(rf"^    {re.escape(variant)} +{RATIO}$", out, re.M), variant
-    # 'auto' shows each process's choice, and each ratio its per-process medians.
-    assert re.search(rf"^    auto \[k=\d+,\d+\] +{RATIO}$", out, re.M)
-    assert len(re.findall(r"per process: [0-9.]+ [0-9.]+$", out, re.M)) == 11
-    # The best fixed size may be k=1 (p=0): unoptimised test programs gain little from fusing.
-    assert re.search(r"auto / best fixed k \((?:k=\d+|p=0)\): [0-9.]+ \[", out)
+    assert len(re.findall(r"per process: [0-9.]+ [0-9.]+$", out, re.M)) == 7
     for case in ("MLP batch 256, DataParallel x8", "MLP batch 256, FSDP x8"):
         assert f"{case} [loops of 10 steps" in out
 
