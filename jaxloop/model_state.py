@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
@@ -37,19 +38,45 @@ def is_abstract(state: Any) -> bool:
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
+def _spec_call(shape: tuple, dtype: Any) -> str:
+    """How to write one leaf's spec for a single example: a bare shape is float32 zeros, so
+    any other dtype (token ids: int32) is written beside it, or following the hint would
+    hand an embedding float zeros."""
+    example = [1, *shape[1:]]
+    if dtype is None or np.dtype(dtype) == np.float32:
+        return f"initialize_model({example})"
+    return f"initialize_model(({example}, {np.dtype(dtype).name!r}))"
+
+
+def _is_bare_shape(spec: Any) -> bool:
+    """A spec that is a shape alone (``[1, 128]``), which builds float32 zeros."""
+    return isinstance(spec, list | tuple) and bool(spec) and all(
+        isinstance(d, int | np.integer) and not isinstance(d, bool) for d in spec)
+
+
 @contextlib.contextmanager
 def _model_input_spec(spec: types.BatchSpec, batch: Any) -> Iterator[None]:
     """Names what went wrong when a whole batch (a dict with labels, say) was given where
     the model's input is wanted: flax fails deep inside with "'dict' object has no attribute
-    'dtype'". A model that takes a dict initialises as before."""
+    'dtype'". A model that takes a dict initialises as before. A bare shape (float32 zeros)
+    that the model rejects gets a note saying how to give another dtype."""
     try:
         yield
     except (AttributeError, TypeError, ValueError) as e:
+        if _is_bare_shape(spec):
+            e.add_note(
+                f"initialize_model({list(spec)}) builds float32 zeros; a model that takes "
+                f"integer inputs (token ids) wants the dtype beside the shape: "
+                f"initialize_model(({list(spec)}, 'int32')).")
+            raise
         if not isinstance(spec, Mapping):
             raise
-        shapes = {k: tuple(getattr(v, "shape", ())) for k, v in batch.items()}
+        leaves = {k: (tuple(getattr(v, "shape", ())), getattr(v, "dtype", None))
+                  for k, v in batch.items()}
+        shapes = {k: shape if dtype is None else (shape, np.dtype(dtype).name)
+                  for k, (shape, dtype) in leaves.items()}
         examples = "; ".join(
-            f"for {k!r}: initialize_model({[1, *shape[1:]]})" for k, shape in shapes.items()
+            f"for {k!r}: {_spec_call(shape, dtype)}" for k, (shape, dtype) in leaves.items()
             if shape)
         raise TypeError(
             f"The model could not be initialised from the spec {shapes}: a dict with keys "
