@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxloop import actions, checkpoint, guard, outer_loop, train_loop
 from jaxloop import step as step_lib
 
 
@@ -63,3 +64,52 @@ def test_initialize_model_bare_shape_for_token_ids_says_how_to_give_the_dtype():
     assert hint, notes
     state = eval(hint.group(1), {"initialize_model": step.initialize_model})
     assert state.params["Embed_0"]["embedding"].shape == (64, 16)
+
+
+class GuardedLMStep(LMStep):
+    """The LM step with a `NonFiniteGuard('raise')` deciding each update."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.guard = guard.NonFiniteGuard("raise")
+
+    def run(self, state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["tokens"])
+            # batch['scale'] is 1, or NaN in a corrupted batch.
+            return batch["scale"][0] * optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["targets"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        state, outs = self.guard.apply_gradients(state, grads, loss)
+        return state, {"loss": loss, **outs}
+
+
+def test_non_finite_error_numbers_the_step_as_history_and_checkpoints_do(tmp_path):
+    step = GuardedLMStep(jax.random.key(0), TokenLM(), optax.adam(1e-3), train=True)
+    manager = checkpoint.make_manager(tmp_path / "ckpt", max_to_keep=5)
+    tl = train_loop.TrainLoop(step, end_actions=[step.guard.action(),
+                                                 actions.CheckpointAction(manager)])
+    outer = outer_loop.OuterLoop(train_loop=tl)
+    # The 5th batch is corrupted: the run's 5th step, state.step 5 after it.
+    batches = [{**_tokens(seed=i), "scale": np.full((8,), np.nan if i == 4 else 1.0,
+                                                   np.float32)} for i in range(6)]
+    with pytest.raises(guard.NonFiniteError) as err:
+        outer(step.initialize_model(([1, 16], "int32")), iter(batches), train_total_steps=6,
+              train_loop_steps=2)
+    manager.wait_until_finished()
+    assert err.value.step == 5 and "training step 5:" in str(err.value)
+    assert err.value.leaf == "loss"
+    # The history (as TensorBoard) shows the NaN loss at the step the error names.
+    losses = outer.history["train/loss"]
+    assert [s for s, v in zip(*losses, strict=True) if np.isnan(v)] == [err.value.step]
+    # The checkpoints are numbered the same way: after steps 2 and 4, none after the bad one.
+    assert checkpoint.all_steps(tmp_path / "ckpt") == [2, 4]
+    # Stepping by hand numbers it the same: the state after the bad step says 5 too.
+    state = step.initialize_model(([1, 16], "int32"))
+    for b in batches[:5]:
+        state, out = step(state, b)
+    with pytest.raises(guard.NonFiniteError) as by_hand:
+        step.guard.check({k: [v] for k, v in out.items()}, int(state.step))
+    assert by_hand.value.step == int(state.step) == 5
+    manager.close()
