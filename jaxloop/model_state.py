@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -55,15 +55,17 @@ def _is_bare_shape(spec: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _model_input_spec(spec: types.BatchSpec, batch: Any) -> Iterator[None]:
+def _model_input_spec(spec: types.BatchSpec, batch: Any,
+                      builds: Callable[[Any], bool] | None = None) -> Iterator[None]:
     """Names what went wrong when a whole batch (a dict with labels, say) was given where
     the model's input is wanted: flax fails deep inside with "'dict' object has no attribute
     'dtype'". A model that takes a dict initialises as before. A bare shape (float32 zeros)
-    that the model rejects gets a note saying how to give another dtype."""
+    that the model rejects gets a note saying how to give int32 when `builds` says int32
+    zeros of that shape initialise it (token ids into an embedding)."""
     try:
         yield
     except (AttributeError, TypeError, ValueError) as e:
-        if _is_bare_shape(spec):
+        if _is_bare_shape(spec) and builds is not None and builds(np.zeros(spec, np.int32)):
             e.add_note(
                 f"initialize_model({list(spec)}) builds float32 zeros; a model that takes "
                 f"integer inputs (token ids) wants the dtype beside the shape: "
@@ -119,6 +121,19 @@ class StateBuilder:
         return state_class.create(apply_fn=self._apply_fn, params=params, tx=self._optimizer,
                             batch_stats=variables.get("batch_stats"))
 
+    @staticmethod
+    def _builds(partitioner: Any, create: Callable[..., State]) -> Callable[[Any], bool]:
+        """Whether the state builds from a batch, as `abstract` would (the partitioner's
+        mesh and rules in force; nothing is built)."""
+        def builds(batch: types.Batch) -> bool:
+            try:
+                partitioner.abstract_init_fn(create)(batch)
+            except Exception:  # noqa: BLE001 (any failure: the hint would not help)
+                return False
+            return True
+
+        return builds
+
     def initialize(self, partitioner: Any, spec: types.BatchSpec,
                    state_class: type[State] = State) -> State:
         """The state (a `state_class`), each leaf created where `partitioner` places it.
@@ -130,7 +145,7 @@ class StateBuilder:
         create = functools.partial(self.create, state_class=state_class)
         held = self._adapter.held_variables()
         if held is None:
-            with _model_input_spec(spec, batch):
+            with _model_input_spec(spec, batch, self._builds(partitioner, create)):
                 return partitioner.shard_init_fn(create)(batch)
         # An nnx instance holds its values already: each goes from where it is straight to
         # its place, and enters the init program as an argument, not a constant.
@@ -145,5 +160,5 @@ class StateBuilder:
         shardings (nothing is built)."""
         create = functools.partial(self.create, state_class=state_class)
         batch = staging.zeros_from_spec(spec)
-        with _model_input_spec(spec, batch):
+        with _model_input_spec(spec, batch, self._builds(partitioner, create)):
             return partitioner.abstract_init_fn(create)(batch)
