@@ -9,8 +9,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from models import ClassifierStep, toy_data
 
-from jaxloop import actions, checkpoint, guard, outer_loop, train_loop
+from jaxloop import actions, checkpoint, guard, outer_loop, partition, train_loop
 from jaxloop import step as step_lib
 
 
@@ -113,3 +116,53 @@ def test_non_finite_error_numbers_the_step_as_history_and_checkpoints_do(tmp_pat
         step.guard.check({k: [v] for k, v in out.items()}, int(state.step))
     assert by_hand.value.step == int(state.step) == 5
     manager.close()
+
+
+RULES = [("batch", "data"), ("embed", None), ("mlp", "model")]
+
+
+class ConstrainedMLP(nn.Module):
+    """A MaxText-style block: the kernel and the activation both named logically."""
+
+    kernel_names: tuple = ("embed", "mlp")
+    activation_names: tuple = ("batch", "mlp")
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), self.kernel_names)
+        h = nn.relu(nn.Dense(64, kernel_init=init)(x))
+        h = partition.with_logical_constraint(h, self.activation_names)
+        # Compile time: where the constraint put the activation.
+        jax.debug.inspect_array_sharding(h, callback=SEEN.append)
+        return nn.Dense(10)(h)
+
+
+SEEN = []
+
+
+def _spmd_step(model, rules=RULES):
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    part = partition.SPMDPartitioner(mesh, data_axis="data", logical_axis_rules=rules)
+    return ClassifierStep(jax.random.key(0), model, optax.adam(1e-2), partitioner=part,
+                          train=True)
+
+
+def test_logical_constraint_on_an_activation_raises_as_on_a_parameter():
+    # A parameter named 'hidden', with no rule for it: an error naming it and the rules.
+    step = _spmd_step(ConstrainedMLP(kernel_names=("embed", "hidden")))
+    with pytest.raises(ValueError, match=r"\['hidden'\].*no logical axis rule") as param:
+        step.initialize_model([1, 16])
+    assert "('mlp', 'model')" in str(param.value)
+    # The same name on an activation: the same kind of error, as the model is first traced.
+    step = _spmd_step(ConstrainedMLP(activation_names=("batch", "hidden")))
+    with pytest.raises(ValueError, match=r"\['hidden'\].*no logical axis rule") as act:
+        step.initialize_model([1, 16])
+    assert "('batch', 'hidden')" in str(act.value) and "('mlp', 'model')" in str(act.value)
+    # No dtype hint: int32 zeros fail the same way, so that hint would not help.
+    assert "int32" not in "".join(getattr(act.value, "__notes__", []))
+    # A name the rules have constrains the activation: rows over 'data', units over 'model'.
+    SEEN.clear()
+    step = _spmd_step(ConstrainedMLP())
+    state, out = step(step.initialize_model([1, 16]), toy_data(32))
+    assert np.isfinite(float(out["loss"]))
+    assert SEEN and SEEN[-1].spec == P("data", "model")
