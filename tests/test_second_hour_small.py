@@ -2,6 +2,8 @@
 initialize_model hint for token batches, NonFiniteError's step numbers, logical constraints
 on names missing from the rules, and where disable_jit came from."""
 
+import itertools
+import logging
 import re
 
 import flax.linen as nn
@@ -11,9 +13,9 @@ import optax
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from models import ClassifierStep, toy_data
+from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, guard, outer_loop, partition, train_loop
+from jaxloop import actions, checkpoint, debugging, guard, outer_loop, partition, train_loop
 from jaxloop import step as step_lib
 
 
@@ -166,3 +168,35 @@ def test_logical_constraint_on_an_activation_raises_as_on_a_parameter():
     state, out = step(step.initialize_model([1, 16]), toy_data(32))
     assert np.isfinite(float(out["loss"]))
     assert SEEN and SEEN[-1].spec == P("data", "model")
+
+
+def _train_without_jit(disable_jit):
+    step = ClassifierStep(jax.random.key(0), LinenMLP(hidden=8), optax.sgd(0.1), train=True)
+    outer = outer_loop.OuterLoop(train_loop.TrainLoop(step), progress=False,
+                                 disable_jit=disable_jit)
+    data = toy_data(16, din=8)
+    state, _ = outer(step.initialize_model([1, 8]), itertools.repeat(data),
+                     train_total_steps=2, train_loop_steps=2)
+    assert int(state.step) == 2
+
+
+def test_disable_jit_says_where_the_switch_came_from(monkeypatch, caplog):
+    def said():
+        lines = [r.getMessage() for r in caplog.records if "jit is disabled" in r.getMessage()]
+        caplog.clear()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    caplog.set_level(logging.WARNING, logger="jaxloop")
+    monkeypatch.delenv(debugging.ENV_DISABLE_JIT, raising=False)
+    _train_without_jit(disable_jit=True)
+    line = said()
+    assert "disable_jit=True" in line and debugging.ENV_DISABLE_JIT not in line
+    # The environment variable alone: the message names it.
+    monkeypatch.setenv(debugging.ENV_DISABLE_JIT, "1")
+    _train_without_jit(disable_jit=None)
+    assert f"{debugging.ENV_DISABLE_JIT}=1 in the environment" in said()
+    # Both: the argument is what decided.
+    _train_without_jit(disable_jit=True)
+    line = said()
+    assert "disable_jit=True" in line and debugging.ENV_DISABLE_JIT not in line
