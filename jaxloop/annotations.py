@@ -13,6 +13,9 @@ Example::
     box = nn.LogicallyPartitioned(jnp.zeros((64, 256)), ('embed', 'mlp'))
     leaf_axes(box, (), mesh, rules=(('embed', None), ('mlp', 'model')))  # [None, 'model']
     spec([None, 'model'])                                                 # P(None, 'model')
+
+`with_logical_constraint` constrains an activation by logical names as strictly as a
+parameter's annotation is read: a name without a rule is an error, not a replicated dimension.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 Rules = tuple[tuple[str, Any], ...]
+LogicalNames = tuple[str | None, ...]
 
 
 def path_str(path: tuple) -> str:
@@ -148,3 +152,49 @@ def fsdp_axes(shape: tuple[int, ...], axes: Sequence[Any], axis: str | tuple[str
     if free:
         axes[max(free, key=lambda d: (shape[d], -d))] = axis
     return axes
+
+
+def _is_names(x: Any) -> bool:
+    return x is None or (isinstance(x, tuple) and all(
+        n is None or isinstance(n, str) or n is P.UNCONSTRAINED for n in x))
+
+
+def with_logical_constraint(x: Any, names: Any, rules: Sequence[tuple[str, Any]] | None = None,
+                            mesh: Mesh | None = None) -> Any:
+    """Constrains an activation (or a pytree of them) to the mesh axes its logical `names`
+    resolve to, as flax's `nn.with_logical_constraint` does, but a name missing from the
+    rules raises, as the same name in a parameter's annotation does. Flax's own call leaves
+    such a dimension replicated without a word, so a typo or a forgotten rule costs memory
+    and speed and nothing says why.
+
+    `rules` default to those in force: a `SPMDPartitioner`'s ``logical_axis_rules`` while
+    its step is traced, or flax's ``nn.logical_axis_rules`` context. With no rules in force
+    it does nothing, as flax's does (a data-parallel step runs the same model).
+
+    Example::
+
+        # in a linen module's __call__, run by a step under SPMDPartitioner(
+        #     mesh, logical_axis_rules=[('batch', 'data'), ('mlp', 'model')])
+        h = partition.with_logical_constraint(h, ('batch', 'mlp'))
+
+    Raises:
+      ValueError: a logical name has no rule; the message names it, the constraint and the
+        rules.
+    """
+    active = tuple(rules) if rules is not None else tuple(
+        core_spmd.get_logical_axis_rules() or ())
+    if not active or names is None:
+        return x
+    rule_names = {k for k, _ in active}
+    for leaf in jax.tree.leaves(names, is_leaf=_is_names):
+        if not _is_names(leaf):
+            raise TypeError(f"with_logical_constraint: {leaf!r} is not a tuple of logical "
+                            "axis names (str or None)")
+        unknown = [n for n in leaf or () if isinstance(n, str) and n not in rule_names]
+        if unknown:
+            raise ValueError(
+                f"with_logical_constraint on an activation: {tuple(leaf)} names {unknown}, "
+                f"which have no logical axis rule. logical_axis_rules: {list(active)}. Add a "
+                "rule (a name mapped to None keeps that dimension replicated).")
+    return flax_spmd.with_logical_constraint(
+        x, names, rules=active, mesh=mesh, fallback=flax_spmd.RulesFallback.RAISE_ERROR)

@@ -73,11 +73,14 @@ def session(disable_jit: bool | None = None, post_mortem: bool | None = None
         with debugging.session(disable_jit=True):
             state, outputs = step(state, batch)  # a breakpoint() in run stops here
     """
+    # Say where the switch came from: a user who passed disable_jit=True looks for it in
+    # their code, not in the environment.
+    source = "disable_jit=True" if disable_jit else f"{ENV_DISABLE_JIT}=1 in the environment"
     disable_jit = _from_env(ENV_DISABLE_JIT) if disable_jit is None else disable_jit
     post_mortem = _from_env(ENV_POST_MORTEM) if post_mortem is None else post_mortem
     with jax.disable_jit() if disable_jit else contextlib.nullcontext():
         if disable_jit:
-            log.warning("jit is disabled (%s): steps run op by op, slowly.", ENV_DISABLE_JIT)
+            log.warning("jit is disabled (%s): steps run op by op, slowly.", source)
         try:
             yield
         except Exception as error:

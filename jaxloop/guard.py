@@ -56,7 +56,8 @@ class NonFiniteError(FloatingPointError):
     """A training step produced a NaN/Inf loss or gradient.
 
     Attributes:
-      step: the number of the step (its ``state.step`` before the update) that failed.
+      step: the number of the step that failed, counted from 1: its ``state.step`` after
+        it, the step its summaries, history entries and checkpoint would carry.
       leaf: the first non-finite value: ``'loss'`` or a gradient path such as
         ``"grads['dense2']['bias']"``.
     """
@@ -152,8 +153,10 @@ class NonFiniteGuard:
         bad = np.flatnonzero(first >= 0)
         if bad.size:
             i = int(bad[0])
-            # Skipped steps advance the counter too, so step i of n ran at last_step - n + i.
-            raise NonFiniteError(last_step - first.size + i, self.leaf_name(int(first[i])))
+            # Skipped steps advance the counter too, so step i (from 0) of n ended at
+            # last_step - n + i + 1: the number summaries and checkpoints give that step.
+            raise NonFiniteError(last_step - first.size + i + 1,
+                                 self.leaf_name(int(first[i])))
 
     def action(self, interval: int = 1) -> Any:
         """An end action for a train loop that calls `check`; list it before checkpoints.

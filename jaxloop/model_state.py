@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
@@ -37,19 +38,47 @@ def is_abstract(state: Any) -> bool:
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
+def _spec_call(shape: tuple, dtype: Any) -> str:
+    """How to write one leaf's spec for a single example: a bare shape is float32 zeros, so
+    any other dtype (token ids: int32) is written beside it, or following the hint would
+    hand an embedding float zeros."""
+    example = [1, *shape[1:]]
+    if dtype is None or np.dtype(dtype) == np.float32:
+        return f"initialize_model({example})"
+    return f"initialize_model(({example}, {np.dtype(dtype).name!r}))"
+
+
+def _is_bare_shape(spec: Any) -> bool:
+    """A spec that is a shape alone (``[1, 128]``), which builds float32 zeros."""
+    return isinstance(spec, list | tuple) and bool(spec) and all(
+        isinstance(d, int | np.integer) and not isinstance(d, bool) for d in spec)
+
+
 @contextlib.contextmanager
-def _model_input_spec(spec: types.BatchSpec, batch: Any) -> Iterator[None]:
+def _model_input_spec(spec: types.BatchSpec, batch: Any,
+                      builds: Callable[[Any], bool] | None = None) -> Iterator[None]:
     """Names what went wrong when a whole batch (a dict with labels, say) was given where
     the model's input is wanted: flax fails deep inside with "'dict' object has no attribute
-    'dtype'". A model that takes a dict initialises as before."""
+    'dtype'". A model that takes a dict initialises as before. A bare shape (float32 zeros)
+    that the model rejects gets a note saying how to give int32 when `builds` says int32
+    zeros of that shape initialise it (token ids into an embedding)."""
     try:
         yield
     except (AttributeError, TypeError, ValueError) as e:
+        if _is_bare_shape(spec) and builds is not None and builds(np.zeros(spec, np.int32)):
+            e.add_note(
+                f"initialize_model({list(spec)}) builds float32 zeros; a model that takes "
+                f"integer inputs (token ids) wants the dtype beside the shape: "
+                f"initialize_model(({list(spec)}, 'int32')).")
+            raise
         if not isinstance(spec, Mapping):
             raise
-        shapes = {k: tuple(getattr(v, "shape", ())) for k, v in batch.items()}
+        leaves = {k: (tuple(getattr(v, "shape", ())), getattr(v, "dtype", None))
+                  for k, v in batch.items()}
+        shapes = {k: shape if dtype is None else (shape, np.dtype(dtype).name)
+                  for k, (shape, dtype) in leaves.items()}
         examples = "; ".join(
-            f"for {k!r}: initialize_model({[1, *shape[1:]]})" for k, shape in shapes.items()
+            f"for {k!r}: {_spec_call(shape, dtype)}" for k, (shape, dtype) in leaves.items()
             if shape)
         raise TypeError(
             f"The model could not be initialised from the spec {shapes}: a dict with keys "
@@ -92,6 +121,19 @@ class StateBuilder:
         return state_class.create(apply_fn=self._apply_fn, params=params, tx=self._optimizer,
                             batch_stats=variables.get("batch_stats"))
 
+    @staticmethod
+    def _builds(partitioner: Any, create: Callable[..., State]) -> Callable[[Any], bool]:
+        """Whether the state builds from a batch, as `abstract` would (the partitioner's
+        mesh and rules in force; nothing is built)."""
+        def builds(batch: types.Batch) -> bool:
+            try:
+                partitioner.abstract_init_fn(create)(batch)
+            except Exception:  # noqa: BLE001 (any failure: the hint would not help)
+                return False
+            return True
+
+        return builds
+
     def initialize(self, partitioner: Any, spec: types.BatchSpec,
                    state_class: type[State] = State) -> State:
         """The state (a `state_class`), each leaf created where `partitioner` places it.
@@ -103,7 +145,7 @@ class StateBuilder:
         create = functools.partial(self.create, state_class=state_class)
         held = self._adapter.held_variables()
         if held is None:
-            with _model_input_spec(spec, batch):
+            with _model_input_spec(spec, batch, self._builds(partitioner, create)):
                 return partitioner.shard_init_fn(create)(batch)
         # An nnx instance holds its values already: each goes from where it is straight to
         # its place, and enters the init program as an argument, not a constant.
@@ -118,5 +160,5 @@ class StateBuilder:
         shardings (nothing is built)."""
         create = functools.partial(self.create, state_class=state_class)
         batch = staging.zeros_from_spec(spec)
-        with _model_input_spec(spec, batch):
+        with _model_input_spec(spec, batch, self._builds(partitioner, create)):
             return partitioner.abstract_init_fn(create)(batch)

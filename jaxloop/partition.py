@@ -47,6 +47,9 @@ from jaxloop import program as program_lib
 PyTree = Any
 Axes = str | tuple[str, ...]
 
+# An activation's constraint by logical names, strict as a parameter's annotation is read.
+with_logical_constraint = annotations.with_logical_constraint
+
 
 def _checked_axes(mesh: Mesh, axes: str | Sequence[str] | None, name: str) -> Axes | None:
     """`axes` as one axis name (a 1-tuple too) or a tuple of distinct names of the mesh."""
@@ -384,7 +387,9 @@ class SPMDPartitioner(Partitioner):
     MaxText's usual mesh, data x fsdp x tensor, is ``data_axis=('data', 'fsdp')``,
     ``fsdp_axis='fsdp'`` and rules that map model dimensions to 'tensor'. `run` is traced
     under the mesh and the rules, so `jax.lax.with_sharding_constraint` and
-    `nn.with_logical_constraint` work inside it.
+    `partition.with_logical_constraint` work inside it; the latter raises on a logical name
+    without a rule, as a parameter's annotation does, where flax's
+    `nn.with_logical_constraint` leaves that dimension replicated without a word.
 
     Example::
 

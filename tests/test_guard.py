@@ -89,14 +89,14 @@ def test_raise_names_step_and_leaf_and_keeps_last_good_checkpoint(tmp_path):
     tl = train_loop.TrainLoop(step, end_actions=[step.guard.action(),
                                                  actions.CheckpointAction(manager)])
     outer = outer_loop.OuterLoop(train_loop=tl)
-    # Loops of 3 steps: steps 0-2 and 3-5 are good; step 7 (the 8th) has an inf gradient.
+    # Loops of 3 steps: steps 1-3 and 4-6 are good; step 8 (batch 7) has an inf gradient.
     data = iter([batch(i, poison=(i == 7)) for i in range(12)])
     with pytest.raises(guard.NonFiniteError) as err:
         outer(step.initialize_model([1, 16]), data, train_total_steps=12, train_loop_steps=3)
     manager.wait_until_finished()
-    assert err.value.step == 7
+    assert err.value.step == 8
     assert err.value.leaf == "grads['dense2']['bias']"
-    assert "step 7" in str(err.value) and "['dense2']['bias']" in str(err.value)
+    assert "step 8" in str(err.value) and "['dense2']['bias']" in str(err.value)
     assert checkpoint.all_steps(tmp_path / "ckpt") == [3, 6]
     manager.close()
 
@@ -105,7 +105,7 @@ def test_raise_names_the_loss_first_and_bad_mode_is_rejected():
     step = make_step("raise")
     state = step.initialize_model([1, 16])
     state, out = step(state, batch(0, x_nan=True))
-    with pytest.raises(guard.NonFiniteError, match="step 0: loss is NaN or Inf"):
+    with pytest.raises(guard.NonFiniteError, match="step 1: loss is NaN or Inf"):
         step.guard.check({k: [v] for k, v in out.items()}, int(state.step))
     with pytest.raises(ValueError, match="'skip' or 'raise'"):
         guard.NonFiniteGuard("ignore")
