@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding
 
 from jaxloop import model as model_lib
 from jaxloop import precision as precision_lib
-from jaxloop import staging, types
+from jaxloop import specs as specs_lib
+from jaxloop import types
 
 State = types.TrainState
 
@@ -141,7 +142,7 @@ class StateBuilder:
         The spec only fixes shapes and dtypes (a zero batch is built), so its batch size
         need not divide by the device count.
         """
-        batch = staging.zeros_from_spec(spec)
+        batch = specs_lib.zeros_from_spec(spec)
         create = functools.partial(self.create, state_class=state_class)
         held = self._adapter.held_variables()
         if held is None:
@@ -159,6 +160,6 @@ class StateBuilder:
         """The state `initialize` would make, as `jax.ShapeDtypeStruct` leaves with their
         shardings (nothing is built)."""
         create = functools.partial(self.create, state_class=state_class)
-        batch = staging.zeros_from_spec(spec)
+        batch = specs_lib.zeros_from_spec(spec)
         with _model_input_spec(spec, batch, self._builds(partitioner, create)):
             return partitioner.abstract_init_fn(create)(batch)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from models import ClassifierStep, LinenMLP, toy_data
 from test_tensor_parallel import LogicalMLP
 
-from jaxloop import eval_loop, meshes, outer_loop, partition, staging, train_loop
+from jaxloop import eval_loop, meshes, outer_loop, partition, specs, train_loop
 
 
 class Wide(nn.Module):
@@ -75,10 +75,10 @@ def test_batch_is_split_over_the_product_of_the_data_axes():
     with pytest.raises(ValueError, match="does not divide by the 8 local devices"):
         part.shard_batch({"x": np.zeros((12, 2))})
     # Described without being built (Step.abstract_state's batches), split the same way.
-    abstract = staging.abstract_batch(part, {"x": [32, 2]})
+    abstract = specs.abstract_batch(part, {"x": [32, 2]})
     assert abstract["x"].sharding == placed["x"].sharding == part.batch_sharding
     with pytest.raises(ValueError, match="does not divide by the 8 devices"):
-        staging.abstract_batch(part, {"x": [12, 2]})
+        specs.abstract_batch(part, {"x": [12, 2]})
 
 
 def test_bad_data_and_fsdp_axes_are_clear_errors():
