@@ -2,9 +2,7 @@
 
 The host never waits for a step's result inside the loop; it only bounds how far ahead it
 runs (`jaxloop.in_flight`). With ``steps_per_execution=k`` the loop runs k steps per
-compiled call (`Step.call_steps`), which removes the per-step dispatch cost for small
-steps. Results, step counts and outputs (per-step lists, `jaxloop.outputs`) equal those of
-k=1; see `Loop` for how executions are cut.
+compiled call (`Step.call_steps`), with the results of k=1 (see `Loop`).
 
 Example::
 
@@ -74,7 +72,7 @@ def remember_step(state: Any, step: int) -> None:
 @functools.lru_cache(maxsize=32)
 def _copier(shardings: tuple[jax.sharding.Sharding, ...]) -> Callable[[list], list]:
     """Copies a list of arrays on their devices, each keeping its sharding, in one
-    dispatch (`jax.device_put(..., may_alias=False)` spent 25 us a leaf on the host)."""
+    dispatch (`jax.device_put(..., may_alias=False)` dispatches once per leaf)."""
     return jax.jit(lambda arrays: [jnp.copy(x) for x in arrays], out_shardings=list(shardings))
 
 
@@ -92,20 +90,16 @@ class Loop:
         straight-line code; False runs them as one loop body `count` times (see
         `jaxloop.program`).
       donate_input_state: False (the default) leaves the state you pass untouched: a
-        training loop copies it once on the devices, with its own shardings, and then
-        donates only the states its steps produce (one state plus the step's temporaries
-        in the steady state; two while you hold yours). True consumes the state you pass
-        instead (its arrays are deleted): for a model whose state does not fit twice.
-        A state the loop was handed with `adopt` is never copied.
+        training loop copies it once on the devices and donates only the states its steps
+        produce. True consumes the state you pass (for a state that does not fit twice);
+        a state handed over with `adopt` is never copied.
 
-    With ``steps_per_execution=k > 1`` the loop reads up to k batches and runs them with
-    `Step.call_steps` through one compiled program, whatever the number of batches, so a
-    run compiles one program per step kind. Each step's outputs still reach
-    `update_outputs` one step at a time. Executions are cut so that the host sees exactly
-    what it would at k=1: step actions fire on their steps (`step_actions`), a batch of
-    another layout (a smaller last batch) starts an execution of its own, and preemption is
-    honoured at the end of the execution holding the requested step. `Step.begin` and
-    `Step.end` run once per compiled call.
+    With ``steps_per_execution=k > 1`` the loop runs up to k batches per call of one
+    compiled program (`Step.call_steps`), cut so that the host sees what it would at k=1:
+    step actions fire on their steps (`step_actions`), a batch of another layout starts an
+    execution of its own, preemption is honoured at the end of the execution holding the
+    requested step. Each step's outputs still reach `update_outputs` one at a time;
+    `Step.begin` and `Step.end` run once per compiled call.
 
     Override `begin`, `run`, `end` or `update_outputs` to customise; `_get_next_batch`,
     `_run_one_step` and `_run_steps` are the per-batch hooks.

@@ -73,20 +73,16 @@ class Step(step_state.StepState):
       optimizer: an optax transformation (identity for eval steps).
       partitioner: where arrays live; single device when None.
       train: whether this is a training step. Inside a loop it donates the states the loop
-        produced to `run`; a state you pass in is never deleted (see `compile`).
-        nnx models run in train mode in a training step and in eval mode (dropout off,
-        BatchNorm on running averages) otherwise; a linen model takes its mode as a call
-        argument, by the idiom ``deterministic=not train`` (see `jaxloop.model`).
+        produced to `run`; a state you pass in is never deleted (see `compile`). nnx
+        models follow this mode; a linen model takes it as a call argument (see
+        `jaxloop.model`).
       should_shard_batch: whether `__call__` shards the batch (off when batches arrive
         already on the devices).
       nnx_model_args: positional arguments for an nnx module class.
       begin_actions / end_actions: actions run before / after each step whose number
         (`per_loop_step_number`) is a multiple of their interval (see `action_fires`).
       dtype_policy: mixed precision, a `jaxloop.precision.Policy` or a string such as
-        ``'bfloat16'`` (params and outputs float32, computation bfloat16; see
-        `precision.get_policy`). The model's ``apply_fn`` casts parameters and floating
-        inputs to the compute dtype and outputs to the output dtype; new parameters are
-        stored in the param dtype. None (the default) leaves the model untouched.
+        ``'bfloat16'`` (see `precision.get_policy`); None leaves the model untouched.
       sown: flax collections the model sows into (e.g. ``('intermediates',)``), added to
         the outputs as ``'<collection>/<path>'`` (see `jaxloop.sown`); scalars only unless
         ``sown_scalars_only=False``.
@@ -192,11 +188,10 @@ class Step(step_state.StepState):
         """Jits `run` through the partitioner (`Partitioner.partition`); `jit_kwargs` go to
         `jax.jit`. Returns the program a direct call ``step(state, batch)`` runs.
 
-        A state you pass is never deleted: a training step donates its input buffers only
-        inside a loop, which hands it states the loop produced itself (`donating_state`).
-        ``donate_argnums`` given here applies to every call, as in google/jaxloop:
-        ``step.compile(donate_argnums=(0,))`` consumes the state you pass (for a state that
-        does not fit twice in memory). An unknown jit flag raises TypeError here.
+        A state you pass is never deleted: a training step donates only inside a loop, which
+        hands it states the loop produced (`donating_state`). ``donate_argnums`` here applies
+        to every call, as in google/jaxloop (``(0,)`` consumes the state you pass). An
+        unknown jit flag raises TypeError here.
 
         Example::
 
