@@ -2,17 +2,12 @@
 
 `Prefetcher` stands beside the iterator a loop was given: the loop reads its batches
 through it, while a background thread (`data.prefetch_to_device`) prepares the next ones
-with the step's `prepare_batch`, held in a bounded queue. Where a host-to-device copy exists
-(GPU, TPU) the thread also places them on the devices, so the copy overlaps the step; where
-device arrays are host memory (CPU) it only reads ahead, and the program's jit places each
-batch in its own dispatch (`places_ahead` decides, in this one place). The two stages of
-grain's ``experimental.device_put``: the host stage is the reading (in this thread, or ahead
-in grain worker processes with ``GlobalBatchDataset(num_workers=n)`` or a pipeline's
-``mp_prefetch``), the device stage this queue. The thread starts at the first read, so a
-loop that reads ``next(dataset)`` itself never starts it and loses no batch to it. `position`
-is the iterator's position after the
-batches read through the prefetcher, not after those read ahead, so a checkpoint resumes
-exactly.
+with the step's `prepare_batch` into a bounded queue. Where a host-to-device copy exists
+(GPU, TPU) the thread also places them, so the copy overlaps the step; where device arrays
+are host memory (CPU) it only reads ahead and the program's jit places each batch
+(`places_ahead` decides, in this one place). The thread starts at the first read, so a loop
+that reads ``next(dataset)`` itself loses no batch to it; `position` is after the batches
+read through the prefetcher, not those read ahead, so a checkpoint resumes exactly.
 
 Example::
 
