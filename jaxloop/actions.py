@@ -80,11 +80,6 @@ class Action:
         raise NotImplementedError("Action subclasses implement __call__(state, outputs, **kw)")
 
 
-# Per-step counts of real examples, which `EvalLoop` adds to its outputs so that means over
-# a loop weight each batch by its examples (a smaller or padded last batch counts less).
-EXAMPLE_COUNTS = "jaxloop/example_counts"
-
-
 def fetch(value: Any) -> Any:
     """Host copy of `value`. An array that spans other processes' devices and is not
     replicated is gathered first (a collective: every process must call this, as every
@@ -190,12 +185,20 @@ def _mean(numbers: Sequence[float], weights: Sequence[float] | None) -> float:
     return float(np.mean(np.asarray(numbers, np.float64)))
 
 
-def example_weights(outputs: Output | None) -> list[float] | None:
-    """The per-step example counts of a loop's outputs (see `EXAMPLE_COUNTS`), or None."""
-    counts = (outputs or {}).get(EXAMPLE_COUNTS)
-    if counts is None:
+def example_weights(loop: Any = None) -> list[float] | None:
+    """The per-step example counts of `loop`'s last run as floats (an `EvalLoop` keeps
+    them beside its outputs, see `EvalLoop.example_counts`), or None for a loop that keeps
+    none (a train loop) or no loop.
+
+    Example::
+
+        def __call__(self, state, outputs, loop=None, **kwargs):
+            weights = actions.example_weights(loop)   # [16.0, 16.0, 8.0]
+    """
+    counts = getattr(loop, "example_counts", None)
+    if not counts:
         return None
-    weights = _scalar_values(counts)
+    weights = _scalar_values(list(counts))
     return weights if isinstance(weights, list) else None
 
 
@@ -212,18 +215,26 @@ def scalar_summary(value: Any, weights: Sequence[float] | None = None) -> float 
     return host if isinstance(host, float) else None
 
 
-def scalar_metrics(outputs: Output | None) -> dict[str, float]:
+def scalar_metrics(
+    outputs: Output | None, weights: Sequence[float] | None = None, *, loop: Any = None
+) -> dict[str, float]:
     """The scalar outputs of a loop reduced to floats.
 
-    A per-step list gives its mean, weighted by the loop's example counts when it has them
-    (eval loops: the mean over real examples); a clu Collection gives ``key/name`` entries.
+    A per-step list gives its mean; a clu Collection gives ``key/name`` entries. Given the
+    loop that produced `outputs` (an action has it as its ``loop`` keyword), an eval
+    loop's means weight each step by its real examples (`example_weights`): the mean over
+    examples. `weights` gives the per-step weights directly instead.
+
+    Example::
+
+        _, outputs = eval_loop(state, eval_batches)
+        actions.scalar_metrics(outputs, loop=eval_loop)   # {'loss': 0.31, 'accuracy': 0.9}
     """
-    weights = example_weights(outputs)
+    if weights is None:
+        weights = example_weights(loop)
     metrics = {}
     for key, value in (outputs or {}).items():
-        if isinstance(value, MetricWithMetadata) or key.startswith("jaxloop/stop") or (
-            key == EXAMPLE_COUNTS
-        ):
+        if isinstance(value, MetricWithMetadata) or key.startswith("jaxloop/stop"):
             continue
         if isinstance(value, list | tuple) and value and isinstance(value[-1], MetricWithMetadata):
             continue
@@ -298,12 +309,13 @@ class SummaryAction(Action):
                 getattr(writer, methods[metric_type])(step, values)
 
     def __call__(
-        self, state: State, outputs: Output | None, first_step: int | None = None, **kwargs: Any
+        self, state: State, outputs: Output | None, first_step: int | None = None,
+        loop: Any = None, **kwargs: Any,
     ) -> None:
         if not outputs:
             return
         step = int(state.step)
-        weights = example_weights(outputs)
+        weights = example_weights(loop)
         per_step: dict[int, dict[str, float]] = {}
         at_step: dict[str, Any] = {}
         typed: dict[MetricType, dict[str, Any]] = {}
@@ -318,8 +330,7 @@ class SummaryAction(Action):
                     f"Output {key!r} has metric type {value.type}, which SummaryAction does "
                     f"not write; supported: {[t.name for t in self.SUPPORTED_TYPES]}"
                 )
-            if key != EXAMPLE_COUNTS:
-                items.append((key, value))
+            items.append((key, value))
         for key, value in items:
             if isinstance(value, MetricWithMetadata) and value.type == MetricType.SCALAR:
                 value = value.value  # written with the plain scalars, as one of them
@@ -485,7 +496,8 @@ class CheckpointAction(Action):
             saved = self.save(step, state, outputs)  # code written against the reference
         else:
             saved = checkpoint.save(
-                self._ckpt_manager, step, state, meta=meta, metrics=scalar_metrics(outputs),
+                self._ckpt_manager, step, state, meta=meta,
+                metrics=scalar_metrics(outputs, loop=loop),
                 force=force, dataset_state=dataset_state,
             )
         if saved:
@@ -522,7 +534,9 @@ class BestCheckpointAction(CheckpointAction):
     ) -> bool:
         if int(state.step) in self._ckpt_manager.all_steps():
             return False  # several evals after one train loop: the first one is offered
-        return super().__call__(state, outputs, force=force)
+        # The metrics reduced here, where the eval loop's example counts weight its means;
+        # the loop itself is not passed on (its data position and count are not saved).
+        return super().__call__(state, scalar_metrics(outputs, loop=loop), force=force)
 
 
 class EarlyStoppingAction(Action):
@@ -563,14 +577,15 @@ class EarlyStoppingAction(Action):
         """Restores progress saved by `state_dict`."""
         self._handler.load_state_dict(state)
 
-    def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> Output | None:
+    def __call__(self, state: State, outputs: Output | None, loop: Any = None,
+                 **kwargs: Any) -> Output | None:
         step = int(state.step)
         name = self.monitored_metric
         if outputs is not None and name in outputs:
-            metric = scalar_summary(outputs[name])
+            metric = scalar_summary(outputs[name], example_weights(loop))  # over examples
         else:
             # Any name `scalar_metrics` reports, such as a clu Collection's ``key/member``.
-            reported = scalar_metrics(outputs)
+            reported = scalar_metrics(outputs, loop=loop)
             if name not in reported:
                 log.warning(
                     "Early stopping action '%s' is monitoring metric '%s' which is not "
