@@ -255,8 +255,9 @@ class SummaryAction(Action):
       numbers it was produced at (``first_step + 1 ... state.step``); when the steps do
       not line up (eval loops, whose state does not advance) its mean is written at
       ``state.step``. An eval loop's mean weights each batch by its real examples (its
-      ``mask`` sum, else its size; see `EvalLoop`), so a smaller or padded last batch
-      counts for what it holds: the mean over examples, not the mean of batch means.
+      ``mask`` sum, else its size: `EvalLoop.example_counts`, read from the ``loop``
+      keyword the loop calls its actions with), so a smaller or padded last batch counts
+      for what it holds: the mean over examples, not the mean of batch means.
     - Plain scalars (such as the loop's statistics) and clu metrics (computed) are written
       at ``state.step``.
     - `MetricWithMetadata` values go to the writer method of their type (images,
