@@ -80,11 +80,6 @@ class Action:
         raise NotImplementedError("Action subclasses implement __call__(state, outputs, **kw)")
 
 
-# Per-step counts of real examples, which `EvalLoop` adds to its outputs so that means over
-# a loop weight each batch by its examples (a smaller or padded last batch counts less).
-EXAMPLE_COUNTS = "jaxloop/example_counts"
-
-
 def fetch(value: Any) -> Any:
     """Host copy of `value`. An array that spans other processes' devices and is not
     replicated is gathered first (a collective: every process must call this, as every
@@ -190,12 +185,20 @@ def _mean(numbers: Sequence[float], weights: Sequence[float] | None) -> float:
     return float(np.mean(np.asarray(numbers, np.float64)))
 
 
-def example_weights(outputs: Output | None) -> list[float] | None:
-    """The per-step example counts of a loop's outputs (see `EXAMPLE_COUNTS`), or None."""
-    counts = (outputs or {}).get(EXAMPLE_COUNTS)
-    if counts is None:
+def example_weights(loop: Any = None) -> list[float] | None:
+    """The per-step example counts of `loop`'s last run as floats (an `EvalLoop` keeps
+    them beside its outputs, see `EvalLoop.example_counts`), or None for a loop that keeps
+    none (a train loop) or no loop.
+
+    Example::
+
+        def __call__(self, state, outputs, loop=None, **kwargs):
+            weights = actions.example_weights(loop)   # [16.0, 16.0, 8.0]
+    """
+    counts = getattr(loop, "example_counts", None)
+    if not counts:
         return None
-    weights = _scalar_values(counts)
+    weights = _scalar_values(list(counts))
     return weights if isinstance(weights, list) else None
 
 
@@ -212,18 +215,26 @@ def scalar_summary(value: Any, weights: Sequence[float] | None = None) -> float 
     return host if isinstance(host, float) else None
 
 
-def scalar_metrics(outputs: Output | None) -> dict[str, float]:
+def scalar_metrics(
+    outputs: Output | None, weights: Sequence[float] | None = None, *, loop: Any = None
+) -> dict[str, float]:
     """The scalar outputs of a loop reduced to floats.
 
-    A per-step list gives its mean, weighted by the loop's example counts when it has them
-    (eval loops: the mean over real examples); a clu Collection gives ``key/name`` entries.
+    A per-step list gives its mean; a clu Collection gives ``key/name`` entries. Given the
+    loop that produced `outputs` (an action has it as its ``loop`` keyword), an eval
+    loop's means weight each step by its real examples (`example_weights`): the mean over
+    examples. `weights` gives the per-step weights directly instead.
+
+    Example::
+
+        _, outputs = eval_loop(state, eval_batches)
+        actions.scalar_metrics(outputs, loop=eval_loop)   # {'loss': 0.31, 'accuracy': 0.9}
     """
-    weights = example_weights(outputs)
+    if weights is None:
+        weights = example_weights(loop)
     metrics = {}
     for key, value in (outputs or {}).items():
-        if isinstance(value, MetricWithMetadata) or key.startswith("jaxloop/stop") or (
-            key == EXAMPLE_COUNTS
-        ):
+        if isinstance(value, MetricWithMetadata) or key.startswith("jaxloop/stop"):
             continue
         if isinstance(value, list | tuple) and value and isinstance(value[-1], MetricWithMetadata):
             continue
@@ -244,8 +255,9 @@ class SummaryAction(Action):
       numbers it was produced at (``first_step + 1 ... state.step``); when the steps do
       not line up (eval loops, whose state does not advance) its mean is written at
       ``state.step``. An eval loop's mean weights each batch by its real examples (its
-      ``mask`` sum, else its size; see `EvalLoop`), so a smaller or padded last batch
-      counts for what it holds: the mean over examples, not the mean of batch means.
+      ``mask`` sum, else its size: `EvalLoop.example_counts`, read from the ``loop``
+      keyword the loop calls its actions with), so a smaller or padded last batch counts
+      for what it holds: the mean over examples, not the mean of batch means.
     - Plain scalars (such as the loop's statistics) and clu metrics (computed) are written
       at ``state.step``.
     - `MetricWithMetadata` values go to the writer method of their type (images,
@@ -298,12 +310,13 @@ class SummaryAction(Action):
                 getattr(writer, methods[metric_type])(step, values)
 
     def __call__(
-        self, state: State, outputs: Output | None, first_step: int | None = None, **kwargs: Any
+        self, state: State, outputs: Output | None, first_step: int | None = None,
+        loop: Any = None, **kwargs: Any,
     ) -> None:
         if not outputs:
             return
         step = int(state.step)
-        weights = example_weights(outputs)
+        weights = example_weights(loop)
         per_step: dict[int, dict[str, float]] = {}
         at_step: dict[str, Any] = {}
         typed: dict[MetricType, dict[str, Any]] = {}
@@ -318,8 +331,7 @@ class SummaryAction(Action):
                     f"Output {key!r} has metric type {value.type}, which SummaryAction does "
                     f"not write; supported: {[t.name for t in self.SUPPORTED_TYPES]}"
                 )
-            if key != EXAMPLE_COUNTS:
-                items.append((key, value))
+            items.append((key, value))
         for key, value in items:
             if isinstance(value, MetricWithMetadata) and value.type == MetricType.SCALAR:
                 value = value.value  # written with the plain scalars, as one of them
@@ -485,7 +497,8 @@ class CheckpointAction(Action):
             saved = self.save(step, state, outputs)  # code written against the reference
         else:
             saved = checkpoint.save(
-                self._ckpt_manager, step, state, meta=meta, metrics=scalar_metrics(outputs),
+                self._ckpt_manager, step, state, meta=meta,
+                metrics=scalar_metrics(outputs, loop=loop),
                 force=force, dataset_state=dataset_state,
             )
         if saved:
@@ -522,7 +535,9 @@ class BestCheckpointAction(CheckpointAction):
     ) -> bool:
         if int(state.step) in self._ckpt_manager.all_steps():
             return False  # several evals after one train loop: the first one is offered
-        return super().__call__(state, outputs, force=force)
+        # The metrics reduced here, where the eval loop's example counts weight its means;
+        # the loop itself is not passed on (its data position and count are not saved).
+        return super().__call__(state, scalar_metrics(outputs, loop=loop), force=force)
 
 
 class EarlyStoppingAction(Action):
@@ -563,14 +578,15 @@ class EarlyStoppingAction(Action):
         """Restores progress saved by `state_dict`."""
         self._handler.load_state_dict(state)
 
-    def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> Output | None:
+    def __call__(self, state: State, outputs: Output | None, loop: Any = None,
+                 **kwargs: Any) -> Output | None:
         step = int(state.step)
         name = self.monitored_metric
         if outputs is not None and name in outputs:
-            metric = scalar_summary(outputs[name])
+            metric = scalar_summary(outputs[name], example_weights(loop))  # over examples
         else:
             # Any name `scalar_metrics` reports, such as a clu Collection's ``key/member``.
-            reported = scalar_metrics(outputs)
+            reported = scalar_metrics(outputs, loop=loop)
             if name not in reported:
                 log.warning(
                     "Early stopping action '%s' is monitoring metric '%s' which is not "
@@ -648,14 +664,17 @@ class StepNumberAction(Action):
 
 
 class ProgressAction(Action):
-    """A progress bar (tqdm.auto: a widget in notebooks, a bar in terminals).
+    """A progress bar: a text bar in terminals and in notebooks without ipywidgets (no
+    warning about the widget), tqdm's widget in notebooks that have it.
 
     Shows step/total, one rate, the latest train `metric` and, given a `history` (as
-    `OuterLoop` gives its own), the latest evaluation results; updated at each loop end (never
-    per step, which would need a host sync). The rate is steps per second of wall-clock time
-    between two updates, each taken once the loop's values are on the host: the first loop
-    (which compiles) shows none. `enabled=None` shows the bar only when the output is
-    interactive.
+    `OuterLoop` gives its own), the latest evaluation's results with the step they were
+    evaluated at (``eval at step 400: accuracy=0.98, loss=0.07``: an evaluation runs
+    after the train loop that reached its step, so the bar may be further on); updated at
+    each loop end (never per step, which would need a host sync). The rate is steps per
+    second of wall-clock time between two updates, each taken once the loop's values are on
+    the host: the first loop (which compiles) shows none. `enabled=None` shows the bar only
+    when the output is interactive.
 
     Example::
 
@@ -687,9 +706,34 @@ class ProgressAction(Action):
 
     @staticmethod
     def _interactive() -> bool:
-        # A notebook kernel (widget) or a terminal; never a log file or a test run, and no
-        # tqdm object (nor its monitor thread) is created when not shown.
+        # A notebook kernel or a terminal; never a log file or a test run, and no tqdm
+        # object (nor its monitor thread) is created when not shown.
         return "ipykernel" in sys.modules or sys.stderr.isatty()
+
+    @staticmethod
+    def _bar_class() -> Any:
+        """tqdm's widget bar in a notebook that has ipywidgets, else its text bar (which a
+        notebook shows as one line updated in place). `tqdm.auto` would warn, in every
+        cell that trains, that ipywidgets is missing, before falling back to the same
+        text bar."""
+        import importlib.util  # noqa: PLC0415
+
+        if "ipykernel" in sys.modules and importlib.util.find_spec("ipywidgets") is not None:
+            from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
+        else:
+            from tqdm.std import tqdm  # noqa: PLC0415
+        return tqdm
+
+    def _latest_eval(self) -> dict[str, str]:
+        """The latest evaluation's results, keyed by the text the bar shows them under."""
+        names = [n for n in self._history.names if n.startswith("eval/")]
+        if not names:
+            return {}
+        series = {n.removeprefix("eval/"): self._history[n] for n in names}
+        step = max(s.steps[-1] for s in series.values() if s.steps)
+        values = ", ".join(f"{k}={s.values[-1]:.4g}" for k, s in series.items()
+                           if s.steps and s.steps[-1] == step)
+        return {f"eval at step {step}": values}
 
     def _latest(self, outputs: Output | None) -> dict[str, str]:
         """The latest train metric and evaluation results, as the bar shows them."""
@@ -698,14 +742,18 @@ class ProgressAction(Action):
             train = self._history.latest("train")
             if self._metric in train:
                 shown[self._metric] = f"{train[self._metric]:.4g}"
-            shown.update({f"eval {k}": f"{v:.4g}" for k, v in
-                          self._history.latest("eval").items()})
             return shown
         values = (outputs or {}).get(self._metric)
         if isinstance(values, list) and values:
             # The last step's value; a clu metric is computed first.
             shown[self._metric] = f"{float(jax.device_get(_computed(values[-1]))):.4g}"
         return shown
+
+    def _show(self, refresh: bool = True) -> None:
+        evaluated = self._latest_eval() if self._history is not None else {}
+        parts = [f"{k}={v}" for k, v in self._postfix.items()]
+        parts += [f"{k}: {v}" for k, v in evaluated.items()]
+        self._bar.set_postfix_str(", ".join(parts), refresh=refresh)
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
         if self._enabled is None:
@@ -714,27 +762,26 @@ class ProgressAction(Action):
             return
         step = int(state.step)
         if self._bar is None:
-            from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
-
-            self._bar = tqdm(total=self._total, initial=kwargs.get("first_step") or 0,
-                             desc=self._desc, unit="step", dynamic_ncols=True,
-                             bar_format=self._COUNTER_FORMAT if self._total is None
-                             else self._BAR_FORMAT)
+            self._bar = self._bar_class()(
+                total=self._total, initial=kwargs.get("first_step") or 0, desc=self._desc,
+                unit="step", dynamic_ncols=True,
+                bar_format=self._COUNTER_FORMAT if self._total is None else self._BAR_FORMAT)
         bar = self._bar
-        bar.update(max(step - bar.n, 0))
         postfix = self._latest(outputs)  # read from the device: the loop's steps are done
         now = time.perf_counter()
         if self._last is not None and step > self._last[0] and now > self._last[1]:
             self._postfix["steps/s"] = f"{(step - self._last[0]) / (now - self._last[1]):.1f}"
         self._last = (step, now)
         self._postfix.update(postfix)
-        bar.set_postfix(self._postfix, refresh=True)
+        # The step and what belongs to it shown together: the text first, then the step.
+        self._show(refresh=False)
+        bar.update(max(step - bar.n, 0))
+        bar.refresh()
 
     def close(self) -> None:
         """Closes the bar (OuterLoop does this when training ends), showing the last
         evaluation's results first."""
         if self._bar is not None:
-            self._postfix.update(self._latest(None) if self._history is not None else {})
-            self._bar.set_postfix(self._postfix, refresh=True)
+            self._show()
             self._bar.close()
             self._bar = None

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxloop import action_loop, actions, types
+from jaxloop import action_loop, types
 from jaxloop import step as step_lib
 
 Output = types.Output
@@ -56,12 +56,16 @@ class EvalLoop(action_loop.ActionLoop):
     Arguments are those of `ActionLoop`, including ``steps_per_execution`` (default 1):
     with k > 1, k batches run in one compiled call, each on the same state.
 
-    The outputs also hold ``outputs[actions.EXAMPLE_COUNTS]``: the real examples of each
-    step's batch (the sum of ``batch[mask_key]`` when the batch has one, as
-    `data.pad_to_global_batches` batches do, else the batch size). `SummaryAction` and
-    `actions.scalar_metrics` weight per-step means by it, so a smaller or padded last
-    batch gives the mean over examples. Step outputs that are already means over the
-    real examples of their batch (a masked mean) then average exactly.
+    The outputs hold the step's own keys (and the statistics `StatLoop` reports), nothing
+    of the loop's bookkeeping: a subclass whose `end` merges every output as clu metrics,
+    as google/jaxloop's examples do, sees only its own metrics. Beside them, the loop
+    keeps `example_counts`: the real examples of each step's batch in its last run (the
+    sum of ``batch[mask_key]`` when the batch has one, as `data.pad_to_global_batches`
+    batches do, else the batch size). `SummaryAction`, the `OuterLoop` history and
+    ``actions.scalar_metrics(outputs, loop=eval_loop)`` weight per-step means by them, so
+    a smaller or padded last batch gives the mean over examples. Step outputs that are
+    already means over the real examples of their batch (a masked mean) then average
+    exactly.
 
     With ``use_ema=True`` the steps see the state's ``ema_params`` as ``params``
     (`jaxloop.ema`); the loop still returns the state it was given.
@@ -94,6 +98,21 @@ class EvalLoop(action_loop.ActionLoop):
         # Per batch read: its example count, and whether it held this process's rows only.
         self._counts: list[Any] = []
         self._local: list[bool] = []
+        self._example_counts: list[Any] = []
+
+    @property
+    def example_counts(self) -> list[Any]:
+        """The real examples of each step's batch in the last run, summed over processes
+        (host ints, or device scalars for batches placed on the devices); set before the
+        loop's `end`, so its end actions read the run they end.
+
+        Example::
+
+            _, outputs = eval_loop(state, eval_batches)
+            eval_loop.example_counts                        # e.g. [16, 16, 8]
+            actions.scalar_metrics(outputs, loop=eval_loop)  # means over examples
+        """
+        return self._example_counts
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
         batch = super()._get_next_batch(dataset)
@@ -141,7 +160,7 @@ class EvalLoop(action_loop.ActionLoop):
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
         kwargs.setdefault("return_state_from_step", False)
-        self._counts, self._local = [], []
+        self._counts, self._local, self._example_counts = [], [], []
         evaluated = state
         if self.use_ema:
             from jaxloop import ema  # noqa: PLC0415
@@ -151,6 +170,6 @@ class EvalLoop(action_loop.ActionLoop):
         _, outputs = super().run(
             evaluated, dataset, num_steps, log_num_flops=log_num_flops, **kwargs
         )
-        if outputs is not None and self._counts:
-            outputs[actions.EXAMPLE_COUNTS] = self._global_counts()
+        # Beside the outputs, never in them: users' `end` and actions see their own keys.
+        self._example_counts = self._global_counts() if self._counts else []
         return state, outputs

@@ -39,6 +39,7 @@ from jaxloop import actions, types
 TRAIN = "train"
 EVAL = "eval"
 _STATS_PREFIX = "jaxloop/"
+_WEIGHTS = _STATS_PREFIX + "example_weights"  # an eval loop's, pending beside its outputs
 
 
 class Series(NamedTuple):
@@ -107,34 +108,39 @@ class History:
         series.values.extend(float(v) for v in values)
 
     def record_outputs(self, prefix: str, step: int, outputs: types.Output | None,
-                       first_step: int | None = None) -> None:
+                       first_step: int | None = None,
+                       weights: Sequence[Any] | None = None) -> None:
         """Records a loop's scalar outputs under ``prefix/<key>``.
 
         A per-step list whose length matches ``step - first_step`` (a train loop's) gives
         one value per step, ``first_step + 1 ... step``; any other scalar output (an eval
-        loop's mean over examples, a computed clu metric) one value at `step`.
+        loop's mean, weighted per step by `weights`: its example counts, numbers or device
+        scalars) one value at `step`.
 
         The values are read from the device when the history is next read or recorded to
         (by then the next loop has usually run: recording adds no wait of its own at this
         loop's end); only scalar outputs are kept until then, picked by shape.
         """
-        # (The example counts stay: eval means are weighted by them.)
         scalars = {k: list(v) if type(v) is list else v for k, v in (outputs or {}).items()
-                   if (k == actions.EXAMPLE_COUNTS or not k.startswith(_STATS_PREFIX))
-                   and _scalar_like(v)}
+                   if not k.startswith(_STATS_PREFIX) and _scalar_like(v)}
+        if weights:  # kept with them, under a name no recorded output has (stats are out)
+            scalars[_WEIGHTS] = list(weights)
         self._settled()  # reads in what the previous loop recorded (computed by now)
         self._pending.append((prefix, step, scalars, first_step))
 
     def _read(self, prefix: str, step: int, outputs: dict[str, Any],
               first_step: int | None) -> None:
+        weights = outputs.pop(_WEIGHTS, None)
+        if weights is not None:  # read with the outputs (device scalars for placed batches)
+            weights = actions._scalar_values(weights)  # jaxloop's own helper
         if first_step is not None:
-            for key in [k for k in outputs if k != actions.EXAMPLE_COUNTS]:
+            for key in list(outputs):
                 # One transfer per key (a per-step list is stacked on the device first).
                 host = actions._scalar_values(outputs[key])  # jaxloop's own helper
                 if isinstance(host, list) and len(host) == step - first_step:
                     self.record(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
                     del outputs[key]
-        for key, value in actions.scalar_metrics(outputs).items():
+        for key, value in actions.scalar_metrics(outputs, weights).items():
             self.record(f"{prefix}/{key}", [step], [value])
 
     def latest(self, prefix: str) -> dict[str, float]:
@@ -244,4 +250,5 @@ class _Recorder(actions.Action):
         if state is None or not outputs:
             return
         self._history.record_outputs(self._prefix, int(state.step), outputs,
-                                     first_step if self._per_step else None)
+                                     first_step if self._per_step else None,
+                                     getattr(kwargs.get("loop"), "example_counts", None))

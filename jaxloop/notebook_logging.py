@@ -9,8 +9,20 @@ the ``jaxloop`` logger to INFO. Records then reach the root logger's handler, th
 jaxloop is imported); where the root has no handler at all, a stderr handler of jaxloop's
 own shows them, and stays silent once the root has one (no line is printed twice).
 
+Two kinds of INFO lines are for log files, not for a cell, and stay hidden there: the
+metric lines of `writers.LoggingWriter` (``create_default_writer``'s logging half: a line
+per written step, 400 lines for 400 steps; the progress bar shows the latest values, and
+`OuterLoop.history` and TensorBoard keep them all) and the state's parameter table that
+`OuterLoop` logs (``jaxloop.param_table``; ask for it with
+``print(param_table.table(state))``). Their loggers (`QUIET_IN_A_NOTEBOOK`) are set to
+WARNING, so their warnings and errors still show.
+
 Any configuration of yours wins: a level on the ``jaxloop`` logger, a root level other than
-WARNING, or root handlers other than basicConfig's default leave everything as it is.
+WARNING, or root handlers other than basicConfig's default leave everything as it is; a
+level you set on one of the quiet loggers, before or after, is kept. Example, show the
+parameter table that every new `OuterLoop` logs::
+
+    logging.getLogger('jaxloop.param_table').setLevel(logging.INFO)
 
 Example, configured logging (nothing is added)::
 
@@ -25,6 +37,8 @@ import logging
 import sys
 
 LOGGER_NAME = "jaxloop"
+QUIET_IN_A_NOTEBOOK = ("jaxloop.writers", "jaxloop.param_table")
+"""Loggers whose INFO lines a notebook does not show (see the module docstring)."""
 
 
 class _FallbackHandler(logging.StreamHandler):
@@ -72,6 +86,10 @@ def show_info_if_unconfigured() -> bool:
         return False
     logger = logging.getLogger(LOGGER_NAME)
     logger.setLevel(logging.INFO)
+    for name in QUIET_IN_A_NOTEBOOK:
+        quiet = logging.getLogger(name)
+        if quiet.level == logging.NOTSET:  # a level the user set stays
+            quiet.setLevel(logging.WARNING)
     if not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
         logger.addHandler(_FallbackHandler())
     return True

@@ -26,8 +26,8 @@ Example: accuracy over every example (a smaller last batch weighs by its size)::
     outputs['accuracy'].mean
 
 Each pipeline input is a dict of one step's outputs (the keys the step returns, plus
-``actions.EXAMPLE_COUNTS``: the real examples of that step's batch). With no pipeline, the
-loop is an `EvalLoop`.
+`EXAMPLE_COUNT`: the real examples of that step's batch, from `EvalLoop.example_counts`).
+With no pipeline, the loop is an `EvalLoop`.
 """
 
 from __future__ import annotations
@@ -52,15 +52,22 @@ except ImportError as e:  # an optional extra
 Output = types.Output
 State = types.TrainState
 
+EXAMPLE_COUNT = "jaxloop/example_count"
+"""The pipeline input that holds the real examples of the step's batch (a pipeline input
+only: the loop's outputs never hold it)."""
+
 
 def _is_per_step(value: Any) -> bool:
     """A per-step list of values the pipeline takes (clu metrics stay with the loop)."""
     return isinstance(value, list) and not isinstance(value, loop_lib.MetricList)
 
 
-def _per_step(outputs: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The loop's per-step lists, as one dict per step of host (numpy) values."""
+def _per_step(outputs: Mapping[str, Any], counts: list[Any]) -> list[dict[str, Any]]:
+    """The loop's per-step lists and each step's example count, as one dict per step of
+    host (numpy) values."""
     columns = {k: v for k, v in outputs.items() if _is_per_step(v)}
+    if counts:
+        columns[EXAMPLE_COUNT] = list(counts)
     lengths = {k: len(v) for k, v in columns.items()}
     if len(set(lengths.values())) > 1:
         raise ValueError(
@@ -111,7 +118,7 @@ class PipelineLoop(eval_loop.EvalLoop):
         pipeline = self.make_pipeline(state)
         if pipeline is None or outputs is None:
             return state, outputs
-        result = pipeline.make()(input_iterator=_per_step(outputs))
+        result = pipeline.make()(input_iterator=_per_step(outputs, self.example_counts))
         if not isinstance(result, Mapping):
             raise TypeError(
                 "The pipeline's result must be a mapping (end it with .aggregate(..., "

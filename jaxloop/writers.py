@@ -384,7 +384,18 @@ class _Forwarder(_ContextManagerMixin):
 class LoggingWriter(_Forwarder):
     """Logs ``[prefix] step | key=value, ...`` for scalars and only the shapes of images,
     videos, audios and histograms, to the ``jaxloop.writers`` logger at INFO unless
-    ``logger``/``level`` say otherwise."""
+    ``logger``/``level`` say otherwise.
+
+    A line per written step is for log files: in a notebook whose user configured no
+    logging these lines stay hidden (`jaxloop.notebook_logging`), as clu's logging writer's
+    do there, and the progress bar shows the latest values. To see them in a cell, give
+    it a logger of your own or set the level of ``jaxloop.writers``.
+
+    Example::
+
+        writer = LoggingWriter('eval')   # INFO:jaxloop.writers:[eval] 400 | accuracy=0.97
+        writer.write_scalars(400, {'accuracy': 0.97})
+    """
 
     _to_host = staticmethod(lambda value: value)  # only shapes are logged: no device copy
 

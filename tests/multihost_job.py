@@ -129,8 +129,9 @@ def actions_job(workdir: Path) -> dict:
     seen: dict = {}
 
     class Keep(actions.Action):
-        def __call__(self, state, outputs, **kwargs):
-            seen[int(state.step)] = {k: v for k, v in actions.scalar_metrics(outputs).items()
+        def __call__(self, state, outputs, loop=None, **kwargs):
+            seen[int(state.step)] = {k: v for k, v in actions.scalar_metrics(
+                outputs, loop=loop).items()
                                      if not k.startswith("jaxloop/")}  # not timings
 
     evaluator.end_actions.append(Keep())

@@ -79,8 +79,22 @@ def test_make_pipeline_builds_from_the_state(setup):
 
 def test_without_a_pipeline_it_is_an_eval_loop(setup):
     step, state, _, batches = setup
-    _, outputs = pipeline_loop.PipelineLoop(step)(state, iter(batches))
-    assert len(outputs["loss"]) == 3 and outputs[actions.EXAMPLE_COUNTS] == [8, 8, 4]
+    loop = pipeline_loop.PipelineLoop(step)
+    _, outputs = loop(state, iter(batches))
+    assert len(outputs["loss"]) == 3 and loop.example_counts == [8, 8, 4]
+    assert not any(k.startswith("jaxloop/example") for k in outputs)  # beside, not in
+
+
+def test_the_pipeline_gets_each_steps_example_count(setup):
+    step, state, _, batches = setup
+    counted = (
+        chainable.Pipeline.new()
+        .assign("n", fn=lambda n: np.array([n], np.float64),
+                input_keys=pipeline_loop.EXAMPLE_COUNT)
+        .aggregate(input_keys="n", fn=rolling_stats.MeanAndVarianceAggFn(), output_keys="examples")
+    )
+    _, outputs = pipeline_loop.PipelineLoop(step, pipeline=counted)(state, iter(batches))
+    assert outputs["examples"].count == 3 and outputs["examples"].mean == pytest.approx(20 / 3)
 
 
 def test_bad_pipelines_are_named(setup):

@@ -130,12 +130,12 @@ def test_progress_bar_shows_one_rate_after_compilation_and_the_latest_metrics():
     history.record("eval/accuracy", [2], [0.5])
     progress(state.replace(step=2), {"jaxloop/steps_per_sec": 2e5}, first_step=0)
     # The first loop compiled: no rate yet; the dispatch rate of the stats is not shown.
-    assert progress._bar.postfix == "loss=1.5, eval accuracy=0.5"
+    assert progress._bar.postfix == "loss=1.5, eval at step 2: accuracy=0.5"
     history.record("train/loss", [3, 4], [1.0, 0.75])
     history.record("eval/accuracy", [4], [0.75])
     progress(state.replace(step=4), {"jaxloop/steps_per_sec": 2e5}, first_step=2)
     shown = str(progress._bar)
-    assert "loss=0.75" in shown and "eval accuracy=0.75" in shown
+    assert "loss=0.75" in shown and "eval at step 4: accuracy=0.75" in shown
     assert shown.count("/s") == 1 and "steps/s=" in shown  # tqdm's own rate is left out
     rate = float(shown.split("steps/s=")[1].split(",")[0].split("]")[0])
     assert 0 < rate < 2e5

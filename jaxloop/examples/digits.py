@@ -296,8 +296,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     final: dict[str, float] = {}
 
     class KeepEval(actions.Action):
-        def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
-            final.update(actions.scalar_metrics(outputs))
+        def __call__(self, state: Any, outputs: Any, loop: Any = None, **kwargs: Any) -> None:
+            final.update(actions.scalar_metrics(outputs, loop=loop))  # means over examples
 
     save = actions.CheckpointAction(manager, interval=args.checkpoint_every,
                                     every_secs=args.checkpoint_every_secs)
@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         save(state, None, loop=trainer, force=True)
     if "accuracy" not in final:  # resumed at the end: nothing trained, evaluate once
         _, outputs = evaluator(state, iter(eval_ds))
-        final.update(actions.scalar_metrics(outputs))
+        final.update(actions.scalar_metrics(outputs, loop=evaluator))
     manager.close()
     train_writer.close()
     eval_writer.close()

@@ -480,8 +480,8 @@ class _KeepMetrics(actions.Action):
         super().__init__(interval=1)
         self.latest: dict[str, float] = {}
 
-    def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
-        self.latest = actions.scalar_metrics(outputs)
+    def __call__(self, state: Any, outputs: Any, loop: Any = None, **kwargs: Any) -> None:
+        self.latest = actions.scalar_metrics(outputs, loop=loop)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -557,7 +557,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
         def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
             if not initial:
-                initial.update(actions.scalar_metrics(evaluator(state, eval_ds)[1]))
+                initial.update(actions.scalar_metrics(evaluator(state, eval_ds)[1],
+                                                      loop=evaluator))
 
     trainer.begin_actions.append(_InitialEval(interval=1))
     # The spec is the model's input (the tokens it reads), not the batch with its targets.
