@@ -59,7 +59,9 @@ ALL_STATS = (
     STAT_LIFE_TIME_SECS,
     STAT_COMPILE_SECS,
 )
-DEFAULT_STATS = (STAT_STEPS_PER_SEC, STAT_EXAMPLES_PER_SEC, STAT_LOOP_TIME_SECS)
+# As google/jaxloop: the outputs hold the statistics named, none unless asked (a user's
+# `end` may merge every output as a metric); `StatLoop.stats` holds them all.
+DEFAULT_STATS: tuple[str, ...] = ()
 
 # Opt-in (see `jaxloop.goodput`): reported when StatLoop is given model flops / a recorder.
 STAT_MFU = "jaxloop/mfu"
@@ -102,12 +104,13 @@ def token_count(batch: Any, key: str | Sequence[str]) -> Any:
 
 
 class StatLoop(loop_lib.Loop):
-    """Adds `jaxloop/...` statistics (plain floats) to the loop outputs.
+    """Measures each loop: `stats` holds its `jaxloop/...` statistics (plain floats), and
+    the loop outputs those named in `stat_names` (and the opt-in ones asked for below).
 
     Args:
       step: the Step to run.
-      stat_names: which statistics to report (see `ALL_STATS`); the defaults are steps/s,
-        examples/s (when `global_batch_size` is known) and the loop time.
+      stat_names: which statistics to add to the outputs (see `ALL_STATS`); none by
+        default, as in google/jaxloop.
       global_batch_size: examples per step across all processes, for examples/s.
       max_steps_in_flight: see `Loop`.
       steps_per_execution / unroll: steps per compiled call and how they compile, see
@@ -186,6 +189,8 @@ class StatLoop(loop_lib.Loop):
         self._compile_mark = 0.0
         self.compile_secs = 0.0
         """Seconds the last loop spent tracing and compiling (left out of its rates)."""
+        self.stats: dict[str, float] = {}
+        """Every statistic of the last loop, named or not (`ALL_STATS` and the opt-in ones)."""
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         self._loop_start = time.perf_counter()
@@ -259,7 +264,6 @@ class StatLoop(loop_lib.Loop):
             stats[STAT_NUM_PARAMS] = float(num_params)
         if num_flops is not None:
             stats[STAT_NUM_FLOPS] = float(num_flops)
-        stats = {k: v for k, v in stats.items() if k in self._stat_names}
         tokens_per_sec = None
         if self._tokens_key is not None:
             tokens_per_sec = self._total_tokens() / elapsed if elapsed > 0 else 0.0
@@ -306,5 +310,7 @@ class StatLoop(loop_lib.Loop):
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         outputs = dict(outputs or {})
-        outputs.update(self._stats(self.num_steps_run))
+        self.stats = self._stats(self.num_steps_run)
+        outputs.update({k: v for k, v in self.stats.items()
+                        if k in self._stat_names or k not in ALL_STATS})
         return super().end(state, outputs)

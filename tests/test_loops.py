@@ -283,7 +283,8 @@ def test_summary_action_writes_train_lists_per_step_and_eval_means(tmp_path):
     train, evaluate = steps()
     train_writer = writers.SummaryWriter(tmp_path / "train")
     eval_writer = writers.SummaryWriter(tmp_path / "eval")
-    tl = train_loop_lib.TrainLoop(train, end_actions=[actions.SummaryAction(train_writer)])
+    tl = train_loop_lib.TrainLoop(train, end_actions=[actions.SummaryAction(train_writer)],
+                                  stat_names=[stat_loop.STAT_STEPS_PER_SEC])  # asked for
     el = eval_loop_lib.EvalLoop(evaluate, end_actions=[actions.SummaryAction(eval_writer)])
     outer = outer_loop.OuterLoop(train_loop=tl, eval_loops=[el])
     _, outputs = outer(train.initialize_model([1, 16]), forever(), train_total_steps=12,

@@ -249,9 +249,9 @@ def test_keyword_arguments_are_routed_by_name_and_unknown_ones_raise():
     trainer = SimpleTrainer(MLP(), epochs=2, steps_per_epoch=4, batch_spec=SPEC,
                             steps_per_execution=2, progress=False, global_batch_size=8)
     assert trainer.train_loop.steps_per_execution == 2
-    outputs = trainer.train(regression_batches(8))
+    trainer.train(regression_batches(8))
     assert int(trainer.model_state.step) == 8
-    assert "jaxloop/examples_per_sec" in outputs  # global_batch_size reached the loop
+    assert "jaxloop/examples_per_sec" in trainer.train_loop.stats  # global_batch_size reached it
     with pytest.raises(TypeError, match="'learning_rate'"):
         SimpleTrainer(MLP(), epochs=1, steps_per_epoch=1, batch_spec=SPEC, learning_rate=0.1)
     with pytest.raises(TypeError, match="additional_end_actions"):

@@ -94,7 +94,8 @@ def test_a_loop_boundary_without_actions_waits_for_nothing(waits):
     waits.counting = False
     assert waits.blocks == 0 and waits.reads == 0
     assert loop.first_step == 25 and int(state.step) == 35
-    assert outputs[stat_loop.STAT_STEPS_PER_SEC] > 0
+    assert loop.stats[stat_loop.STAT_STEPS_PER_SEC] > 0
+    assert stat_loop.STAT_STEPS_PER_SEC not in outputs  # none asked for, as the reference
 
 
 def test_a_summary_at_the_boundary_reads_only_its_values(waits):
