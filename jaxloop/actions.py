@@ -131,7 +131,7 @@ def _host_scalars(values: list[Any]) -> list[float]:
     """Host copies of a per-step list of scalars: arrays of one dtype are stacked on the
     devices in groups of `_STACK_GROUP` (one program, the last group padded) so that a
     loop of n steps makes n / 128 transfers, not n (each a device-to-host copy on an
-    accelerator; 9 us each even on this CPU)."""
+    accelerator)."""
     host = None
     if (
         len(values) > 8
