@@ -24,14 +24,16 @@ back from the checkpoint (``step // n`` for one without jaxloop's metadata, such
 guide's single-item manager writes), and from a checkpoint saved inside a loop (a
 preemption's) the resumed run finishes that loop, to the next multiple of n; so
 evaluations, checkpoints and actions fall on the steps of the uninterrupted run (plus the
-preemption's own save).
+preemption's own save). A train loop's evaluations run first among its end actions, so
+the checkpoint saved at its end holds them (in the history and the early-stopping
+progress): a resumed run neither repeats nor loses the evaluation at its step.
 
 Training ends at ``train_total_steps``, when the train iterator is exhausted (with a
-warning), when a train or eval loop puts a truthy ``STOP_LOOP`` in its outputs, or when an
-action raises `StopTrainingError` (early stopping); a stop by Ctrl-C or a preemption raises
-instead (`preemption.Interrupted` / `preemption.Preempted`, see `OuterLoop`). It returns the
-state and the outputs of
-the last train loop that advanced the step, with ``outputs[STOP_LOOP]`` telling whether a
+warning, after evaluating at the step reached), when a train or eval loop puts a truthy
+``STOP_LOOP`` in its outputs, or when an action raises `StopTrainingError` (early
+stopping); a stop by Ctrl-C or a preemption raises instead (`preemption.Interrupted` /
+`preemption.Preempted`, see `OuterLoop`). It returns the state and the outputs of the last
+train loop that advanced the step, with ``outputs[STOP_LOOP]`` telling whether a
 train or eval loop asked to stop (as google/jaxloop does).
 
 Example::
@@ -294,6 +296,8 @@ class OuterLoop:
         # until they run in the current loop, then whether they asked to stop.
         self._loop_evals: bool | None = None
         self._specs: list[EvalSpec] = []
+        # (the step the last training call ended at, whether inside a loop)
+        self._ended: tuple[int, bool] | None = None
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self._train_loop = train_loop
@@ -536,8 +540,8 @@ class OuterLoop:
 
     def _evals_at_loop_end(self, state: State, outputs: Output | None,
                            first_step: int | None) -> None:
-        """The evaluations of the train loop that is ending, run among its end actions
-        just before its checkpoint action (`_EvalsAtLoopEnd`)."""
+        """The evaluations of the train loop that is ending, run first among its end
+        actions, before its checkpoint action (`_EvalsAtLoopEnd`)."""
         loop = self._train_loop
         if (loop.preempted or preemption.requested() or not loop.num_steps_run
                 or (outputs or {}).get(STOP_LOOP)):
@@ -559,15 +563,17 @@ class OuterLoop:
 
     @contextlib.contextmanager
     def _evaluating_before_saves(self) -> Iterator[None]:
-        """Puts the evaluations among the train loop's end actions, before its first
-        checkpoint action (at the end without one): the checkpoint of a loop's end then
-        holds that loop's evaluation (history, early-stopping progress), so a resumed run
-        neither loses the evaluation at its last step nor writes it twice."""
+        """Puts the evaluations first among the train loop's end actions (after the
+        history's recorder): the checkpoint of a loop's end then holds that loop's
+        evaluation (history, early-stopping progress), so a resumed run neither loses the
+        evaluation at its last step nor writes it twice. (Before the user's own actions,
+        so that none of them, e.g. a timing span around the checkpoint action, encloses
+        the evaluations.)"""
         end_actions = self._train_loop.end_actions
         runner = _EvalsAtLoopEnd(self)
-        saves = [i for i, a in enumerate(end_actions)
-                 if isinstance(a, actions_lib.CheckpointAction)]
-        end_actions.insert(saves[0] if saves else len(end_actions), runner)
+        first = next((i for i, a in enumerate(end_actions)
+                      if not isinstance(a, history_lib._Recorder)), len(end_actions))
+        end_actions.insert(first, runner)
         try:
             yield
         finally:
@@ -590,6 +596,13 @@ class OuterLoop:
         given = state
         # A run resumed inside a loop finishes that loop first, to its boundary.
         state, align, step = self._restore(state, iterator, loop_steps)
+        if not align and self._ended == (step, True) and loop_steps and step % loop_steps:
+            # The live state of this OuterLoop's last call, which ended inside a loop (a
+            # Stop, or train_total_steps off a boundary): finish that loop, as a resume does,
+            # so evaluations and actions stay on the steps and loops of an uninterrupted run.
+            align = True
+            train_loop.loop_count = max(train_loop.loop_count - 1, 0)
+        self._ended = None
         self._state = state
         self._check_saves(step)
         self._report_rewind(step)
@@ -625,17 +638,21 @@ class OuterLoop:
             # a loop's end is written before them (they did not run).
             action.add_meta(_EVALS_PENDING_META,
                             lambda: not self._loop_partial() and self._loop_evals is None)
-        if self._evals_pending:
-            # The evaluations that followed the restored checkpoint in the earlier run are
-            # not in it (early-stopping progress included): run them again first, also
-            # when the run has finished (the evaluation at its last step).
-            stop = self._evaluate(state, step)
+        # No loop of this call has run yet (a stop now is at a loop boundary).
+        self._planned_steps, self._cut_by_total = 0, False
         with (
             preemption.handling_preemption(),
             train_loop.prefetching(iterator, self._prefetch),
             contextlib.closing(progress),
             self._evaluating_before_saves(),
         ):
+            if self._evals_pending:
+                # The evaluations that followed the restored checkpoint in the earlier run
+                # are not in it (early-stopping progress included): run them again first,
+                # also when the run has finished (the evaluation at its last step).
+                stop = self._evaluate(state, step)
+                if preemption.requested():  # Ctrl-C during them
+                    self._stop(state, outputs)
             while not stop and (total_steps is None or step < total_steps):
                 num_steps = loop_steps
                 if align and loop_steps and step % loop_steps:
@@ -685,6 +702,7 @@ class OuterLoop:
                     log.warning("The train dataset is exhausted at step %d; stopping (after "
                                 "evaluating at that step).", step)
                     break
+        self._ended = (step, self._loop_partial())
         self._finish(step)
         return state, self._with_stop(outputs, stop)
 
@@ -721,11 +739,12 @@ class OuterLoop:
         self.preempted = True
         self.stopped_state = state
         self._state = state
+        step = int(state.step)  # (a stop: the host waits here anyway)
+        self._ended = (step, self._loop_partial())
         saved = self._train_loop.save_checkpoint(state, outputs)
         writers, _ = self._writers_and_managers()
         for writer in writers:
             writer.flush()
-        step = int(state.step)
         log.warning("Stopped at step %d; %s.", step,
                     "a checkpoint was saved" if saved else "nothing was saved")
         raise preemption.stopped(state, step, saved)
@@ -813,8 +832,8 @@ class OuterLoop:
 
 
 class _EvalsAtLoopEnd(actions_lib.Action):
-    """Runs an `OuterLoop`'s evaluations as one of its train loop's end actions, just before
-    the checkpoint action (see `OuterLoop._evaluating_before_saves`)."""
+    """Runs an `OuterLoop`'s evaluations as the first of its train loop's end actions,
+    before the checkpoint action (see `OuterLoop._evaluating_before_saves`)."""
 
     def __init__(self, outer: OuterLoop):
         super().__init__(interval=1)

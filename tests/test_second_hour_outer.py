@@ -119,6 +119,20 @@ def test_a_live_state_ahead_of_the_directory_is_kept_not_rewound(tmp_path, spec)
     assert checkpoint.all_steps(tmp_path / "ckpt") == [2, 4, 8]
 
 
+def test_the_continue_cell_after_a_run_that_ended_inside_a_loop_keeps_the_loop_boundaries():
+    step = train_step()
+    evaluated = Evaluated()
+    outer = outer_loop.OuterLoop(train_loop.TrainLoop(step),
+                                 [eval_loop.EvalLoop(eval_step(), end_actions=[evaluated])])
+    specs = [outer_loop.EvalSpec(BATCHES[:1])]
+    outer(step.initialize_model([1, 16]), BATCHES * 10, train_total_steps=13,
+          train_loop_steps=5, eval_specs=specs)  # ends inside the third loop, as Stop does
+    outer(outer.state, BATCHES * 10, train_total_steps=25, train_loop_steps=5,
+          eval_specs=specs)
+    assert evaluated.steps == [5, 10, 13, 15, 20, 25]  # not 18, 23
+    assert outer.train_loop.loop_count == 5
+
+
 # --- 2. training again from an older state ---------------------------------------------------
 
 
