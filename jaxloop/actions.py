@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxloop import agreement, checkpoint, stop_handler, triggers, types
+from jaxloop import loop as loop_lib
 from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
 
 Output = types.Output
@@ -315,7 +316,7 @@ class SummaryAction(Action):
     ) -> None:
         if not outputs:
             return
-        step = int(state.step)
+        step = loop_lib.host_step(state)
         weights = example_weights(loop)
         per_step: dict[int, dict[str, float]] = {}
         at_step: dict[str, Any] = {}
@@ -465,7 +466,7 @@ class CheckpointAction(Action):
     ) -> bool:
         """Saves `state` at its step; `force` saves even where the manager's policy would
         skip this step (preemption)."""
-        step = int(state.step)
+        step = loop_lib.host_step(state)
         if not self._ckpt_manager.is_saving_in_progress():
             # A finished background save that failed raises here, on the loop's thread.
             self._ckpt_manager.wait_until_finished()
@@ -533,7 +534,7 @@ class BestCheckpointAction(CheckpointAction):
         self, state: State, outputs: Output | None, loop: Any = None, force: bool = False,
         **kwargs: Any,
     ) -> bool:
-        if int(state.step) in self._ckpt_manager.all_steps():
+        if loop_lib.host_step(state) in self._ckpt_manager.all_steps():
             return False  # several evals after one train loop: the first one is offered
         # The metrics reduced here, where the eval loop's example counts weight its means;
         # the loop itself is not passed on (its data position and count are not saved).
@@ -580,7 +581,7 @@ class EarlyStoppingAction(Action):
 
     def __call__(self, state: State, outputs: Output | None, loop: Any = None,
                  **kwargs: Any) -> Output | None:
-        step = int(state.step)
+        step = loop_lib.host_step(state)
         name = self.monitored_metric
         if outputs is not None and name in outputs:
             metric = scalar_summary(outputs[name], example_weights(loop))  # over examples
@@ -660,7 +661,7 @@ class StepNumberAction(Action):
         return self._step_writer
 
     def __call__(self, state: State, outputs: Output | None = None, **kwargs: Any) -> None:
-        self._step_writer.write(int(state.step))
+        self._step_writer.write(loop_lib.host_step(state))
 
 
 class ProgressAction(Action):
@@ -760,7 +761,7 @@ class ProgressAction(Action):
             self._enabled = self._interactive()
         if not self._enabled:
             return
-        step = int(state.step)
+        step = loop_lib.host_step(state)
         if self._bar is None:
             self._bar = self._bar_class()(
                 total=self._total, initial=kwargs.get("first_step") or 0, desc=self._desc,

@@ -14,7 +14,7 @@ checkpoint rather than read back from TensorBoard event files: it needs no summa
 nor an event-file reader, and it holds exactly the steps up to the restored one (event
 files of an interrupted run go on past its last checkpoint). A value recorded at a step
 replaces what the history held from that step on (a run restarted from an earlier state
-rewrites its future).
+rewrites its future; `OuterLoop` warns when it starts such a run, naming the steps).
 
 Example::
 
@@ -35,6 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from jaxloop import actions, types
+from jaxloop import loop as loop_lib
 
 TRAIN = "train"
 EVAL = "eval"
@@ -143,6 +144,22 @@ class History:
         for key, value in actions.scalar_metrics(outputs, weights).items():
             self.record(f"{prefix}/{key}", [step], [value])
 
+    def steps_after(self, step: int) -> tuple[int, int, list[str]] | None:
+        """The first and last recorded steps after `step` and the metrics recorded there
+        (what a run restarted from `step` replaces), or None when nothing is.
+
+        Example::
+
+            history.steps_after(200)  # (201, 500, ['eval/loss', 'train/loss'])
+        """
+        later = {name: [s for s in series.steps if s > step]
+                 for name, series in self._settled().items()}
+        later = {name: steps for name, steps in later.items() if steps}
+        if not later:
+            return None
+        return (min(s[0] for s in later.values()), max(s[-1] for s in later.values()),
+                sorted(later))
+
     def latest(self, prefix: str) -> dict[str, float]:
         """The last value of each metric under `prefix` (``train``, ``eval``), by key."""
         start = f"{prefix}/"
@@ -162,7 +179,9 @@ class History:
 
     def plot(self, names: Sequence[str] | None = None, **subplots_kwargs: Any) -> Any:
         """A matplotlib figure with one panel per metric (``loss``, ``accuracy``), its
-        train and eval curves against the step; evaluations are drawn with markers.
+        train and eval curves against the step, the metric's name on the y axis;
+        evaluations are drawn with markers. Each series keeps one colour (train C0, eval
+        C1, eval_1 C2, ...) in every panel and every call.
 
         Made with pyplot, so a notebook shows it (``history.plot();``); a script saves it
         with ``history.plot().savefig('history.png')``.
@@ -177,6 +196,11 @@ class History:
             panels.setdefault(metric or prefix, []).append(name)
         if not panels:
             raise ValueError("The history is empty: nothing to plot (train first)")
+        # One colour per series prefix (train, eval, eval_1, ...), the same in every panel
+        # and every call, whichever series a panel or a call holds.
+        prefixes = sorted({n.partition("/")[0] for n in self.names},
+                          key=lambda p: (p != TRAIN, p != EVAL, p))
+        colours = {p: f"C{i % 10}" for i, p in enumerate(prefixes)}
         columns = min(len(panels), 3)
         rows = math.ceil(len(panels) / columns)
         subplots_kwargs.setdefault("figsize", (4.5 * columns, 3.5 * rows))
@@ -185,9 +209,11 @@ class History:
         for ax, (metric, members) in zip(flat, panels.items(), strict=False):
             for name in members:
                 series = self._series[name]
-                style = "-" if name.startswith(f"{TRAIN}/") else "o-"
-                ax.plot(series.steps, series.values, style, label=name.partition("/")[0])
-            ax.set(title=metric, xlabel="step")
+                prefix = name.partition("/")[0]
+                style = "-" if prefix == TRAIN else "o-"
+                ax.plot(series.steps, series.values, style, label=prefix,
+                        color=colours.get(prefix))
+            ax.set(title=metric, xlabel="step", ylabel=metric)
             ax.grid(alpha=0.3)
             ax.legend()
         for ax in flat[len(panels):]:
@@ -249,6 +275,6 @@ class _Recorder(actions.Action):
                  **kwargs: Any) -> None:
         if state is None or not outputs:
             return
-        self._history.record_outputs(self._prefix, int(state.step), outputs,
+        self._history.record_outputs(self._prefix, loop_lib.host_step(state), outputs,
                                      first_step if self._per_step else None,
                                      getattr(kwargs.get("loop"), "example_counts", None))

@@ -24,14 +24,16 @@ back from the checkpoint (``step // n`` for one without jaxloop's metadata, such
 guide's single-item manager writes), and from a checkpoint saved inside a loop (a
 preemption's) the resumed run finishes that loop, to the next multiple of n; so
 evaluations, checkpoints and actions fall on the steps of the uninterrupted run (plus the
-preemption's own save).
+preemption's own save). A train loop's evaluations run first among its end actions, so
+the checkpoint saved at its end holds them (in the history and the early-stopping
+progress): a resumed run neither repeats nor loses the evaluation at its step.
 
 Training ends at ``train_total_steps``, when the train iterator is exhausted (with a
-warning), when a train or eval loop puts a truthy ``STOP_LOOP`` in its outputs, or when an
-action raises `StopTrainingError` (early stopping); a stop by Ctrl-C or a preemption raises
-instead (`preemption.Interrupted` / `preemption.Preempted`, see `OuterLoop`). It returns the
-state and the outputs of
-the last train loop that advanced the step, with ``outputs[STOP_LOOP]`` telling whether a
+warning, after evaluating at the step reached), when a train or eval loop puts a truthy
+``STOP_LOOP`` in its outputs, or when an action raises `StopTrainingError` (early
+stopping); a stop by Ctrl-C or a preemption raises instead (`preemption.Interrupted` /
+`preemption.Preempted`, see `OuterLoop`). It returns the state and the outputs of the last
+train loop that advanced the step, with ``outputs[STOP_LOOP]`` telling whether a
 train or eval loop asked to stop (as google/jaxloop does).
 
 Example::
@@ -64,8 +66,10 @@ from jaxloop import agreement, async_action_context, checkpoint, preemption, sto
 from jaxloop import debugging as debugging_lib
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import history as history_lib
+from jaxloop import loop as loop_lib
 from jaxloop import param_table as param_table_lib
 from jaxloop import prefetch as prefetch_lib
+from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
 
 Output = types.Output
@@ -242,6 +246,18 @@ class OuterLoop:
       disable_jit / post_mortem: debugging switches (`jaxloop.debugging`): steps run
         without jit; an error in a step or action enters the post-mortem debugger in an
         interactive session. None: from ``JAXLOOP_DISABLE_JIT`` / ``JAXLOOP_POST_MORTEM``.
+      resume: resume training from the latest checkpoint of `checkpoint_spec`'s directory,
+        or without one, of the directory the train loop's `CheckpointAction` saves to (as
+        Keras' ``BackupAndRestore`` resumes from its own directory); it logs "Resumed from
+        step N of DIR". A checkpoint is read when it is at or after the given state's step
+        (a live state ahead of the directory, one whose save is still being written, is
+        kept). False: train from the given state; a run whose checkpoint action could then
+        save nothing (its directory holds a later checkpoint, and orbax saves only steps
+        after the latest) raises a ValueError before training.
+
+    The latest live state is `state`: the state a call returned, or where Ctrl-C or a
+    preemption stopped it. A notebook's "continue" cell is always
+    ``state, _ = outer(outer.state, ...)``, however the previous call ended.
 
     Stopping: Ctrl-C (a notebook's Stop) ends training at the next step boundary (an
     evaluation at its next batch), SIGTERM or `preemption.request()` at the next step (the
@@ -249,7 +265,16 @@ class OuterLoop:
     it has one, then raises `preemption.Interrupted` (a `KeyboardInterrupt`, so "Run all"
     stops) or `preemption.Preempted` (a `SystemExit` with status 143 when uncaught), each
     carrying the live state, its step and whether it was saved. `preempted` is then True
-    and `stopped_state` holds the live state (None after a run that was not stopped).
+    and `stopped_state` holds the live state (None after a run that was not stopped);
+    `state` holds it either way.
+
+    Example, a notebook's cells::
+
+        outer = OuterLoop(TrainLoop(train_step), [EvalLoop(eval_step)])
+        state, _ = outer(state, train_dataset=it, train_total_steps=500,
+                         eval_specs=[EvalSpec(dataset=eval_ds)])  # Stop, or it finishes
+        state, _ = outer(outer.state, train_dataset=it, train_total_steps=1000,
+                         eval_specs=[EvalSpec(dataset=eval_ds)])  # run it again: goes on
     """
 
     def __init__(
@@ -261,8 +286,21 @@ class OuterLoop:
         prefetch: int | None = None,
         disable_jit: bool | None = None,
         post_mortem: bool | None = None,
+        resume: bool = True,
     ):
         self._debugging = (disable_jit, post_mortem)
+        if not isinstance(resume, bool):
+            raise TypeError(f"resume must be True or False, got {resume!r}")
+        self._resume = resume
+        self._state: State | None = None
+        # Per eval spec: whether an evaluation that read no batch was reported.
+        self._warned_empty: set[int] = set()
+        # The train loop's evaluations, run among its end actions (`_EvalsAtLoopEnd`): None
+        # until they run in the current loop, then whether they asked to stop.
+        self._loop_evals: bool | None = None
+        self._specs: list[EvalSpec] = []
+        # (the step the last training call ended at, whether inside a loop)
+        self._ended: tuple[int, bool] | None = None
         if prefetch is not None and prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self._train_loop = train_loop
@@ -282,6 +320,19 @@ class OuterLoop:
     @property
     def train_loop(self) -> train_loop_lib.TrainLoop | None:
         return self._train_loop
+
+    @property
+    def state(self) -> State | None:
+        """The latest live state: what the last call returned, or the state where Ctrl-C or
+        a preemption stopped it (None before the first call).
+
+        Unlike `stopped_state` it is never None after a call, so a notebook's "continue"
+        cell can be run any number of times::
+
+            state, _ = outer(outer.state, train_dataset=it, train_total_steps=1000,
+                             eval_specs=[EvalSpec(dataset=eval_ds)])
+        """
+        return self._state
 
     @property
     def eval_loops(self) -> list[eval_loop_lib.EvalLoop]:
@@ -309,7 +360,7 @@ class OuterLoop:
     ) -> tuple[list[Output | None], bool]:
         results: list[Output | None] = []
         stop = False
-        for loop, spec in zip(self._eval_loops, specs, strict=True):
+        for index, (loop, spec) in enumerate(zip(self._eval_loops, specs, strict=True)):
             if not spec.should_eval(context):
                 results.append(None)
                 continue
@@ -318,9 +369,31 @@ class OuterLoop:
             ahead = self._ahead(loop) if spec.dataset_iterator is None else 0
             with loop.prefetching(batches, ahead):
                 _, outputs = loop(state, batches, num_steps=spec.num_steps)
+            if getattr(loop, "num_steps_run", None) == 0 and not preemption.requested():
+                self._report_empty(index, spec, context.step_num)
             results.append(outputs)
             stop = stop or bool((outputs or {}).get(STOP_LOOP, False))
         return results, stop
+
+    def _report_empty(self, index: int, spec: EvalSpec, step: int) -> None:
+        """Says, once per spec, that an evaluation read no batch, and why: an iterator
+        given as `EvalSpec.dataset` is used up by the first evaluation, and every later
+        one would silently report nothing new."""
+        if index in self._warned_empty:
+            return
+        self._warned_empty.add(index)
+        if spec.dataset_iterator is not None:
+            cause = "its dataset_iterator is exhausted"
+        elif isinstance(spec.dataset, Iterator):
+            cause = (f"its dataset is an iterator ({type(spec.dataset).__name__}), which an "
+                     "earlier evaluation used up")
+        else:
+            cause = "its dataset is empty"
+        log.warning(
+            "eval_specs[%d]: the evaluation at step %d read no batch: %s, so this and later "
+            "evaluations have no results (the progress bar keeps the last ones). Pass an "
+            "iterable that every evaluation reads afresh as EvalSpec(dataset=...): a list, "
+            "a tf.data or grain dataset.", index, step, cause)
 
     def __call__(
         self,
@@ -342,7 +415,9 @@ class OuterLoop:
         if self._train_loop is None:
             with (self.history.recording(None, self._eval_loops),
                   debugging_lib.session(*self._debugging)):
-                return self._evaluate_only(state, specs)
+                state, outputs = self._evaluate_only(state, specs)
+                self._state = state
+                return state, outputs
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
         for name, value in (("train_total_steps", train_total_steps),
@@ -375,28 +450,62 @@ class OuterLoop:
         short = bool(loop.preempted) if planned is None else loop.num_steps_run < planned
         return self._cut_by_total or short
 
+    def _train_checkpoint_actions(self) -> list[actions_lib.CheckpointAction]:
+        """The train loop's actions that save the state to resume from (not best-k ones)."""
+        return [a for a in self._train_loop.end_actions
+                if isinstance(a, actions_lib.CheckpointAction)
+                and not isinstance(a, actions_lib.BestCheckpointAction)]
+
+    @staticmethod
+    def _latest(directory: Any) -> int | None:
+        # Process 0's listing decides for every process (a shared directory may show
+        # processes different contents at the same moment).
+        steps = agreement.agreed(lambda: checkpoint.all_steps(directory))
+        return max(steps) if steps else None
+
+    def _resume_directory(self) -> Any:
+        """Where training resumes from: the CheckpointSpec's directory, else the train
+        loop's checkpoint action's (None: nowhere, or `resume=False`)."""
+        if not self._resume:
+            return None
+        if self._checkpoint_spec is not None:
+            return self._checkpoint_spec.checkpoint_dir
+        for action in self._train_checkpoint_actions():
+            directory = getattr(action.ckpt_manager, "directory", None)
+            if directory is not None:
+                return directory
+        return None
+
     def _restore(self, state: State, iterator: Iterator[Any], loop_steps: int | None
-                 ) -> tuple[State, bool]:
-        """The state to train from, and whether it came from a checkpoint."""
+                 ) -> tuple[State, bool, int]:
+        """The state to train from, whether it came from a checkpoint, and its step."""
         self._evals_pending = False
-        spec = self._checkpoint_spec
         step = self._train_loop.step
-        # An abstract state (`Step.abstract_state`) is restored straight into place, or
+        for action in self._train_checkpoint_actions():
+            # A save still being written (a Stop's) is listed once it is finished.
+            action.ckpt_manager.wait_until_finished()
+        # The call's one read of the state's step (a loop boundary); an abstract state
+        # (`Step.abstract_state`) has none: it is restored straight into place, or
         # initialised by the step when there is nothing to restore.
-        if spec is None:
-            return step.materialize(state), False
-        # Process 0's listing decides which checkpoint every process restores (a shared
-        # directory may show processes different contents at the same moment).
-        steps = agreement.agreed(lambda: checkpoint.all_steps(spec.checkpoint_dir))
-        latest = max(steps) if steps else None
+        given = None if step_lib.is_abstract(state) else loop_lib.host_step(state)
+        directory = self._resume_directory()
+        latest = None if directory is None else self._latest(directory)
+        if directory is None or (latest is not None and given is not None and given > latest):
+            if directory is not None:
+                log.info("Training from the given state (step %d), ahead of the latest "
+                         "checkpoint in %s (step %d).", given, directory, latest)
+            state = step.materialize(state)
+            return state, False, loop_lib.host_step(state) if given is None else given
+        spec = self._checkpoint_spec
         # One read: the arrays, and the host data that lives beside them (the iterator
         # takes its position here, the loop its count and early stopping its progress below).
         restored, meta = checkpoint.restore(
-            state, spec.checkpoint_dir, step=latest, partitioner=step.partitioner,
-            skip_optimizer=not step.train, transforms=spec.transforms, dataset=iterator)
+            state, directory, step=latest, partitioner=step.partitioner,
+            skip_optimizer=not step.train, transforms=spec.transforms if spec else None,
+            dataset=iterator)
         restored = step.materialize(restored)
         if latest is None:
-            return restored, False
+            return restored, False, loop_lib.host_step(restored) if given is None else given
         loop_count, partial = _resumed_loop_count(meta, latest, loop_steps)
         if loop_count is not None:
             self._train_loop.loop_count = loop_count
@@ -407,7 +516,76 @@ class OuterLoop:
         # A checkpoint inside a loop has no evaluations after it (earlier releases said so
         # at a preemption inside a loop).
         self._evals_pending = bool(meta.get(_EVALS_PENDING_META)) and not partial
-        return restored, True
+        return restored, True, latest
+
+    def _check_saves(self, step: int) -> None:
+        """Fails before training where the train loop's checkpoint action would save
+        nothing: its directory holds a checkpoint after `step` (orbax saves only steps
+        after the latest), so the run would train and keep none of it."""
+        for action in self._train_checkpoint_actions():
+            directory = getattr(action.ckpt_manager, "directory", None)
+            latest = None if directory is None else self._latest(directory)
+            if latest is not None and latest > step:
+                how = ("resuming is off (OuterLoop(resume=False))" if not self._resume else
+                       f"this run resumed from {self._checkpoint_spec.checkpoint_dir}")
+                raise ValueError(
+                    f"This run would save no checkpoint until after step {latest}: it starts "
+                    f"at step {step}, its CheckpointAction saves to {directory}, which holds "
+                    f"a checkpoint at step {latest}, and orbax saves only steps after the "
+                    f"latest ({how}). Resume from that directory (OuterLoop's default, "
+                    "resume=True, with no CheckpointSpec elsewhere), save to a new "
+                    "directory, or delete its checkpoints.")
+
+    def _report_rewind(self, step: int) -> None:
+        """Says which steps of the history a run started at an earlier step replaces."""
+        later = self.history.steps_after(step)
+        if later is not None:
+            log.warning(
+                "Training from step %d, before the end of this OuterLoop's history: what it "
+                "holds at steps %d-%d (%s) is replaced by this run's values as they are "
+                "recorded. Copy outer.history.as_dict() first to keep it, or continue from "
+                "outer.state.", step, later[0], later[1], ", ".join(later[2]))
+
+    def _evals_at_loop_end(self, state: State, outputs: Output | None,
+                           first_step: int | None) -> None:
+        """The evaluations of the train loop that is ending, run first among its end
+        actions, before its checkpoint action (`_EvalsAtLoopEnd`)."""
+        loop = self._train_loop
+        if (loop.preempted or preemption.requested() or not loop.num_steps_run
+                or (outputs or {}).get(STOP_LOOP)):
+            return  # a stop (the outer loop ends the run), or no new step to evaluate
+        step = (first_step or 0) + loop.num_steps_run
+        stop = self._evaluate(state, step)
+        if not preemption.requested():  # (cut short by Ctrl-C: pending in the checkpoint)
+            self._loop_evals = stop
+
+    def _evaluate(self, state: State, step: int) -> bool:
+        """Runs the evaluations due after the train loop at `step`; whether to stop."""
+        try:
+            _, stop = self._run_evals(
+                state, self._specs, EvalContext(False, step, self._train_loop.loop_count))
+        except stop_handler.StopTrainingError as e:
+            log.info("Training stopped by an eval action: %s", e)
+            stop = True
+        return stop
+
+    @contextlib.contextmanager
+    def _evaluating_before_saves(self) -> Iterator[None]:
+        """Puts the evaluations first among the train loop's end actions (after the
+        history's recorder): the checkpoint of a loop's end then holds that loop's
+        evaluation (history, early-stopping progress), so a resumed run neither loses the
+        evaluation at its last step nor writes it twice. (Before the user's own actions,
+        so that none of them, e.g. a timing span around the checkpoint action, encloses
+        the evaluations.)"""
+        end_actions = self._train_loop.end_actions
+        runner = _EvalsAtLoopEnd(self)
+        first = next((i for i, a in enumerate(end_actions)
+                      if not isinstance(a, history_lib._Recorder)), len(end_actions))
+        end_actions.insert(first, runner)
+        try:
+            yield
+        finally:
+            end_actions.remove(runner)
 
     def _train(
         self,
@@ -425,7 +603,17 @@ class OuterLoop:
         self._remove_stale_marker()
         given = state
         # A run resumed inside a loop finishes that loop first, to its boundary.
-        state, align = self._restore(state, iterator, loop_steps)
+        state, align, step = self._restore(state, iterator, loop_steps)
+        if not align and self._ended == (step, True) and loop_steps and step % loop_steps:
+            # The live state of this OuterLoop's last call, which ended inside a loop (a
+            # Stop, or train_total_steps off a boundary): finish that loop, as a resume does,
+            # so evaluations and actions stay on the steps and loops of an uninterrupted run.
+            align = True
+            train_loop.loop_count = max(train_loop.loop_count - 1, 0)
+        self._ended = None
+        self._state = state
+        self._check_saves(step)
+        self._report_rewind(step)
         layout = jax.tree.structure(state)
         if layout not in self._logged_layouts:
             # Once per state structure, not at every call of a notebook's training cell.
@@ -434,7 +622,6 @@ class OuterLoop:
         # A state restored or built here is this run's own: the train loop donates it
         # without a copy. The caller's own state is copied once by the first train loop.
         owned = state is not given
-        step = int(state.step)
         if log_total_steps:
             log.info("Training from step %d to %s.", step, total_steps)
         if total_steps is not None and step >= total_steps:
@@ -446,6 +633,7 @@ class OuterLoop:
         stop = False
         self.preempted = False
         self.stopped_state = None
+        self._specs = specs
         # Early-stopping progress travels in the checkpoints' JSON item.
         ckpt_actions = [a for a in train_loop.end_actions
                         if isinstance(a, actions_lib.CheckpointAction)]
@@ -453,25 +641,26 @@ class OuterLoop:
             action.add_meta(_EARLY_STOPPING_META, self._early_stopping_meta)
             action.add_meta(_HISTORY_META, self.history.state_dict)
             action.add_meta(_LOOP_PARTIAL_META, self._loop_partial)
-            # A checkpoint at a loop's end (its end actions', or a preemption's right after
-            # it) is written before that loop's evaluations run; one inside a loop (a
-            # preemption's) has none after it.
-            action.add_meta(_EVALS_PENDING_META, lambda: not self._loop_partial())
-        if self._evals_pending and (total_steps is None or step < total_steps):
-            # The evaluations that followed the restored checkpoint in the earlier run are
-            # not in it (early-stopping progress included): run them again first.
-            try:
-                _, stop = self._run_evals(
-                    state, specs, EvalContext(False, step, self._train_loop.loop_count)
-                )
-            except stop_handler.StopTrainingError as e:
-                log.info("Training stopped by an eval action: %s", e)
-                stop = True
+            # A checkpoint at a loop's end is written after that loop's evaluations; one
+            # inside a loop (a preemption's) has none after it; a preemption's right after
+            # a loop's end is written before them (they did not run).
+            action.add_meta(_EVALS_PENDING_META,
+                            lambda: not self._loop_partial() and self._loop_evals is None)
+        # No loop of this call has run yet (a stop now is at a loop boundary).
+        self._planned_steps, self._cut_by_total = 0, False
         with (
             preemption.handling_preemption(),
             train_loop.prefetching(iterator, self._ahead(train_loop)),
             contextlib.closing(progress),
+            self._evaluating_before_saves(),
         ):
+            if self._evals_pending:
+                # The evaluations that followed the restored checkpoint in the earlier run
+                # are not in it (early-stopping progress included): run them again first,
+                # also when the run has finished (the evaluation at its last step).
+                stop = self._evaluate(state, step)
+                if preemption.requested():  # Ctrl-C during them
+                    self._stop(state, outputs)
             while not stop and (total_steps is None or step < total_steps):
                 num_steps = loop_steps
                 if align and loop_steps and step % loop_steps:
@@ -482,6 +671,7 @@ class OuterLoop:
                     num_steps = min(num_steps or total_steps, total_steps - step)
                 self._planned_steps = num_steps
                 self._cut_by_total = full is not None and num_steps < full
+                self._loop_evals = None
                 try:
                     if owned:
                         train_loop.adopt(state)
@@ -492,30 +682,35 @@ class OuterLoop:
                     # The state the action saw, at its step: the one passed in was donated.
                     if e.state is not None:
                         state = e.state
+                        self._state = state
                     stop = True
                     break
+                self._state = state
                 # A loop that ran no step (the data ended at a loop boundary) does not
                 # replace the outputs of the last one that trained.
-                if int(state.step) != step or outputs is None:
+                new_step = loop_lib.host_step(state)
+                advanced = new_step != step
+                if advanced or outputs is None:
                     outputs = new_outputs
-                step = int(state.step)
+                step = new_step
                 progress(state, new_outputs, first_step=train_loop.first_step)
                 if train_loop.preempted or preemption.requested():
                     self._stop(state, new_outputs)
-                if train_loop.dataset_exhausted:
-                    log.warning("The train dataset is exhausted at step %d; stopping.", step)
-                    break
                 if (new_outputs or {}).get(STOP_LOOP):
                     stop = True
                     break
-                context = EvalContext(False, step, train_loop.loop_count)
-                try:
-                    _, stop = self._run_evals(state, specs, context)
-                except stop_handler.StopTrainingError as e:
-                    log.info("Training stopped by an eval action: %s", e)
-                    stop = True
-                if preemption.interrupted():  # Ctrl-C during the evaluations
+                if self._loop_evals is not None:
+                    stop = self._loop_evals  # they ran before the loop's checkpoint
+                elif advanced:
+                    # (A train loop whose end does not run its end actions.)
+                    stop = self._evaluate(state, step)
+                if preemption.requested():  # Ctrl-C during the evaluations
                     self._stop(state, new_outputs)
+                if train_loop.dataset_exhausted:
+                    log.warning("The train dataset is exhausted at step %d; stopping (after "
+                                "evaluating at that step).", step)
+                    break
+        self._ended = (step, self._loop_partial())
         self._finish(step)
         return state, self._with_stop(outputs, stop)
 
@@ -551,11 +746,13 @@ class OuterLoop:
         `preemption.Interrupted` or `preemption.Preempted` with the live state."""
         self.preempted = True
         self.stopped_state = state
+        self._state = state
+        step = loop_lib.host_step(state)
+        self._ended = (step, self._loop_partial())
         saved = self._train_loop.save_checkpoint(state, outputs)
         writers, _ = self._writers_and_managers()
         for writer in writers:
             writer.flush()
-        step = int(state.step)
         log.warning("Stopped at step %d; %s.", step,
                     "a checkpoint was saved" if saved else "nothing was saved")
         raise preemption.stopped(state, step, saved)
@@ -582,7 +779,8 @@ class OuterLoop:
             raise ValueError("OuterLoop has neither a train loop nor eval loops")
         spec = self._checkpoint_spec
         if spec is None:
-            results, _ = self._run_evals(state, specs, EvalContext(False, int(state.step), 1))
+            context = EvalContext(False, loop_lib.host_step(state), 1)
+            results, _ = self._run_evals(state, specs, context)
             return state, _last(results)
         directory = epath.Path(spec.checkpoint_dir)
         seen: set[int] = set()
@@ -640,6 +838,19 @@ class OuterLoop:
             return None
         raise ValueError(f"Checkpoint step {step} in {directory} failed to restore for "
                          f"evaluation: {causes}") from error
+
+
+class _EvalsAtLoopEnd(actions_lib.Action):
+    """Runs an `OuterLoop`'s evaluations as the first of its train loop's end actions,
+    before the checkpoint action (see `OuterLoop._evaluating_before_saves`)."""
+
+    def __init__(self, outer: OuterLoop):
+        super().__init__(interval=1)
+        self._outer = outer
+
+    def __call__(self, state: State, outputs: Output | None, first_step: int | None = None,
+                 **kwargs: Any) -> None:
+        self._outer._evals_at_loop_end(state, outputs, first_step)
 
 
 def _deleted(directory: epath.Path, step: int) -> bool:

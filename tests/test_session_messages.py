@@ -41,20 +41,24 @@ def test_rerun_at_the_target_step_says_there_is_nothing_to_train(caplog):
 
 
 def test_checkpoint_action_on_a_directory_with_later_steps_says_why_once(tmp_path, caplog):
-    def run(total):
-        step = train_step()
-        manager = checkpoint.make_manager(tmp_path / "ckpt")
-        outer = outer_loop.OuterLoop(train_loop_lib.TrainLoop(
-            step, end_actions=[actions.CheckpointAction(manager)]))
-        outer(step.initialize_model([1, 16]), iter(data.GlobalBatchDataset(DATA, 16, seed=0)),
-              train_total_steps=total, train_loop_steps=2)
-        manager.close()
-
-    run(8)
+    step = train_step()
+    manager = checkpoint.make_manager(tmp_path / "ckpt")
+    outer = outer_loop.OuterLoop(train_loop_lib.TrainLoop(
+        step, end_actions=[actions.CheckpointAction(manager)]))
+    outer(step.initialize_model([1, 16]), iter(data.GlobalBatchDataset(DATA, 16, seed=0)),
+          train_total_steps=8, train_loop_steps=2)
+    manager.close()
     assert checkpoint.all_steps(tmp_path / "ckpt") == [4, 6, 8]
-    # A fresh run from step 0 into the same directory (no checkpoint_spec: no resume).
+    # A bare train loop from step 0 into the same directory (an OuterLoop resumes from it,
+    # or refuses with resume=False: tests/test_second_hour_outer.py).
+    manager = checkpoint.make_manager(tmp_path / "ckpt")
+    loop = train_loop_lib.TrainLoop(step, end_actions=[actions.CheckpointAction(manager)])
+    it = iter(data.GlobalBatchDataset(DATA, 16, seed=0))
+    state = step.initialize_model([1, 16])
     with caplog.at_level(logging.WARNING, logger="jaxloop"):
-        run(6)
+        for _ in range(3):
+            state, _ = loop(state, it, num_steps=2)
+    manager.close()
     assert checkpoint.all_steps(tmp_path / "ckpt") == [4, 6, 8]  # nothing was saved
     [record] = warnings_of(caplog, "saves nothing")  # three loops, one warning
     assert "step 2" in record.getMessage() and "later checkpoint (step 8)" in record.getMessage()
