@@ -34,6 +34,8 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
+
 from jaxloop import actions, types
 from jaxloop import loop as loop_lib
 
@@ -64,10 +66,15 @@ class History:
         # Loop outputs not read yet: (prefix, step, scalar outputs, first_step).
         self._pending: list[tuple[str, int, dict[str, Any], int | None]] = []
 
-    def _settled(self) -> dict[str, Series]:
-        """The series, with the loop outputs still pending read in (in the order recorded)."""
-        pending, self._pending = self._pending, []
-        for prefix, step, outputs, first_step in pending:
+    def _settled(self, ready_only: bool = False) -> dict[str, Series]:
+        """The series, with the loop outputs still pending read in (in the order recorded);
+        with `ready_only`, only those the device has finished (no wait), in order."""
+        while self._pending:
+            prefix, step, outputs, first_step = self._pending[0]
+            if ready_only and not all(x.is_ready() for x in jax.tree.leaves(outputs)
+                                      if isinstance(x, jax.Array)):
+                break
+            self._pending.pop(0)
             self._read(prefix, step, outputs, first_step)
         return self._series
 
@@ -118,15 +125,15 @@ class History:
         loop's mean, weighted per step by `weights`: its example counts, numbers or device
         scalars) one value at `step`.
 
-        The values are read from the device when the history is next read or recorded to
-        (by then the next loop has usually run: recording adds no wait of its own at this
-        loop's end); only scalar outputs are kept until then, picked by shape.
+        The values are read from the device when the history is next read, or recorded to
+        once the device has computed them: recording never waits for the device. Only
+        scalar outputs are kept until then, picked by shape.
         """
         scalars = {k: list(v) if type(v) is list else v for k, v in (outputs or {}).items()
                    if not k.startswith(_STATS_PREFIX) and _scalar_like(v)}
         if weights:  # kept with them, under a name no recorded output has (stats are out)
             scalars[_WEIGHTS] = list(weights)
-        self._settled()  # reads in what the previous loop recorded (computed by now)
+        self._settled(ready_only=True)  # what earlier loops recorded, where computed
         self._pending.append((prefix, step, scalars, first_step))
 
     def _read(self, prefix: str, step: int, outputs: dict[str, Any],
@@ -153,11 +160,19 @@ class History:
             history.steps_after(200)  # (201, 500, ['eval/loss', 'train/loss'])
         """
         later = {name: [s for s in series.steps if s > step]
-                 for name, series in self._settled().items()}
+                 for name, series in self._series.items()}
+        for prefix, last, outputs, first in self._pending:  # their steps, read on the host
+            for key, value in outputs.items():
+                if key != _WEIGHTS:
+                    per_step = (first is not None and type(value) is list
+                                and len(value) == last - first)
+                    later.setdefault(f"{prefix}/{key}", []).extend(
+                        s for s in (range(first + 1, last + 1) if per_step else [last])
+                        if s > step)
         later = {name: steps for name, steps in later.items() if steps}
         if not later:
             return None
-        return (min(s[0] for s in later.values()), max(s[-1] for s in later.values()),
+        return (min(min(s) for s in later.values()), max(max(s) for s in later.values()),
                 sorted(later))
 
     def latest(self, prefix: str) -> dict[str, float]:
