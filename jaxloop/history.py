@@ -140,11 +140,11 @@ class History:
               first_step: int | None) -> None:
         weights = outputs.pop(_WEIGHTS, None)
         if weights is not None:  # read with the outputs (device scalars for placed batches)
-            weights = actions._scalar_values(weights)  # jaxloop's own helper
+            weights = actions._scalar_values(weights, stack=False)  # jaxloop's own helper
         if first_step is not None:
             for key in list(outputs):
                 # One transfer per key (a per-step list is stacked on the device first).
-                host = actions._scalar_values(outputs[key])  # jaxloop's own helper
+                host = actions._scalar_values(outputs[key], stack=False)  # jaxloop's own helper
                 if isinstance(host, list) and len(host) == step - first_step:
                     self.record(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
                     del outputs[key]
