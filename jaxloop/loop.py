@@ -342,7 +342,10 @@ class Loop:
         # Preemption is checked between training steps against the host's step count, so
         # the per-step check never waits for the device.
         check_preemption = preemption.active() and train
-        first_step = host_step(state) if train and hasattr(state, "step") else None
+        # Counted on the host for a training Step's state (one step per batch); a plain
+        # callable's step may advance it otherwise (or not at all).
+        counted = train and getattr(self._step, "train", False) and hasattr(state, "step")
+        first_step = host_step(state) if counted or check_preemption else None
         # An evaluation may stop at any batch on Ctrl-C; a training loop at a step boundary.
         check_interrupt = preemption.active() and not train
         done = 0
@@ -386,7 +389,7 @@ class Loop:
                     break
                 if self.dataset_exhausted:
                     break
-        if first_step is not None:
+        if counted:
             remember_step(state, first_step + done)
         self.num_steps_run = done
         return state, dict(loop_outputs)

@@ -605,8 +605,8 @@ class OuterLoop:
         # A run resumed inside a loop finishes that loop first, to its boundary.
         state, align, step = self._restore(state, iterator, loop_steps)
         if not align and self._ended == (step, True) and loop_steps and step % loop_steps:
-            # The live state of this OuterLoop's last call, which ended inside a loop (a
-            # Stop, or train_total_steps off a boundary): finish that loop, as a resume does,
+            # The live state of this OuterLoop's last call, which a Stop ended inside a loop:
+            # finish that loop, as a resume does,
             # so evaluations and actions stay on the steps and loops of an uninterrupted run.
             align = True
             train_loop.loop_count = max(train_loop.loop_count - 1, 0)
@@ -710,7 +710,9 @@ class OuterLoop:
                     log.warning("The train dataset is exhausted at step %d; stopping (after "
                                 "evaluating at that step).", step)
                     break
-        self._ended = (step, self._loop_partial())
+        # Ended by train_total_steps or the data, not stopped: a later call starts its loops
+        # at this step, as the reference does.
+        self._ended = (step, False)
         self._finish(step)
         return state, self._with_stop(outputs, stop)
 

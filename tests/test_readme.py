@@ -64,7 +64,7 @@ def run_cells(scope: dict, *cells: str) -> dict:
 
 
 def test_notebooks_md_continue_cell_runs_after_a_finished_run_and_again(tmp_path, caplog):
-    build, train = notebook_snippets("Building loops cell by cell")
+    build, train = notebook_snippets("Building loops cell by cell")[:2]
     cont, catch = notebook_snippets("Interrupting and continuing")
     scope = run_cells({"__name__": "notebook"}, notebook_preamble(tmp_path), build, train)
     assert int(scope["state"].step) == 500 and scope["outer"].stopped_state is None
@@ -80,7 +80,7 @@ def test_notebooks_md_continue_cell_runs_after_a_finished_run_and_again(tmp_path
 
 
 def test_notebooks_md_resume_cell_run_again_after_a_restart_resumes(tmp_path, caplog):
-    [build, _] = notebook_snippets("Building loops cell by cell")
+    [build, _] = notebook_snippets("Building loops cell by cell")[:2]
     [resume] = notebook_snippets("Resuming after a kernel restart")
     first = run_cells({"__name__": "notebook"}, notebook_preamble(tmp_path), build, resume)
     assert int(first["state"].step) == 1000

@@ -14,7 +14,16 @@ import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, data, eval_loop, outer_loop, train_loop, writers
+from jaxloop import (
+    actions,
+    checkpoint,
+    data,
+    eval_loop,
+    outer_loop,
+    preemption,
+    train_loop,
+    writers,
+)
 
 DATA = toy_data(256)
 BATCHES = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 256, 16)]
@@ -119,17 +128,34 @@ def test_a_live_state_ahead_of_the_directory_is_kept_not_rewound(tmp_path, spec)
     assert checkpoint.all_steps(tmp_path / "ckpt") == [2, 4, 8]
 
 
-def test_the_continue_cell_after_a_run_that_ended_inside_a_loop_keeps_the_loop_boundaries():
+class StopAtStep:
+    """A step's end action that asks for a stop (as SIGTERM or a notebook's Stop does) once,
+    after the train step numbered `at`."""
+
+    interval = 1
+
+    def __init__(self, at):
+        self.at, self.done = at, False
+
+    def __call__(self, state, outputs, **kwargs):
+        if not self.done and int(state.step) == self.at:
+            self.done = True
+            preemption.request()
+
+
+def test_the_continue_cell_after_a_stop_inside_a_loop_keeps_the_loop_boundaries():
     step = train_step()
+    step.end_actions.append(StopAtStep(13))
     evaluated = Evaluated()
     outer = outer_loop.OuterLoop(train_loop.TrainLoop(step),
                                  [eval_loop.EvalLoop(eval_step(), end_actions=[evaluated])])
     specs = [outer_loop.EvalSpec(BATCHES[:1])]
-    outer(step.initialize_model([1, 16]), BATCHES * 10, train_total_steps=13,
-          train_loop_steps=5, eval_specs=specs)  # ends inside the third loop, as Stop does
+    with pytest.raises(preemption.Preempted):  # stopped inside the third loop
+        outer(step.initialize_model([1, 16]), BATCHES * 10, train_total_steps=25,
+              train_loop_steps=5, eval_specs=specs)
     outer(outer.state, BATCHES * 10, train_total_steps=25, train_loop_steps=5,
           eval_specs=specs)
-    assert evaluated.steps == [5, 10, 13, 15, 20, 25]  # not 18, 23
+    assert evaluated.steps == [5, 10, 15, 20, 25]  # not 18, 23
     assert outer.train_loop.loop_count == 5
 
 
@@ -302,7 +328,7 @@ def test_a_notebook_session_continues_rewinds_and_resumes_after_a_restart(tmp_pa
     history's steps replaced); then the resume cell, a kernel restart and the same cells
     again (items 3 and 6: resumed from the action's directory, the last evaluation kept),
     and a run with resuming off that could save nothing (item 3: refused before training)."""
-    build, train = notebook_snippets("Building loops cell by cell")
+    build, train = notebook_snippets("Building loops cell by cell")[:2]
     cont, _ = notebook_snippets("Interrupting and continuing")
     [resume] = notebook_snippets("Resuming after a kernel restart")
     before = [notebook_preamble("nb") + build + READY, train, cont, cont, SHOW, REWIND, SHOW,
