@@ -128,17 +128,14 @@ def _stack_scalars(values: list[jax.Array]) -> jax.Array:
     return jnp.stack([jnp.reshape(v, ()) for v in values])
 
 
-def _host_scalars(values: list[Any], stack: bool = True) -> list[float]:
-    """Host copies of a per-step list of scalars: with `stack`, arrays of one dtype are
-    stacked on the devices in groups of `_STACK_GROUP` (one program, the last group padded)
-    so that a loop of n steps makes n / 128 transfers, not n (each a device-to-host copy on
-    an accelerator). Without it each is copied as it is: a stacking program would queue
-    behind the steps in flight, so a reader of values already computed (the history, one
-    loop late) would wait for them."""
+def _host_scalars(values: list[Any]) -> list[float]:
+    """Host copies of a per-step list of scalars: arrays of one dtype are stacked on the
+    devices in groups of `_STACK_GROUP` (one program, the last group padded) so that a
+    loop of n steps makes n / 128 transfers, not n (each a device-to-host copy on an
+    accelerator)."""
     host = None
     if (
-        stack
-        and len(values) > 8
+        len(values) > 8
         and jax.process_count() == 1  # a program here would be a collective: fetch gathers
         and all(isinstance(v, jax.Array) for v in values)
         and len({v.dtype for v in values}) == 1
@@ -161,8 +158,7 @@ def _computed(value: Any) -> Any:
     return value
 
 
-def _scalar_values(value: Any, stack: bool = True
-                   ) -> float | list[float] | dict[str, float] | None:
+def _scalar_values(value: Any) -> float | list[float] | dict[str, float] | None:
     """The scalar content of a loop output as host floats, or None when it has none.
 
     Scalars are picked from shapes before any transfer, so a per-example array (logits,
@@ -178,7 +174,7 @@ def _scalar_values(value: Any, stack: bool = True
     if isinstance(value, list | tuple):
         if not value or not _all_numbers(value):
             return None
-        return _host_scalars(list(value), stack)
+        return _host_scalars(list(value))
     if _is_number(value):
         return float(np.asarray(fetch(value), np.float64).reshape(()))
     return None

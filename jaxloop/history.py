@@ -35,6 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from jaxloop import actions, types
 from jaxloop import loop as loop_lib
@@ -51,6 +52,34 @@ class Series(NamedTuple):
 
     steps: list[int]
     values: list[float]
+
+
+class _Stacked(NamedTuple):
+    """A per-step list of device scalars, stacked on the devices when recorded (in groups
+    of `actions._STACK_GROUP`, the last padded) and read later in one transfer per group."""
+
+    groups: tuple[jax.Array, ...]
+    count: int
+
+    def read(self) -> list[float]:
+        return np.concatenate(jax.device_get(list(self.groups)))[:self.count].astype(
+            np.float64).tolist()
+
+
+def _stacked(values: list[Any]) -> list[Any] | _Stacked:
+    """`values` stacked on the devices where they are device scalars of one dtype in this
+    process (dispatched behind the steps that make them: no wait), else as they are."""
+    if not (len(values) > 8 and jax.process_count() == 1
+            and all(isinstance(v, jax.Array) for v in values)
+            and len({v.dtype for v in values}) == 1):
+        return values
+    size = actions._STACK_GROUP
+    chunks = [values[i:i + size] for i in range(0, len(values), size)]
+    try:
+        return _Stacked(tuple(actions._stack_scalars(c + [c[-1]] * (size - len(c)))
+                              for c in chunks), len(values))
+    except ValueError:  # scalars on different devices (a list from two placements)
+        return values
 
 
 def eval_prefix(index: int) -> str:
@@ -126,10 +155,12 @@ class History:
         scalars) one value at `step`.
 
         The values are read from the device when the history is next read, or recorded to
-        once the device has computed them: recording never waits for the device. Only
-        scalar outputs are kept until then, picked by shape.
+        once the device has computed them: recording never waits for the device (a per-step
+        list is stacked on the devices now, behind the loop's steps, and read in one
+        transfer later). Only scalar outputs are kept until then, picked by shape.
         """
-        scalars = {k: list(v) if type(v) is list else v for k, v in (outputs or {}).items()
+        scalars = {k: _stacked(list(v)) if type(v) is list else v
+                   for k, v in (outputs or {}).items()
                    if not k.startswith(_STATS_PREFIX) and _scalar_like(v)}
         if weights:  # kept with them, under a name no recorded output has (stats are out)
             scalars[_WEIGHTS] = list(weights)
@@ -138,13 +169,13 @@ class History:
 
     def _read(self, prefix: str, step: int, outputs: dict[str, Any],
               first_step: int | None) -> None:
+        outputs = {k: v.read() if isinstance(v, _Stacked) else v for k, v in outputs.items()}
         weights = outputs.pop(_WEIGHTS, None)
         if weights is not None:  # read with the outputs (device scalars for placed batches)
-            weights = actions._scalar_values(weights, stack=False)  # jaxloop's own helper
+            weights = actions._scalar_values(weights)  # jaxloop's own helper
         if first_step is not None:
             for key in list(outputs):
-                # One transfer per key (a per-step list is stacked on the device first).
-                host = actions._scalar_values(outputs[key], stack=False)  # jaxloop's own helper
+                host = actions._scalar_values(outputs[key])  # jaxloop's own helper
                 if isinstance(host, list) and len(host) == step - first_step:
                     self.record(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
                     del outputs[key]
@@ -164,8 +195,9 @@ class History:
         for prefix, last, outputs, first in self._pending:  # their steps, read on the host
             for key, value in outputs.items():
                 if key != _WEIGHTS:
-                    per_step = (first is not None and type(value) is list
-                                and len(value) == last - first)
+                    count = value.count if isinstance(value, _Stacked) else (
+                        len(value) if type(value) is list else None)
+                    per_step = first is not None and count == last - first
                     later.setdefault(f"{prefix}/{key}", []).extend(
                         s for s in (range(first + 1, last + 1) if per_step else [last])
                         if s > step)
