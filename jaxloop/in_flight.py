@@ -1,7 +1,7 @@
 """How far the host may run ahead of the device.
 
 A loop never waits for a step's result; it only bounds the executions dispatched but not
-finished, waiting on the oldest once the bound is reached. That keeps the
+finished, waiting once the bound is reached. That keeps the
 device fed while capping queued work: unbounded dispatch of sharded steps deadlocked XLA's
 CPU collectives ("Expected 8 threads to join the rendezvous"), and queued steps hold their
 batches in memory. Each execution is known by a token: an array its program made (a
@@ -67,12 +67,18 @@ class InFlight:
 
     def add(self, token: jax.Array | None) -> None:
         """Records a dispatched execution by its token; once `bound` are recorded, waits
-        for the oldest (so fewer than `bound` stay unfinished)."""
+        until half of them remain unfinished."""
         if token is None:
             return
         tokens = self._tokens
         tokens.append(token)
         if len(tokens) >= self.bound:
+            # Down to half the bound, not one fewer: the host sleeps and wakes once per
+            # bound/2 executions rather than once per execution, and the device still has
+            # bound/2 queued. Executions finish in order: only the newest of those needs a
+            # wait.
+            for _ in range(len(tokens) - self.bound // 2 - 1):
+                tokens.popleft()
             tokens.popleft().block_until_ready()
 
     def clear(self) -> None:
