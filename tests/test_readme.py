@@ -90,3 +90,17 @@ def test_notebooks_md_resume_cell_run_again_after_a_restart_resumes(tmp_path, ca
     assert f"Resumed from step 1000 of {tmp_path / 'checkpoints'}" in caplog.text
     assert int(second["state"].step) == 1000
     assert second["outer"].history["eval/loss"] == first["outer"].history["eval/loss"]
+
+
+def test_readme_is_at_most_200_lines():
+    assert len(README.read_text().splitlines()) <= 200
+
+
+def test_no_docstring_or_comment_quotes_a_timing_of_this_machine():
+    """Figures live in benchmarks/RESULTS.txt: the package's text says what and why."""
+    timing = re.compile(r"\d\s?(?:µs|us|ms)\b|µs on|us on this|on this (?:machine|CPU)")
+    found = [f"{path}:{n}: {line.strip()}"
+             for path in sorted((README.parent / "jaxloop").rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if timing.search(line)]
+    assert not found, "\n".join(found)
