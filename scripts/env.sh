@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Creates (or reuses) .venv with the pinned versions in constraints.txt.
-# Sourced by the two set-up commands; re-installs only when the pins or pyproject change.
+# Creates (or reuses) .venv with the pinned versions in constraints.txt and the extras in
+# JAXLOOP_EXTRAS (the main job sets "examples"; the tests "tf,examples,test").
+# Sourced by the two set-up commands; installs again only when the pins, pyproject or the
+# extras asked for change.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
-stamp="$venv/.jaxloop-installed"
+extras="${JAXLOOP_EXTRAS:-tf,examples,test}"
+stamp="$venv/.jaxloop-installed-${extras//,/-}"
 want="$(cat "$root/constraints.txt" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
@@ -12,7 +15,7 @@ fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip "uv==0.13.8"
   "$venv/bin/uv" pip install -q --python "$venv/bin/python" -c "$root/constraints.txt" \
-    -e "$root[tf,examples,test]"
+    -e "$root[$extras]"
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

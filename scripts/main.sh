@@ -2,5 +2,5 @@
 # The main job: trains the digits example and prints its results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/env.sh
+JAXLOOP_EXTRAS=examples source scripts/env.sh  # the example's needs only
 python -m jaxloop.examples.digits "$@"

@@ -3,7 +3,7 @@
 # then the tier that needs TensorFlow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/env.sh
+JAXLOOP_EXTRAS=tf,examples,test source scripts/env.sh
 ruff check jaxloop tests benchmarks
 # Two xdist workers: one runs the multi-process jobs in turn, the other the rest (see
 # tests/conftest.py).
