@@ -91,3 +91,25 @@ def test_bad_throughput_options_are_clear_errors():
     loop = stat_loop.StatLoop(step, tokens_key="mask")
     with pytest.raises(ValueError, match=r"no entry 'mask'.*\['x', 'y'\]"):
         loop(state, iter([toy_data(32)]), num_steps=1)
+
+
+def test_the_first_loops_rates_leave_its_compilation_out_and_report_it_apart():
+    """A notebook cell run twice: the first run compiles the step, the second does not.
+    Steps/s (and so MFU) cover the steps only; the compilation is reported beside them."""
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.sgd(0.1), train=True)
+    state = step.initialize_model([1, 16])
+    loop = train_loop.TrainLoop(step, global_batch_size=32, model_flops_per_example=1e3,
+                                peak_flops_per_device=1e9,
+                                stat_names=[stat_loop.STAT_COMPILE_SECS])
+    for run in range(2):
+        state, out = loop(state, iter([toy_data(32)] * 4), num_steps=4)
+        stats = loop.stats
+        assert out[stat_loop.STAT_COMPILE_SECS] == loop.compile_secs
+        steps_secs = stats[stat_loop.STAT_LOOP_TIME_SECS] - loop.compile_secs
+        assert stats[stat_loop.STAT_STEPS_PER_SEC] == pytest.approx(4 / steps_secs)
+        assert stats[stat_loop.STAT_MFU] == pytest.approx(
+            1e3 * 32 * stats[stat_loop.STAT_STEPS_PER_SEC] / 1e9)
+        if run == 0:
+            assert 0 < loop.compile_secs < stats[stat_loop.STAT_LOOP_TIME_SECS]
+        else:
+            assert loop.compile_secs == 0.0
