@@ -73,13 +73,9 @@ class InFlight:
         tokens = self._tokens
         tokens.append(token)
         if len(tokens) >= self.bound:
-            # Down to half the bound, not one fewer: the host sleeps and wakes once per
-            # bound/2 executions rather than once per execution, and the device still has
-            # bound/2 queued. Executions finish in order: only the newest of those needs a
-            # wait.
+            # Down to half the bound: the host sleeps and wakes once per bound/2 executions,
+            # not once per execution, and the device keeps bound/2 queued. Executions finish
+            # in order: only the newest of those needs a wait.
             for _ in range(len(tokens) - self.bound // 2 - 1):
                 tokens.popleft()
             tokens.popleft().block_until_ready()
-
-    def clear(self) -> None:
-        self._tokens.clear()

@@ -42,10 +42,9 @@ _host_steps: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def host_step(state: Any) -> int:
-    """The train step of `state` without reading the device where the host knows it: for a
-    state a training loop returned (or an evaluation was given), the loop's count (its
-    first step plus the steps it ran: a training step advances ``state.step`` by one per
-    batch, as ``TrainState.apply_gradients`` does); for any other state, ``int(state.step)``.
+    """The train step of `state`, without reading the device where the host knows it: for a
+    state a training loop returned, its first step plus the steps it ran (a training step
+    advances ``state.step`` by one per batch, as ``apply_gradients`` does); else read.
 
     Example::
 

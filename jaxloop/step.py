@@ -387,13 +387,11 @@ class Step(step_state.StepState):
         **kwargs: Any,
     ) -> tuple[State, Output | None]:
         """Runs batches (raw or prepared, of one layout) as consecutive steps in one
-        compiled call (`jaxloop.program`); the results equal those of calling the step on
-        each in turn. One program serves every number of batches up to `size` (default:
-        their number). Outputs come back stacked: ``outputs['loss'][i]`` is step i's
-        (entries past the real steps are no real step's). `begin` and `end` run once, on
-        the stacked batch and outputs; step actions fire where the host sees a step
-        boundary: a begin action on the first step (`per_loop_step_number`, with its
-        batch), an end action on the last (with its outputs).
+        compiled call (`jaxloop.program`), with the results of calling the step on each in
+        turn. One program serves every number of batches up to `size` (default: their
+        number); outputs come back stacked (``outputs['loss'][i]`` is step i's). `begin`
+        and `end` run once, on the stacked batch and outputs; a begin action fires on the
+        first step (with its batch), an end action on the last (with its outputs).
 
         Args:
           carry_state: False runs every step on the given `state` (as eval loops do) and
