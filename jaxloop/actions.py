@@ -1,5 +1,12 @@
 """Actions: host-side work run at loop boundaries (summaries, checkpoints, early stopping).
 
+This module holds the `Action` base class and the actions that need nothing beyond the
+loops: `SummaryAction`, `EarlyStoppingAction`, `StepNumberAction`. The checkpoint actions
+(`checkpoint_actions`, which need orbax) and the progress bar (`progress`) live in their
+own modules and are reached here by name, loaded on first use, so that importing the loops
+imports no checkpointing library. The metric helpers (`scalar_metrics`, `fetch`, ...) are
+`metric_values`'.
+
 An action is any callable ``action(state, outputs, **kwargs)`` with a positive ``interval``;
 loops call it every ``interval`` loops (steps, when given to a `Step`). Keyword arguments
 from an `ActionLoop` are ``loop``, ``loop_count`` and ``first_step``; accept ``**kwargs``
@@ -19,22 +26,24 @@ Example, a custom action that logs the learning rate::
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
-import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
-from jaxloop import agreement, checkpoint, stop_handler, triggers, types
 from jaxloop import loop as loop_lib
+from jaxloop import metric_values, stop_handler, triggers, types
+
+# Re-exported: users call these as ``actions.scalar_metrics`` etc. (google/jaxloop's names).
+from jaxloop.metric_values import example_weights, fetch, scalar_metrics, scalar_summary
 from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
+
+if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` loads them when used
+    from jaxloop.checkpoint_actions import BestCheckpointAction, CheckpointAction
+    from jaxloop.progress import ProgressAction
 
 Output = types.Output
 State = types.TrainState
@@ -44,6 +53,47 @@ MetricMonitoringStopHandler = stop_handler.MetricMonitoringStopHandler
 StopTrainingError = stop_handler.StopTrainingError
 
 log = logging.getLogger(__name__)
+
+# Actions in modules of their own, by the module that defines them: loaded on first use
+# (`__getattr__`), so the loops, which import this module, do not import orbax.
+_ELSEWHERE = {
+    "CheckpointAction": "jaxloop.checkpoint_actions",
+    "BestCheckpointAction": "jaxloop.checkpoint_actions",
+    "ProgressAction": "jaxloop.progress",
+}
+
+__all__ = [
+    "Action",
+    "BestCheckpointAction",
+    "CheckpointAction",
+    "EarlyStoppingAction",
+    "MetricMonitoringStopHandler",
+    "MetricType",
+    "MetricWithMetadata",
+    "ProgressAction",
+    "StepNumberAction",
+    "StepNumberFileWriter",
+    "StopTrainingError",
+    "SummaryAction",
+    "example_weights",
+    "fetch",
+    "scalar_metrics",
+    "scalar_summary",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """`CheckpointAction`, `BestCheckpointAction` and `ProgressAction`, imported from
+    their modules when first asked for (PEP 562)."""
+    if name in _ELSEWHERE:
+        value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
+        globals()[name] = value  # found directly from now on
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ELSEWHERE})
 
 
 class Action:
@@ -79,174 +129,6 @@ class Action:
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> Any:
         raise NotImplementedError("Action subclasses implement __call__(state, outputs, **kw)")
-
-
-def fetch(value: Any) -> Any:
-    """Host copy of `value`. An array that spans other processes' devices and is not
-    replicated is gathered first (a collective: every process must call this, as every
-    process runs the loops' actions).
-
-    Example::
-
-        logits = np.asarray(fetch(outputs['logits'][-1]))  # whole, on every process
-    """
-    if (
-        isinstance(value, jax.Array)
-        and not value.is_fully_addressable
-        and not value.is_fully_replicated
-    ):
-        return multihost_utils.process_allgather(value, tiled=True)
-    return jax.device_get(value)
-
-
-def _is_number(x: Any) -> bool:
-    # Shape and dtype are metadata: nothing is copied from the device to decide. This runs
-    # for every step's outputs at a loop's end, so the common dtypes are told by their kind.
-    if isinstance(x, bool | int | float | np.number):
-        return True
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or np.size(x) != 1:
-        return False
-    kind = np.dtype(dtype).kind
-    # bfloat16 and the float8 types are numpy 'V' (void) kinds: jnp knows them as floats.
-    return kind in "biuf" or (kind == "V" and jnp.issubdtype(dtype, jnp.floating))
-
-
-def _all_numbers(values: Sequence[Any]) -> bool:
-    """Whether every value is a number (`_is_number`), deciding once per distinct type,
-    dtype and shape: a loop's per-step list has thousands of entries of one kind."""
-    kinds = {(type(v), getattr(v, "dtype", None), getattr(v, "shape", None)): v for v in values}
-    return all(_is_number(v) for v in kinds.values())
-
-
-# Per-step scalars are stacked on the devices in groups of this many before their transfer.
-_STACK_GROUP = 128
-
-
-@jax.jit
-def _stack_scalars(values: list[jax.Array]) -> jax.Array:
-    return jnp.stack([jnp.reshape(v, ()) for v in values])
-
-
-def _host_scalars(values: list[Any]) -> list[float]:
-    """Host copies of a per-step list of scalars: arrays of one dtype are stacked on the
-    devices in groups of `_STACK_GROUP` (one program, the last group padded) so that a
-    loop of n steps makes n / 128 transfers, not n (each a device-to-host copy on an
-    accelerator)."""
-    host = None
-    if (
-        len(values) > 8
-        and jax.process_count() == 1  # a program here would be a collective: fetch gathers
-        and all(isinstance(v, jax.Array) for v in values)
-        and len({v.dtype for v in values}) == 1
-    ):
-        groups = [values[start:start + _STACK_GROUP]
-                  for start in range(0, len(values), _STACK_GROUP)]
-        try:
-            stacked = [_stack_scalars(g + [g[-1]] * (_STACK_GROUP - len(g))) for g in groups]
-            host = np.concatenate(jax.device_get(stacked))[:len(values)]
-        except ValueError:  # scalars on different devices (a list from two placements)
-            pass
-    if host is None:
-        host = fetch(values)
-    return np.asarray(host, np.float64).reshape(-1).tolist()
-
-
-def _computed(value: Any) -> Any:
-    if hasattr(value, "compute") and callable(value.compute):
-        return value.compute()  # clu metrics: computed on the device
-    return value
-
-
-def _scalar_values(value: Any) -> float | list[float] | dict[str, float] | None:
-    """The scalar content of a loop output as host floats, or None when it has none.
-
-    Scalars are picked from shapes before any transfer, so a per-example array (logits,
-    say) is never copied to the host, and in a multi-process job never fetched from devices
-    of other processes. A per-step list of scalars comes back
-    in one `device_get`. A clu Collection (a dict once computed) gives its scalar entries.
-    """
-    value = _computed(value)
-    if isinstance(value, Mapping):
-        picked = {k: v for k, v in value.items() if _is_number(v)}
-        return {k: float(np.asarray(v, np.float64).reshape(()))
-                for k, v in fetch(picked).items()}
-    if isinstance(value, list | tuple):
-        if not value or not _all_numbers(value):
-            return None
-        return _host_scalars(list(value))
-    if _is_number(value):
-        return float(np.asarray(fetch(value), np.float64).reshape(()))
-    return None
-
-
-def _mean(numbers: Sequence[float], weights: Sequence[float] | None) -> float:
-    if weights is not None and len(weights) == len(numbers) and sum(weights) > 0:
-        return float(np.average(np.asarray(numbers, np.float64), weights=weights))
-    return float(np.mean(np.asarray(numbers, np.float64)))
-
-
-def example_weights(loop: Any = None) -> list[float] | None:
-    """The per-step example counts of `loop`'s last run as floats (an `EvalLoop` keeps
-    them beside its outputs, see `EvalLoop.example_counts`), or None for a loop that keeps
-    none (a train loop) or no loop.
-
-    Example::
-
-        def __call__(self, state, outputs, loop=None, **kwargs):
-            weights = actions.example_weights(loop)   # [16.0, 16.0, 8.0]
-    """
-    counts = getattr(loop, "example_counts", None)
-    if not counts:
-        return None
-    weights = _scalar_values(list(counts))
-    return weights if isinstance(weights, list) else None
-
-
-def scalar_summary(value: Any, weights: Sequence[float] | None = None) -> float | None:
-    """One number for an output (the mean of a per-step list), or None if not scalar.
-
-    With `weights` (one per step, e.g. the examples in each batch) a per-step list gives
-    the weighted mean, i.e. the mean over examples rather than over batches.
-    Non-scalar outputs are recognised from their shapes and never copied to the host.
-    """
-    host = _scalar_values(value)
-    if isinstance(host, list):
-        return _mean(host, weights)
-    return host if isinstance(host, float) else None
-
-
-def scalar_metrics(
-    outputs: Output | None, weights: Sequence[float] | None = None, *, loop: Any = None
-) -> dict[str, float]:
-    """The scalar outputs of a loop reduced to floats.
-
-    A per-step list gives its mean; a clu Collection gives ``key/name`` entries. Given the
-    loop that produced `outputs` (an action has it as its ``loop`` keyword), an eval
-    loop's means weight each step by its real examples (`example_weights`): the mean over
-    examples. `weights` gives the per-step weights directly instead.
-
-    Example::
-
-        _, outputs = eval_loop(state, eval_batches)
-        actions.scalar_metrics(outputs, loop=eval_loop)   # {'loss': 0.31, 'accuracy': 0.9}
-    """
-    if weights is None:
-        weights = example_weights(loop)
-    metrics = {}
-    for key, value in (outputs or {}).items():
-        if isinstance(value, MetricWithMetadata) or key.startswith("jaxloop/stop"):
-            continue
-        if isinstance(value, list | tuple) and value and isinstance(value[-1], MetricWithMetadata):
-            continue
-        host = _scalar_values(value)
-        if isinstance(host, list):
-            metrics[key] = _mean(host, weights)
-        elif isinstance(host, float):
-            metrics[key] = host
-        elif isinstance(host, dict):
-            metrics.update({f"{key}/{k}": v for k, v in host.items()})
-    return metrics
 
 
 class SummaryAction(Action):
@@ -341,13 +223,13 @@ class SummaryAction(Action):
                 # the global value a 1-process job would.
                 typed.setdefault(value.type, {})[key] = np.asarray(fetch(value.value))
                 continue
-            host = _scalar_values(value)  # None for per-example arrays: never fetched
+            host = metric_values.scalar_values(value)  # None for per-example arrays
             if isinstance(host, list):
                 if first_step is not None and step - first_step == len(host):
                     for i, number in enumerate(host):
                         per_step.setdefault(first_step + 1 + i, {})[key] = number
                 else:
-                    at_step[key] = _mean(host, weights)
+                    at_step[key] = metric_values.mean(host, weights)
             elif isinstance(host, dict):  # a clu Collection computes to a dict
                 at_step.update({f"{key}/{k}": v for k, v in host.items()})
             elif isinstance(host, float):
@@ -361,184 +243,6 @@ class SummaryAction(Action):
             self._summary_writer.write_scalars(step, at_step)
         if self._flush_each_call:
             self._summary_writer.flush()
-
-
-class CheckpointAction(Action):
-    """Saves the whole training state with the user's orbax `CheckpointManager`.
-
-    The save is asynchronous when the manager is (orbax copies the arrays off the device
-    before `save` returns, so training continues while the files are written). A save that
-    fails in the background is raised on the loop's thread at this action's next call (or
-    by the next save, or `OuterLoop`'s final wait): orbax re-raises it from the manager's
-    `wait_until_finished`, once. The train iterator's position (when it can report one)
-    and the loop count are saved beside the state, so a resumed run reads the same batches
-    and fires actions on the same loops. An iterator that cannot report its position (a
-    generator, a tf.data iterator) is named in a warning at the first checkpoint: a resume
-    replays its data from the start. Scalar outputs are passed as metrics (for `best_fn`
-    policies); per-example outputs are recognised by shape and never copied to the host.
-
-    Example::
-
-        manager = ocp.CheckpointManager(workdir / 'ckpt',
-                                        options=ocp.CheckpointManagerOptions(max_to_keep=3))
-        train_loop = TrainLoop(step, end_actions=[CheckpointAction(manager, interval=5)])
-
-    `meta` adds JSON values to every checkpoint's metadata (a mapping, or a function
-    returning one), e.g. a tracker's run id: ``meta={'tracker_run_id': writer.run_id}``.
-
-    Time-based saves: with `every_secs`, the action still looks every `interval` loops, but
-    saves there only when `every_secs` seconds have passed since its last save (or since it
-    was made), whatever the manager's step policy says. Process 0's `clock` decides and every
-    process follows it (one broadcast per call in a multi-process job), so all processes save
-    the same steps. A forced save (preemption) always saves and restarts the time. Example,
-    look every loop, save at most every ten minutes::
-
-        CheckpointAction(manager, interval=1, every_secs=600)
-    """
-
-    def __init__(
-        self,
-        ckpt_manager: ocp.CheckpointManager,
-        interval: int = 1,
-        meta: Mapping[str, Any] | Any = None,
-        every_secs: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        super().__init__(interval)
-        if every_secs is not None and (
-            isinstance(every_secs, bool)
-            or not isinstance(every_secs, (int, float))
-            or not every_secs > 0
-        ):
-            raise ValueError(
-                f"`every_secs` must be a positive number of seconds, got {every_secs!r}"
-            )
-        if not callable(clock):
-            raise TypeError(f"`clock` must be a callable returning seconds, got {clock!r}")
-        self._every_secs = every_secs
-        self._clock = clock
-        self._last_save_time = clock()
-        self._ckpt_manager = ckpt_manager
-        self._warned_no_position = False
-        self._warned_later = False  # said once that a later checkpoint blocks saving
-        self._extra_meta = meta
-        self._meta: dict[str, Any] = {}
-
-    @property
-    def every_secs(self) -> float | None:
-        return self._every_secs
-
-    def _time_due(self) -> bool:
-        """Whether a time-based save is due: process 0's clock decides for every process
-        (each calls the action at the same loop boundaries, so each reaches the agreement)."""
-        return bool(agreement.agreed(
-            lambda: self._clock() - self._last_save_time >= self._every_secs))
-
-    @property
-    def ckpt_manager(self) -> ocp.CheckpointManager:
-        return self._ckpt_manager
-
-    def save(self, step: int, state: State, outputs: Output | None = None) -> bool:
-        """Saves `state` alone at `step` as the manager's one PyTree item, with the scalar
-        outputs as metrics: the reference's building block, for a manager made the
-        reference's way. A subclass that overrides it saves its own way in `__call__`;
-        otherwise `__call__` also saves the data position and loop count (`checkpoint.save`).
-
-        Example::
-
-            CheckpointAction(ocp.CheckpointManager(path)).save(0, {'a': 0})
-        """
-        return self._ckpt_manager.save(
-            step, args=ocp.args.PyTreeSave(state), metrics=scalar_metrics(outputs))
-
-    def add_meta(self, name: str, provider: Any) -> None:
-        """Saves ``provider()`` (JSON-serialisable) under `name` in each checkpoint's
-        metadata, e.g. `OuterLoop` saves its early-stopping progress this way."""
-        self._meta[name] = provider
-
-    def __call__(
-        self,
-        state: State,
-        outputs: Output | None,
-        loop: Any = None,
-        force: bool = False,
-        **kwargs: Any,
-    ) -> bool:
-        """Saves `state` at its step; `force` saves even where the manager's policy would
-        skip this step (preemption)."""
-        step = loop_lib.host_step(state)
-        if not self._ckpt_manager.is_saving_in_progress():
-            # A finished background save that failed raises here, on the loop's thread.
-            self._ckpt_manager.wait_until_finished()
-        if self._every_secs is not None and not force:
-            if not self._time_due() or step in self._ckpt_manager.all_steps():
-                return False
-            force = True  # the time policy decides, not the manager's step policy
-        if self._every_secs is not None:
-            self._last_save_time = self._clock()
-        from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
-
-        iterator = getattr(loop, "dataset", None)
-        position = getattr(loop, "data_position", None)  # knows about prefetched batches
-        dataset_state = (
-            position(iterator) if callable(position) else data.iterator_state(iterator)
-        )
-        if dataset_state is None and iterator is not None and not self._warned_no_position:
-            self._warned_no_position = True
-            log.warning(
-                "The train iterator (%s) cannot report its position, so checkpoints hold no "
-                "data position: a resumed run will replay the data from the start. Use a "
-                "grain dataset or data.GlobalBatchDataset to resume the data exactly.",
-                data.describe_iterator(iterator),
-            )
-        extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
-        meta = {**(extra or {}), "loop_count": getattr(loop, "loop_count", None)}
-        meta.update({name: provider() for name, provider in self._meta.items()})
-        if type(self).save is not CheckpointAction.save:
-            saved = self.save(step, state, outputs)  # code written against the reference
-        else:
-            saved = checkpoint.save(
-                self._ckpt_manager, step, state, meta=meta,
-                metrics=scalar_metrics(outputs, loop=loop),
-                force=force, dataset_state=dataset_state,
-            )
-        if saved:
-            log.info("Saving checkpoint for step %d to %s.", step, self._ckpt_manager.directory)
-        elif not self._warned_later:
-            latest = self._ckpt_manager.latest_step()  # the manager's own record: no listing
-            if latest is not None and latest > step:
-                self._warned_later = True
-                log.warning(
-                    "CheckpointAction saves nothing at step %d: %s already holds a later "
-                    "checkpoint (step %d), and orbax saves only steps after the latest. Use a "
-                    "new directory, or resume from it (OuterLoop's checkpoint_spec).",
-                    step, self._ckpt_manager.directory, latest)
-        return saved
-
-
-class BestCheckpointAction(CheckpointAction):
-    """Keeps the best k checkpoints by an eval metric, beside the latest ones.
-
-    Put it on an eval loop; each evaluation offers the state with the eval outputs as
-    metrics, and the manager (from `checkpoint.make_best_manager`) keeps the best k. These
-    checkpoints are for picking a model, so no data position or loop count is saved.
-
-    Example::
-
-        best = checkpoint.make_best_manager(workdir / 'best', 'accuracy', mode='max', k=2)
-        eval_loop = EvalLoop(eval_step, end_actions=[BestCheckpointAction(best)])
-        state = checkpoint.restore_best(state, workdir / 'best', 'accuracy', mode='max')
-    """
-
-    def __call__(
-        self, state: State, outputs: Output | None, loop: Any = None, force: bool = False,
-        **kwargs: Any,
-    ) -> bool:
-        if loop_lib.host_step(state) in self._ckpt_manager.all_steps():
-            return False  # several evals after one train loop: the first one is offered
-        # The metrics reduced here, where the eval loop's example counts weight its means;
-        # the loop itself is not passed on (its data position and count are not saved).
-        return super().__call__(state, scalar_metrics(outputs, loop=loop), force=force)
 
 
 class EarlyStoppingAction(Action):
@@ -662,127 +366,3 @@ class StepNumberAction(Action):
 
     def __call__(self, state: State, outputs: Output | None = None, **kwargs: Any) -> None:
         self._step_writer.write(loop_lib.host_step(state))
-
-
-class ProgressAction(Action):
-    """A progress bar: a text bar in terminals and in notebooks without ipywidgets (no
-    warning about the widget), tqdm's widget in notebooks that have it.
-
-    Shows step/total, one rate, the latest train `metric` and, given a `history` (as
-    `OuterLoop` gives its own), the latest evaluation's results with the step they were
-    evaluated at (``eval at step 400: accuracy=0.98, loss=0.07``: an evaluation runs
-    after the train loop that reached its step, so the bar may be further on); updated at
-    each loop end (never per step, which would need a host sync). The rate is steps per
-    second of wall-clock time between two updates, each taken once the loop's values are on
-    the host: the first loop (which compiles) shows none. `enabled=None` shows the bar only
-    when the output is interactive.
-
-    Example::
-
-        TrainLoop(step, end_actions=[ProgressAction(total_steps=1000)])
-    """
-
-    # tqdm's own rate and estimate would count the compilation and dispatch: left out.
-    _BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
-    _COUNTER_FORMAT = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"  # no total_steps
-
-    def __init__(
-        self,
-        total_steps: int | None = None,
-        metric: str = "loss",
-        interval: int = 1,
-        enabled: bool | None = None,
-        desc: str = "train",
-        history: Any = None,
-    ):
-        super().__init__(interval)
-        self._total = total_steps
-        self._metric = metric
-        self._enabled = enabled
-        self._desc = desc
-        self._history = history
-        self._bar: Any = None
-        self._last: tuple[int, float] | None = None  # (step, time) of the last update
-        self._postfix: dict[str, str] = {}
-
-    @staticmethod
-    def _interactive() -> bool:
-        # A notebook kernel or a terminal; never a log file or a test run, and no tqdm
-        # object (nor its monitor thread) is created when not shown.
-        return "ipykernel" in sys.modules or sys.stderr.isatty()
-
-    @staticmethod
-    def _bar_class() -> Any:
-        """tqdm's widget bar in a notebook that has ipywidgets, else its text bar (which a
-        notebook shows as one line updated in place). `tqdm.auto` would warn, in every
-        cell that trains, that ipywidgets is missing, before falling back to the same
-        text bar."""
-        import importlib.util  # noqa: PLC0415
-
-        if "ipykernel" in sys.modules and importlib.util.find_spec("ipywidgets") is not None:
-            from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
-        else:
-            from tqdm.std import tqdm  # noqa: PLC0415
-        return tqdm
-
-    def _latest_eval(self) -> dict[str, str]:
-        """The latest evaluation's results, keyed by the text the bar shows them under."""
-        names = [n for n in self._history.names if n.startswith("eval/")]
-        if not names:
-            return {}
-        series = {n.removeprefix("eval/"): self._history[n] for n in names}
-        step = max(s.steps[-1] for s in series.values() if s.steps)
-        values = ", ".join(f"{k}={s.values[-1]:.4g}" for k, s in series.items()
-                           if s.steps and s.steps[-1] == step)
-        return {f"eval at step {step}": values}
-
-    def _latest(self, outputs: Output | None) -> dict[str, str]:
-        """The latest train metric and evaluation results, as the bar shows them."""
-        shown = {}
-        if self._history is not None:
-            train = self._history.latest("train")
-            if self._metric in train:
-                shown[self._metric] = f"{train[self._metric]:.4g}"
-            return shown
-        values = (outputs or {}).get(self._metric)
-        if isinstance(values, list) and values:
-            # The last step's value; a clu metric is computed first.
-            shown[self._metric] = f"{float(jax.device_get(_computed(values[-1]))):.4g}"
-        return shown
-
-    def _show(self, refresh: bool = True) -> None:
-        evaluated = self._latest_eval() if self._history is not None else {}
-        parts = [f"{k}={v}" for k, v in self._postfix.items()]
-        parts += [f"{k}: {v}" for k, v in evaluated.items()]
-        self._bar.set_postfix_str(", ".join(parts), refresh=refresh)
-
-    def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
-        if self._enabled is None:
-            self._enabled = self._interactive()
-        if not self._enabled:
-            return
-        step = loop_lib.host_step(state)
-        if self._bar is None:
-            self._bar = self._bar_class()(
-                total=self._total, initial=kwargs.get("first_step") or 0, desc=self._desc,
-                unit="step", dynamic_ncols=True,
-                bar_format=self._COUNTER_FORMAT if self._total is None else self._BAR_FORMAT)
-        bar = self._bar
-        postfix = self._latest(outputs)  # read from the device: the loop's steps are done
-        now = time.perf_counter()
-        if self._last is not None and step > self._last[0] and now > self._last[1]:
-            self._postfix["steps/s"] = f"{(step - self._last[0]) / (now - self._last[1]):.1f}"
-        self._last = (step, now)
-        self._postfix.update(postfix)
-        # The step and what belongs to it shown together: the text first, then the step.
-        self._show(refresh=False)
-        bar.update(max(step - bar.n, 0))
-        bar.refresh()
-
-    def close(self) -> None:
-        """Closes the bar (OuterLoop does this when training ends), showing the last
-        evaluation's results first."""
-        if self._bar is not None:
-            self._show()
-            self._bar.close()
-            self._bar = None

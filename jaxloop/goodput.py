@@ -213,7 +213,7 @@ class Recorder:
         Put them around a checkpoint action in a train loop's ``end_actions``, or as an
         eval loop's first begin action and last end action.
         """
-        from jaxloop import actions  # noqa: PLC0415 (actions import orbax)
+        from jaxloop import actions  # noqa: PLC0415 (actions import the loops, which import this)
 
         recorder = self
 

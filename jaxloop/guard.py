@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxloop import types
+from jaxloop import metric_values, types
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "SKIPPED", "FIRST_LEAF", "all_finite"]
 
@@ -146,10 +146,11 @@ class NonFiniteGuard:
             return
         value = outputs[FIRST_LEAF]
         if isinstance(value, list | tuple):
-            value = [np.atleast_1d(np.asarray(jax.device_get(v))) for v in value]
+            # The whole per-step list in one `fetch` (one device_get), not one per step.
+            value = [np.atleast_1d(np.asarray(v)) for v in metric_values.fetch(list(value))]
             first = np.concatenate(value) if value else np.zeros(0, np.int32)
         else:
-            first = np.atleast_1d(np.asarray(jax.device_get(value)))
+            first = np.atleast_1d(np.asarray(metric_values.fetch(value)))
         bad = np.flatnonzero(first >= 0)
         if bad.size:
             i = int(bad[0])
@@ -165,7 +166,7 @@ class NonFiniteGuard:
 
             TrainLoop(step, end_actions=[guard.action(), summary_action, checkpoint_action])
         """
-        from jaxloop import actions  # noqa: PLC0415 (actions import orbax)
+        from jaxloop import actions  # noqa: PLC0415 (actions import the loops: only when used)
 
         guard = self
 

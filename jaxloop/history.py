@@ -2,7 +2,7 @@
 
 `OuterLoop.history` records, at each loop's end (where actions already read the device),
 the train loop's scalar outputs at the steps they were produced at (a per-step loss gives
-one value per step) and each eval loop's results (`actions.scalar_metrics`: means over real
+one value per step) and each eval loop's results (`metric_values.scalar_metrics`: means over real
 examples, clu metrics computed, a clu Collection's members as ``key/member``) at the step
 evaluated. Names are ``train/<key>``, ``eval/<key>`` for the first eval loop and
 ``eval_<i>/<key>`` for eval loop i. The loops' ``jaxloop/...`` statistics are left out.
@@ -35,9 +35,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
-from jaxloop import actions, types
+from jaxloop import actions, metric_values, types
 from jaxloop import loop as loop_lib
 
 TRAIN = "train"
@@ -55,31 +54,21 @@ class Series(NamedTuple):
 
 
 class _Stacked(NamedTuple):
-    """A per-step list of device scalars, stacked on the devices when recorded (in groups
-    of `actions._STACK_GROUP`, the last padded) and read later in one transfer per group."""
+    """A per-step list of device scalars, stacked on the devices when recorded
+    (`metric_values.stack_groups`) and read later in one transfer per group."""
 
     groups: tuple[jax.Array, ...]
     count: int
 
     def read(self) -> list[float]:
-        return np.concatenate(jax.device_get(list(self.groups)))[:self.count].astype(
-            np.float64).tolist()
+        return metric_values.read_groups(self.groups, self.count)
 
 
 def _stacked(values: list[Any]) -> list[Any] | _Stacked:
     """`values` stacked on the devices where they are device scalars of one dtype in this
     process (dispatched behind the steps that make them: no wait), else as they are."""
-    if not (len(values) > 8 and jax.process_count() == 1
-            and all(isinstance(v, jax.Array) for v in values)
-            and len({v.dtype for v in values}) == 1):
-        return values
-    size = actions._STACK_GROUP
-    chunks = [values[i:i + size] for i in range(0, len(values), size)]
-    try:
-        return _Stacked(tuple(actions._stack_scalars(c + [c[-1]] * (size - len(c)))
-                              for c in chunks), len(values))
-    except ValueError:  # scalars on different devices (a list from two placements)
-        return values
+    groups = metric_values.stack_groups(values)
+    return values if groups is None else _Stacked(groups, len(values))
 
 
 def eval_prefix(index: int) -> str:
@@ -172,14 +161,14 @@ class History:
         outputs = {k: v.read() if isinstance(v, _Stacked) else v for k, v in outputs.items()}
         weights = outputs.pop(_WEIGHTS, None)
         if weights is not None:  # read with the outputs (device scalars for placed batches)
-            weights = actions._scalar_values(weights)  # jaxloop's own helper
+            weights = metric_values.scalar_values(weights)
         if first_step is not None:
             for key in list(outputs):
-                host = actions._scalar_values(outputs[key])  # jaxloop's own helper
+                host = metric_values.scalar_values(outputs[key])
                 if isinstance(host, list) and len(host) == step - first_step:
                     self.record(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
                     del outputs[key]
-        for key, value in actions.scalar_metrics(outputs, weights).items():
+        for key, value in metric_values.scalar_metrics(outputs, weights).items():
             self.record(f"{prefix}/{key}", [step], [value])
 
     def steps_after(self, step: int) -> tuple[int, int, list[str]] | None:
@@ -305,10 +294,10 @@ def _scalar_like(value: Any) -> bool:
     if callable(getattr(value, "compute", None)):
         return True  # a clu metric, or a loop's per-step list of them
     if isinstance(value, list | tuple):
-        return bool(value) and actions._all_numbers(value)
+        return bool(value) and metric_values.all_numbers(value)
     if isinstance(value, Mapping):
-        return all(actions._is_number(v) for v in value.values())
-    return actions._is_number(value)
+        return all(metric_values.is_number(v) for v in value.values())
+    return metric_values.is_number(value)
 
 
 class _Recorder(actions.Action):

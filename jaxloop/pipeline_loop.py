@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxloop import actions, eval_loop, types
+from jaxloop import eval_loop, metric_values, types
 from jaxloop import loop as loop_lib
 
 try:
@@ -74,7 +74,7 @@ def _per_step(outputs: Mapping[str, Any], counts: list[Any]) -> list[dict[str, A
             f"Every step must return the same output keys; per-step lengths were {lengths}."
         )
     # Fetched whole: an array that spans other processes is gathered (a collective).
-    columns = jax.tree.map(lambda x: np.asarray(actions.fetch(x)), columns)
+    columns = jax.tree.map(lambda x: np.asarray(metric_values.fetch(x)), columns)
     rows = zip(*columns.values(), strict=True)
     return [dict(zip(columns, values, strict=True)) for values in rows]
 

@@ -17,7 +17,6 @@ import logging
 from typing import Any
 
 from jaxloop import action_loop, loop, types
-from jaxloop import actions as actions_lib
 from jaxloop import step as step_lib
 
 log = logging.getLogger(__name__)
@@ -49,10 +48,13 @@ class TrainLoop(action_loop.ActionLoop):
             if not train_loop.save_checkpoint(state, outputs):
                 print('nothing saved')
         """
+        # Here, not at the top: a train loop without checkpoints never imports orbax.
+        from jaxloop import checkpoint_actions  # noqa: PLC0415
+
         step = loop.host_step(state)
         for action in self.end_actions:
-            if (isinstance(action, actions_lib.CheckpointAction)
-                    and not isinstance(action, actions_lib.BestCheckpointAction)):
+            if (isinstance(action, checkpoint_actions.CheckpointAction)
+                    and not isinstance(action, checkpoint_actions.BestCheckpointAction)):
                 if step not in action.ckpt_manager.all_steps():
                     action(state, outputs, loop=self, force=True)
                 action.ckpt_manager.wait_until_finished()

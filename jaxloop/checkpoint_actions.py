@@ -1,0 +1,212 @@
+"""Checkpoint actions: the train state saved with orbax at loop ends (`CheckpointAction`), and
+the best k states by an eval metric (`BestCheckpointAction`).
+
+Their own module because they are the only actions that need orbax (and, when saving,
+grain for the data position): a program that trains without checkpoints never imports
+either. Users reach them as ``actions.CheckpointAction`` and ``jaxloop.CheckpointAction``,
+which load this module on first use.
+
+Example::
+
+    from jaxloop import actions, checkpoint
+
+    manager = checkpoint.make_manager(workdir / 'ckpt')
+    train_loop = TrainLoop(step, end_actions=[actions.CheckpointAction(manager, interval=5)])
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from jaxloop import actions, agreement, checkpoint, types
+from jaxloop import loop as loop_lib
+from jaxloop.metric_values import scalar_metrics
+
+Output = types.Output
+State = types.TrainState
+
+# The logger these actions had before they left `actions.py`: logging set up for it holds.
+log = logging.getLogger("jaxloop.actions")
+
+
+class CheckpointAction(actions.Action):
+    """Saves the whole training state with the user's orbax `CheckpointManager`.
+
+    The save is asynchronous when the manager is (orbax copies the arrays off the device
+    before `save` returns, so training continues while the files are written). A save that
+    fails in the background is raised on the loop's thread at this action's next call (or
+    by the next save, or `OuterLoop`'s final wait): orbax re-raises it from the manager's
+    `wait_until_finished`, once. The train iterator's position (when it can report one)
+    and the loop count are saved beside the state, so a resumed run reads the same batches
+    and fires actions on the same loops. An iterator that cannot report its position (a
+    generator, a tf.data iterator) is named in a warning at the first checkpoint: a resume
+    replays its data from the start. Scalar outputs are passed as metrics (for `best_fn`
+    policies); per-example outputs are recognised by shape and never copied to the host.
+
+    Example::
+
+        manager = ocp.CheckpointManager(workdir / 'ckpt',
+                                        options=ocp.CheckpointManagerOptions(max_to_keep=3))
+        train_loop = TrainLoop(step, end_actions=[CheckpointAction(manager, interval=5)])
+
+    `meta` adds JSON values to every checkpoint's metadata (a mapping, or a function
+    returning one), e.g. a tracker's run id: ``meta={'tracker_run_id': writer.run_id}``.
+
+    Time-based saves: with `every_secs`, the action still looks every `interval` loops, but
+    saves there only when `every_secs` seconds have passed since its last save (or since it
+    was made), whatever the manager's step policy says. Process 0's `clock` decides and every
+    process follows it (one broadcast per call in a multi-process job), so all processes save
+    the same steps. A forced save (preemption) always saves and restarts the time. Example,
+    look every loop, save at most every ten minutes::
+
+        CheckpointAction(manager, interval=1, every_secs=600)
+    """
+
+    def __init__(
+        self,
+        ckpt_manager: ocp.CheckpointManager,
+        interval: int = 1,
+        meta: Mapping[str, Any] | Any = None,
+        every_secs: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        super().__init__(interval)
+        if every_secs is not None and (
+            isinstance(every_secs, bool)
+            or not isinstance(every_secs, (int, float))
+            or not every_secs > 0
+        ):
+            raise ValueError(
+                f"`every_secs` must be a positive number of seconds, got {every_secs!r}"
+            )
+        if not callable(clock):
+            raise TypeError(f"`clock` must be a callable returning seconds, got {clock!r}")
+        self._every_secs = every_secs
+        self._clock = clock
+        self._last_save_time = clock()
+        self._ckpt_manager = ckpt_manager
+        self._warned_no_position = False
+        self._warned_later = False  # said once that a later checkpoint blocks saving
+        self._extra_meta = meta
+        self._meta: dict[str, Any] = {}
+
+    @property
+    def every_secs(self) -> float | None:
+        return self._every_secs
+
+    def _time_due(self) -> bool:
+        """Whether a time-based save is due: process 0's clock decides for every process
+        (each calls the action at the same loop boundaries, so each reaches the agreement)."""
+        return bool(agreement.agreed(
+            lambda: self._clock() - self._last_save_time >= self._every_secs))
+
+    @property
+    def ckpt_manager(self) -> ocp.CheckpointManager:
+        return self._ckpt_manager
+
+    def save(self, step: int, state: State, outputs: Output | None = None) -> bool:
+        """Saves `state` alone at `step` as the manager's one PyTree item, with the scalar
+        outputs as metrics: the reference's building block, for a manager made the
+        reference's way. A subclass that overrides it saves its own way in `__call__`;
+        otherwise `__call__` also saves the data position and loop count (`checkpoint.save`).
+
+        Example::
+
+            CheckpointAction(ocp.CheckpointManager(path)).save(0, {'a': 0})
+        """
+        return self._ckpt_manager.save(
+            step, args=ocp.args.PyTreeSave(state), metrics=scalar_metrics(outputs))
+
+    def add_meta(self, name: str, provider: Any) -> None:
+        """Saves ``provider()`` (JSON-serialisable) under `name` in each checkpoint's
+        metadata, e.g. `OuterLoop` saves its early-stopping progress this way."""
+        self._meta[name] = provider
+
+    def __call__(
+        self,
+        state: State,
+        outputs: Output | None,
+        loop: Any = None,
+        force: bool = False,
+        **kwargs: Any,
+    ) -> bool:
+        """Saves `state` at its step; `force` saves even where the manager's policy would
+        skip this step (preemption)."""
+        step = loop_lib.host_step(state)
+        if not self._ckpt_manager.is_saving_in_progress():
+            # A finished background save that failed raises here, on the loop's thread.
+            self._ckpt_manager.wait_until_finished()
+        if self._every_secs is not None and not force:
+            if not self._time_due() or step in self._ckpt_manager.all_steps():
+                return False
+            force = True  # the time policy decides, not the manager's step policy
+        if self._every_secs is not None:
+            self._last_save_time = self._clock()
+        from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
+
+        iterator = getattr(loop, "dataset", None)
+        position = getattr(loop, "data_position", None)  # knows about prefetched batches
+        dataset_state = (
+            position(iterator) if callable(position) else data.iterator_state(iterator)
+        )
+        if dataset_state is None and iterator is not None and not self._warned_no_position:
+            self._warned_no_position = True
+            log.warning(
+                "The train iterator (%s) cannot report its position, so checkpoints hold no "
+                "data position: a resumed run will replay the data from the start. Use a "
+                "grain dataset or data.GlobalBatchDataset to resume the data exactly.",
+                data.describe_iterator(iterator),
+            )
+        extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
+        meta = {**(extra or {}), "loop_count": getattr(loop, "loop_count", None)}
+        meta.update({name: provider() for name, provider in self._meta.items()})
+        if type(self).save is not CheckpointAction.save:
+            saved = self.save(step, state, outputs)  # code written against the reference
+        else:
+            saved = checkpoint.save(
+                self._ckpt_manager, step, state, meta=meta,
+                metrics=scalar_metrics(outputs, loop=loop),
+                force=force, dataset_state=dataset_state,
+            )
+        if saved:
+            log.info("Saving checkpoint for step %d to %s.", step, self._ckpt_manager.directory)
+        elif not self._warned_later:
+            latest = self._ckpt_manager.latest_step()  # the manager's own record: no listing
+            if latest is not None and latest > step:
+                self._warned_later = True
+                log.warning(
+                    "CheckpointAction saves nothing at step %d: %s already holds a later "
+                    "checkpoint (step %d), and orbax saves only steps after the latest. Use a "
+                    "new directory, or resume from it (OuterLoop's checkpoint_spec).",
+                    step, self._ckpt_manager.directory, latest)
+        return saved
+
+
+class BestCheckpointAction(CheckpointAction):
+    """Keeps the best k checkpoints by an eval metric, beside the latest ones.
+
+    Put it on an eval loop; each evaluation offers the state with the eval outputs as
+    metrics, and the manager (from `checkpoint.make_best_manager`) keeps the best k. These
+    checkpoints are for picking a model, so no data position or loop count is saved.
+
+    Example::
+
+        best = checkpoint.make_best_manager(workdir / 'best', 'accuracy', mode='max', k=2)
+        eval_loop = EvalLoop(eval_step, end_actions=[BestCheckpointAction(best)])
+        state = checkpoint.restore_best(state, workdir / 'best', 'accuracy', mode='max')
+    """
+
+    def __call__(
+        self, state: State, outputs: Output | None, loop: Any = None, force: bool = False,
+        **kwargs: Any,
+    ) -> bool:
+        if loop_lib.host_step(state) in self._ckpt_manager.all_steps():
+            return False  # several evals after one train loop: the first one is offered
+        # The metrics reduced here, where the eval loop's example counts weight its means;
+        # the loop itself is not passed on (its data position and count are not saved).
+        return super().__call__(state, scalar_metrics(outputs, loop=loop), force=force)
