@@ -475,9 +475,9 @@ def restore_data_position(dataset: Iterator[Any], meta: Mapping[str, Any]) -> bo
     position = dataset_state_for_process(meta)
     if position is None:
         return False
-    from jaxloop import data  # noqa: PLC0415 (grain loads only when needed)
+    from jaxloop.data import iterators  # noqa: PLC0415 (grain loads only when needed)
 
-    data.restore_iterator_state(dataset, position)
+    iterators.restore_iterator_state(dataset, position)
     return True
 
 
