@@ -5,21 +5,23 @@ In a multi-process job every process must run the same collectives in the same o
 which checkpoints does continuous eval read, did every process restore a checkpoint, which
 steps per execution is fastest) may not be made from a process's own clock, listing or
 timings: they differ between hosts. `agreed` has process 0 decide and every process take its
-answer; `gathered` gives every process every process's value (to decide from all of them).
-Each is one collective: every process must call it at the same point.
+answer; `gathered` gives every process every process's value (to decide from all of them);
+`summed` gives every process the sum of counts over processes (tokens read, examples
+evaluated). Each is one collective: every process must call it at the same point.
 
-With one process both are plain calls with no communication.
+With one process they are plain calls with no communication.
 
 Example::
 
     due = agreement.agreed(lambda: clock() - last_save >= every_secs)
     positions = agreement.gathered(iterator_state(it))  # one per process, in process order
+    tokens, examples = agreement.summed([local_tokens, local_examples])
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -65,3 +67,20 @@ def agreed(decide: Callable[[], T]) -> T:
         steps = agreement.agreed(lambda: checkpoint.all_steps(directory))
     """
     return gathered(decide() if jax.process_index() == 0 else None)[0]
+
+
+def summed(counts: Sequence[float], dtype: Any = np.float64) -> list[Any]:
+    """Each of this process's `counts` summed with the same position's count of every
+    process (as `dtype`), on every process: one collective; with one process, `counts`.
+
+    Example::
+
+        total_tokens, = agreement.summed([local_tokens])
+        examples = agreement.summed(local_counts, np.int64)  # one per eval metric
+    """
+    if jax.process_count() == 1:
+        return list(counts)
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    local = np.asarray(counts, dtype).reshape(-1)
+    return np.asarray(multihost_utils.process_allgather(local)).sum(axis=0).tolist()

@@ -10,7 +10,7 @@ directories), and `restore` reads either, including a whole `TrainState` saved w
 position) and states of releases whose TrainState carried a ``dataset_state`` field.
 
 `restore` is the one reader (a state, an abstract state, the best by a metric, some leaves,
-orbax's restore transforms); `Step.restore_model`, `OuterLoop`, `restore_state`,
+orbax's restore transforms); `Step.restore_model`, `OuterLoop`,
 `restore_best` and `warm_start` call it. Steps are found with orbax's step naming
 (``step_prefix``, ``step_format_fixed_length``: ``ckpt_000100`` restores like ``100``).
 
@@ -449,13 +449,6 @@ def restore(state: State, directory: Any, step: int | None = None, partitioner: 
     return new_state, meta
 
 
-def restore_state(state: State, directory: Any, step: int | None = None,
-                  partitioner: Any = None, skip_optimizer: bool = False, transforms: Any = None,
-                  dataset: Iterator[Any] | None = None) -> State:
-    """`restore` without the metadata: the state alone."""
-    return restore(state, directory, step, partitioner, skip_optimizer, transforms, dataset)[0]
-
-
 def restore_best(state: State, directory: Any, metric: str, mode: str = "min",
                  partitioner: Any = None, skip_optimizer: bool = False) -> State:
     """Restores the best checkpoint (by `metric`, as saved by BestCheckpointAction): `restore`
@@ -475,9 +468,9 @@ def restore_data_position(dataset: Iterator[Any], meta: Mapping[str, Any]) -> bo
     position = dataset_state_for_process(meta)
     if position is None:
         return False
-    from jaxloop import data  # noqa: PLC0415 (grain loads only when needed)
+    from jaxloop.data import iterators  # noqa: PLC0415 (grain loads only when needed)
 
-    data.restore_iterator_state(dataset, position)
+    iterators.restore_iterator_state(dataset, position)
     return True
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxloop import action_loop, metric_values, types
+from jaxloop import action_loop, agreement, types
 from jaxloop import step as step_lib
 
 Output = types.Output
@@ -143,9 +143,8 @@ class EvalLoop(action_loop.ActionLoop):
         processes (one small collective per loop, only in a multi-process job)."""
         if jax.process_count() == 1 or not any(self._local):
             return self._counts
-        local = np.array([c if lo else 0 for c, lo in zip(self._counts, self._local,
-                                                          strict=True)], np.int64)
-        summed = metric_values.process_sum(local)
+        local = [c if lo else 0 for c, lo in zip(self._counts, self._local, strict=True)]
+        summed = agreement.summed(local, np.int64)
         return [int(s) if lo else c for s, c, lo in zip(summed, self._counts, self._local,
                                                         strict=True)]
 

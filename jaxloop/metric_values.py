@@ -52,20 +52,6 @@ def fetch(value: Any) -> Any:
     return jax.device_get(value)
 
 
-def process_sum(local: Any) -> np.ndarray:
-    """The element-wise sum of `local` (a host number or array of this process's counts)
-    over all processes: one small collective in a multi-process job, none otherwise.
-
-    Example::
-
-        tokens = float(process_sum(np.float64(local_tokens)))
-    """
-    local = np.asarray(local)
-    if jax.process_count() == 1:
-        return local
-    return np.asarray(multihost_utils.process_allgather(local)).sum(axis=0)
-
-
 def is_number(x: Any) -> bool:
     """Whether `x` is one number (a Python or numpy number, or a one-element array of a
     bool, int or float dtype), decided from its type, shape and dtype alone: nothing is

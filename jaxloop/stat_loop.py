@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxloop import goodput, metric_values, staging, types
+from jaxloop import agreement, goodput, staging, types
 from jaxloop import loop as loop_lib
 
 Output = types.Output
@@ -218,8 +218,8 @@ class StatLoop(loop_lib.Loop):
         summed across processes (one small collective, only in a multi-process job)."""
         on_device = [c for c in self._tokens if isinstance(c, jax.Array)]
         host = sum(c for c in self._tokens if not isinstance(c, jax.Array))
-        if jax.process_count() > 1 and len(on_device) < len(self._tokens):
-            host = float(metric_values.process_sum(np.float64(host)))
+        if len(on_device) < len(self._tokens):
+            host = agreement.summed([host])[0]
         return float(host) + (float(jnp.sum(jnp.stack(on_device))) if on_device else 0.0)
 
     def _num_devices(self) -> int:

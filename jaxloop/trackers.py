@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxloop import writers
+from jaxloop import distributed, writers
 
 __all__ = ["RUN_ID_KEY", "MlflowWriter", "WandbWriter", "saved_run_id"]
 
@@ -54,12 +54,6 @@ def _import(module: str, extra: str) -> Any:
         raise ImportError(
             f"{module} is not installed; install it with `pip install jaxloop[{extra}]`"
         ) from e
-
-
-def _is_main_process() -> bool:
-    import jax  # noqa: PLC0415
-
-    return jax.process_index() == 0
 
 
 def saved_run_id(checkpoint_dir: str | os.PathLike[str], step: int | None = None) -> str | None:
@@ -116,7 +110,7 @@ class MlflowWriter(writers._ContextManagerMixin):
         tracking_uri: str | None = None,
         tags: Mapping[str, str] | None = None,
     ):
-        self._active = _is_main_process()
+        self._active = distributed.is_main_process()
         self._run_id = run_id
         self._closed = False
         if not self._active:
@@ -246,7 +240,7 @@ class WandbWriter(writers._ContextManagerMixin):
         config: Mapping[str, Any] | None = None,
         **init_kwargs: Any,
     ):
-        self._active = _is_main_process()
+        self._active = distributed.is_main_process()
         self._closed = False
         self._run = None
         if not self._active:

@@ -645,6 +645,39 @@ def test_prefetch_state_of_stateless_source():
     it.close()
 
 
+def test_a_loops_prefetcher_and_prefetch_to_device_are_one_mechanism():
+    from jaxloop import data, prefetch
+
+    source = iter(GlobalBatchDataset(example_arrays(40), 8, process_index=0, process_count=1))
+    it = data.prefetch_to_device(source, jax.device_put, size=2)
+    assert isinstance(it, prefetch.Prefetcher) and data.DevicePrefetchIterator is type(it)
+    assert prefetch_threads()  # prefetch_to_device starts reading at once
+    next(it)
+    assert data.describe_iterator(it).endswith("GlobalBatchIterator behind a device prefetcher")
+    it.close()
+    assert not wait_no_prefetch_threads()
+    assert iterator_state(source)["next_batch"] == 1
+
+
+def test_a_loops_prefetcher_starts_at_its_first_read():
+    from jaxloop import prefetch
+
+    source = iter(GlobalBatchDataset(example_arrays(40), 8, process_index=0, process_count=1))
+    next(source)  # the loop read a batch itself, before the prefetcher's first read
+    ahead = prefetch.Prefetcher(source, jax.device_put, size=2)
+    assert not prefetch_threads()
+    assert ahead.position()["next_batch"] == 1
+    np.testing.assert_array_equal(np.asarray(next(ahead)["x"]), next(iter(
+        GlobalBatchDataset(example_arrays(40), 8, process_index=0, process_count=1)
+        .batches[1:].to_iter_dataset()))["x"])
+    assert prefetch_threads()
+    time.sleep(0.02)  # the thread reads ahead; the position must not
+    assert ahead.position()["next_batch"] == 2
+    ahead.close()
+    assert not wait_no_prefetch_threads()
+    assert iterator_state(source)["next_batch"] == 2  # the source goes on after that batch
+
+
 def test_prefetch_size_zero_uses_no_thread():
     it = prefetch_to_device(iter(numbered_batches(3)), jax.device_put, size=0)
     assert not prefetch_threads()

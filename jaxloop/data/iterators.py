@@ -1,0 +1,208 @@
+"""Any dataset as an iterator, and an iterator's checkpointable position.
+
+The loops accept a dataset in whichever form the user has it (a list of batches, a grain
+dataset or data source, a tfds source, a tf.data pipeline) and read it through
+`as_iterator`. A checkpoint records where the iterator is with `iterator_state` (a
+JSON-serialisable dict) and a resumed run puts it back with `restore_iterator_state`.
+
+TensorFlow is never imported here: tf.data objects are recognised only when the user has
+imported TensorFlow already.
+
+Example::
+
+    it = as_iterator(grain.MapDataset.source(source).batch(8))
+    next(it)
+    state = iterator_state(it)      # for a checkpoint
+    restore_iterator_state(iter(grain.MapDataset.source(source).batch(8)), state)
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import json
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import grain
+import jax
+
+from jaxloop.data.sources import ArraySource
+
+Batch = Any
+
+def _tensorflow() -> Any:
+    """The TensorFlow module if the user imported it, else None (never imports it)."""
+    return sys.modules.get("tensorflow")
+
+
+def _is_tf_dataset(obj: Any) -> bool:
+    tf = _tensorflow()
+    return tf is not None and isinstance(obj, tf.data.Dataset)
+
+
+def _is_tf_iterator(obj: Any) -> bool:
+    tf = _tensorflow()
+    return tf is not None and isinstance(obj, tf.data.Iterator)
+
+
+class _TFToNumpyIterator(Iterator[Batch]):
+    """Yields the elements of a tf.data iterator with every tf.Tensor leaf made numpy."""
+
+    def __init__(self, iterator: Iterator[Any]):
+        self._iterator = iterator
+
+    def __next__(self) -> Batch:
+        tf = _tensorflow()
+        element = next(self._iterator)
+        return jax.tree.map(lambda x: x.numpy() if isinstance(x, tf.Tensor) else x, element)
+
+
+def _is_random_access_source(obj: Any) -> bool:
+    """True for data *sources* (random access to examples), not for plain sequences.
+
+    Lists and tuples are also random access, but users pass them as ready-made lists of
+    batches, so they are iterated directly.
+    """
+    if isinstance(obj, ArraySource):
+        return True
+    grain_sources = (
+        grain.sources.ArrayRecordDataSource,
+        grain.sources.RangeDataSource,
+        grain.sources.SharedMemoryDataSource,
+    )
+    if isinstance(obj, grain_sources):
+        return True
+    # Checked through sys.modules: a tfds source exists only if the user imported tfds.
+    tfds_base = sys.modules.get("tensorflow_datasets.core.data_sources.base")
+    return tfds_base is not None and isinstance(obj, tfds_base.BaseDataSource)
+
+
+def as_iterator(dataset: Any) -> Iterator[Batch]:
+    """Returns an iterator over `dataset`, whatever kind of dataset it is.
+
+    * iterators and generators (including grain and tf.data iterators) are returned as they
+      are (tf.data iterators get their tf.Tensor leaves converted to numpy);
+    * grain ``MapDataset``, ``IterDataset`` and ``DataLoader`` give ``iter(dataset)``, which
+      is a checkpointable grain iterator;
+    * random-access data sources (``tfds.data_source(...)``, grain sources, `ArraySource`)
+      are wrapped in ``grain.MapDataset.source`` so the iterator is checkpointable; they yield
+      single examples;
+    * a ``tf.data.Dataset`` (recognised only when TensorFlow is already imported) gives
+      ``dataset.as_numpy_iterator()``;
+    * any other iterable (lists of batches, ``tfds.as_numpy(...)``, `GlobalBatchDataset`)
+      gives ``iter(dataset)``.
+
+    Example::
+
+        it = as_iterator([{'x': np.ones((8, 2))}, {'x': np.zeros((8, 2))}])
+        batch = next(it)
+
+    Raises:
+      TypeError: if `dataset` is not iterable.
+    """
+    if _is_tf_iterator(dataset):
+        return _TFToNumpyIterator(dataset)
+    if isinstance(dataset, collections.abc.Iterator):
+        return dataset
+    if _is_tf_dataset(dataset):
+        return _TFToNumpyIterator(dataset.as_numpy_iterator())
+    if isinstance(dataset, grain.MapDataset | grain.IterDataset | grain.DataLoader):
+        return iter(dataset)
+    if _is_random_access_source(dataset):
+        return iter(grain.MapDataset.source(dataset))
+    if isinstance(dataset, Iterable):
+        return iter(dataset)
+    raise TypeError(
+        f"Cannot iterate over a dataset of type {type(dataset).__module__}."
+        f"{type(dataset).__qualname__}: expected an iterator, an iterable, a grain dataset, "
+        "a random-access data source or a tf.data.Dataset."
+    )
+
+
+def iterator_state(iterator: Any) -> dict[str, Any] | None:
+    """Returns the iterator's checkpointable state, or None if it has none.
+
+    Uses ``iterator.get_state()``. grain ``DataLoader`` iterators return their state as
+    JSON bytes; it is decoded to a dict so every state is a JSON-serialisable dict.
+
+    Example::
+
+        it = iter(GlobalBatchDataset(ArraySource({'x': x}), 8))
+        next(it)
+        iterator_state(it)  # {'next_batch': 1, ...}
+        iterator_state(iter([1, 2]))  # None
+    """
+    get_state = getattr(iterator, "get_state", None)
+    if not callable(get_state):
+        return None
+    state = get_state()
+    if isinstance(state, bytes | bytearray):
+        state = json.loads(state.decode())
+    return state
+
+
+
+def describe_iterator(iterator: Any) -> str:
+    """A short name of an iterator's kind for messages (a prefetcher names its source)."""
+    source = getattr(iterator, "source", None)
+    # Recognised through sys.modules, as tf.data is: no prefetcher exists unless
+    # jaxloop.prefetch was imported, and importing it from here would point up the layers.
+    prefetch = sys.modules.get("jaxloop.prefetch")
+    if prefetch is not None and isinstance(iterator, prefetch.Prefetcher) and source is not None:
+        return f"{describe_iterator(source)} behind a device prefetcher"
+    if isinstance(iterator, _TFToNumpyIterator):
+        return "a tf.data iterator"
+    kind = type(iterator)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def restore_iterator_state(iterator: Any, state: Mapping[str, Any]) -> None:
+    """Restores a state returned by `iterator_state` into an iterator of the same kind.
+
+    Example::
+
+        state = iterator_state(it)
+        ...
+        new_it = iter(dataset)
+        restore_iterator_state(new_it, state)
+
+    Raises:
+      ValueError: if the iterator cannot restore a state (it has no ``set_state``).
+    """
+    set_state = getattr(iterator, "set_state", None)
+    if not callable(set_state):
+        raise ValueError(
+            f"Cannot restore the data position: iterator of type {type(iterator).__qualname__} "
+            "has no set_state(). Use a checkpointable iterator (a grain dataset or "
+            "GlobalBatchDataset) to resume training data exactly."
+        )
+    if isinstance(iterator, grain.DataLoaderIterator) and not isinstance(state, bytes):
+        # DataLoaderIterator.set_state wants the JSON bytes that iterator_state decoded.
+        state = json.dumps(state).encode()
+    set_state(state)
+
+
+def absl_flags_usable() -> None:
+    """Lets grain's worker processes start where absl never parsed the command line (a
+    script or notebook not run by ``absl.app``): grain reads an absl flag of its own when it
+    starts workers, which raises until the flags are parsed; they keep their defaults."""
+    from absl import flags  # noqa: PLC0415 (a dependency of grain)
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def reader(dataset: Any) -> Iterator[Batch]:
+    """`as_iterator(dataset)`, ready to be read from another thread: a grain dataset
+    iterator's pipeline may start worker processes (``mp_prefetch``), which needs
+    `absl_flags_usable`.
+
+    Example::
+
+        it = reader(grain.MapDataset.source(source).batch(8).to_iter_dataset())
+    """
+    iterator = as_iterator(dataset)
+    if isinstance(iterator, grain.DatasetIterator):
+        absl_flags_usable()
+    return iterator

@@ -1,0 +1,65 @@
+"""`ArraySource`: random access to the examples of a pytree of in-memory arrays.
+
+A source is what `GlobalBatchDataset` and grain's ``MapDataset.source`` read examples from
+by index; `ArraySource` is the one for arrays already in memory (numpy, or anything
+``np.asarray`` takes), and lets a global batch be read with one gather per array.
+
+Example::
+
+    source = ArraySource({'image': images, 'label': labels})
+    source[3]  # {'image': images[3], 'label': labels[3]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+Batch = Any
+Example = Any
+
+
+class ArraySource(Sequence[Example]):
+    """A random-access source over a pytree of arrays that share their leading dimension.
+
+    Example::
+
+        source = ArraySource({'image': images, 'label': labels})
+        len(source)  # images.shape[0]
+        source[3]  # {'image': images[3], 'label': labels[3]}
+    """
+
+    def __init__(self, arrays: Any):
+        leaves = jax.tree.leaves(arrays)
+        if not leaves:
+            raise ValueError("ArraySource needs at least one array.")
+        self._arrays = jax.tree.map(np.asarray, arrays)
+        lengths = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(self._arrays)}
+        if None in lengths or len(lengths) != 1:
+            shapes = jax.tree.map(np.shape, self._arrays)
+            raise ValueError(
+                f"ArraySource arrays must share a leading dimension; got shapes {shapes}."
+            )
+        self._length = lengths.pop()
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: Any) -> Example:
+        if not isinstance(index, int | np.integer):
+            raise TypeError(f"ArraySource index must be an int, got {type(index).__name__}.")
+        if not -self._length <= index < self._length:
+            raise IndexError(f"index {index} out of range for ArraySource of {self._length}.")
+        # np.asarray keeps 0-d leaves as arrays, as a gather of several rows would.
+        return jax.tree.map(lambda x: np.asarray(x[index]), self._arrays)
+
+    def gather(self, indices: np.ndarray) -> Batch:
+        """The examples at `indices`, stacked (one numpy gather per leaf)."""
+        return jax.tree.map(lambda x: x[indices], self._arrays)
+
+    def __repr__(self) -> str:
+        shapes = jax.tree.map(np.shape, self._arrays)
+        return f"ArraySource({shapes})"
