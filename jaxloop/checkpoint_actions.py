@@ -93,7 +93,7 @@ class CheckpointAction(actions.Action):
         self._warned_no_position = False
         self._warned_later = False  # said once that a later checkpoint blocks saving
         self._extra_meta = meta
-        self._meta: dict[str, Any] = {}
+        self._resume_metadata: Any = None
 
     @property
     def every_secs(self) -> float | None:
@@ -122,10 +122,12 @@ class CheckpointAction(actions.Action):
         return self._ckpt_manager.save(
             step, args=ocp.args.PyTreeSave(state), metrics=scalar_metrics(outputs))
 
-    def add_meta(self, name: str, provider: Any) -> None:
-        """Saves ``provider()`` (JSON-serialisable) under `name` in each checkpoint's
-        metadata, e.g. `OuterLoop` saves its early-stopping progress this way."""
-        self._meta[name] = provider
+    def set_resume_metadata(self, metadata: Any) -> None:
+        """Saves ``metadata.save()`` (a dict of JSON values) in each checkpoint's metadata,
+        beside the data position and loop count: an `OuterLoop` gives its
+        `resume.ResumeMetadata` (history, early-stopping progress, where the loop stands)
+        this way. None: no more of it."""
+        self._resume_metadata = metadata
 
     def __call__(
         self,
@@ -164,7 +166,8 @@ class CheckpointAction(actions.Action):
             )
         extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
         meta = {**(extra or {}), "loop_count": getattr(loop, "loop_count", None)}
-        meta.update({name: provider() for name, provider in self._meta.items()})
+        if self._resume_metadata is not None:
+            meta.update(self._resume_metadata.save())
         if type(self).save is not CheckpointAction.save:
             saved = self.save(step, state, outputs)  # code written against the reference
         else:
