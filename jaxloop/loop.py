@@ -72,7 +72,10 @@ def remember_step(state: Any, step: int) -> None:
 def _copier(shardings: tuple[jax.sharding.Sharding, ...]) -> Callable[[list], list]:
     """Copies a list of arrays on their devices, each keeping its sharding, in one
     dispatch (`jax.device_put(..., may_alias=False)` dispatches once per leaf)."""
-    return jax.jit(lambda arrays: [jnp.copy(x) for x in arrays], out_shardings=list(shardings))
+    def copy_state(arrays: list) -> list:
+        return [jnp.copy(x) for x in arrays]
+
+    return jax.jit(copy_state, out_shardings=list(shardings))
 
 
 class Loop:
