@@ -120,6 +120,7 @@ class Program:
         steps: int | None = None,
         carry_state: bool = True,
         unroll: bool = False,
+        separate: bool = False,
         returns_state: bool | None = True,
         **jit_kwargs: Any,
     ):
@@ -154,6 +155,7 @@ class Program:
         self._steps = steps
         self._carry_state = carry_state
         self._unroll = unroll
+        self._separate = separate
         self._returns_state = returns_state
         self._flags = flags
         # By call signature (positional count, keyword names): the jit, and the state and
@@ -181,7 +183,12 @@ class Program:
     def _batch_shardings(self, batch: PyTree) -> PyTree:
         """The partitioner's shardings for `batch`, a leaf already placed keeping its own.
         A ValueError names a leaf that does not split."""
-        rule = self._partitioner.batch_shardings(batch, stacked=self._steps is not None)
+        if self._separate:  # a sequence of k batches, each placed as a single step's
+            return tuple(self._batch_shardings_of(b, False) for b in batch)
+        return self._batch_shardings_of(batch, self._steps is not None)
+
+    def _batch_shardings_of(self, batch: PyTree, stacked: bool) -> PyTree:
+        rule = self._partitioner.batch_shardings(batch, stacked=stacked)
         return jax.tree.map(
             lambda x, s: x.sharding if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
             and isinstance(getattr(x, "sharding", None), jax.sharding.Sharding) else s,
@@ -239,16 +246,24 @@ class Program:
         def pin(state: PyTree) -> PyTree:
             return jax.lax.with_sharding_constraint(state, shardings)
 
-        def execution(state: PyTree, stacked: PyTree, count: jax.Array, *args: Any,
+        def execution(state: PyTree, batches: PyTree, count: jax.Array, *args: Any,
                       **kwargs: Any) -> Any:
             carry_state = self._carry_state
+            if self._separate and not self._unroll:
+                # k batches as k arguments (each placed as the hand-written loop places
+                # one), stacked here for the loop body to index.
+                batches = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+
+            def batch_at(i: Any) -> PyTree:
+                if self._separate and self._unroll:
+                    return batches[i]
+                return jax.tree.map(lambda x: x[i], batches)
 
             def run_at(i: Any, current: PyTree) -> tuple[PyTree, Any]:
                 # The carry is pinned on entry too: that fixes the loop's carried placement,
                 # so every step partitions its arithmetic as a single step does.
                 current = pin(current) if carry_state else state
-                new, outputs = one_step(current, jax.tree.map(lambda x: x[i], stacked),
-                                        *args, **kwargs)
+                new, outputs = one_step(current, batch_at(i), *args, **kwargs)
                 return (pin(new) if carry_state else new), outputs
 
             if self._unroll:

@@ -144,15 +144,38 @@ def _device_stacker(treedef: Any, shardings: tuple) -> Any:
                    out_shardings=jax.tree_util.tree_unflatten(treedef, list(shardings)))
 
 
+def padded(batches: Sequence[Batch], size: int) -> tuple[Batch, ...]:
+    """`batches` (of one layout) and repeats of the last, `size` in all: an execution's
+    program always takes `size` batches and is told how many are real, so one program
+    serves every count.
+
+    Raises:
+      BatchLayoutError: the batches differ in tree structure or leaf shapes.
+
+    Example::
+
+        padded([b1, b2, b3], 4)  # (b1, b2, b3, b3)
+    """
+    if not 0 < len(batches) <= size:
+        raise ValueError(f"an execution takes 1 to {size} batches, got {len(batches)}")
+    layouts = {batch_layout(b) for b in batches}
+    if len(layouts) > 1:
+        raise BatchLayoutError(
+            f"Batches run in one execution must share one layout (tree structure and "
+            f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}"
+        )
+    return (*batches, *[batches[-1]] * (size - len(batches)))
+
+
 def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool = False
           ) -> Batch:
     """Stacks `batches` (preprocessed, of one layout) on a new leading axis of `size`.
 
-    Entries past ``len(batches)`` repeat the last batch: an execution's program always
-    takes `size` batches and is told how many are real, so one program (and one stack)
-    serves every count. Host batches are stacked on the host and left for the program's jit
-    to place, or placed here with `place_it` (`Partitioner.shard_stacked_batch`: global
-    arrays with several processes); batches already placed are stacked on the devices.
+    Entries past ``len(batches)`` repeat the last (`padded`). Host batches are stacked on
+    the host and left for the program's jit to place, or placed here with `place_it`
+    (`Partitioner.shard_stacked_batch`: global arrays with several processes); batches
+    already placed are stacked on the devices. (A step without a `begin` of its own hands
+    its program the padded batches instead, stacked inside the program.)
 
     Raises:
       BatchLayoutError: the batches differ in tree structure or leaf shapes.
@@ -161,23 +184,15 @@ def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool 
 
         stacked = stack([b1, b2, b3], 4, partitioner)  # leading axis 4, 3 real
     """
-    if not 0 < len(batches) <= size:
-        raise ValueError(f"stack needs 1 to {size} batches, got {len(batches)}")
-    layouts = {batch_layout(b) for b in batches}
-    if len(layouts) > 1:
-        raise BatchLayoutError(
-            f"Batches run in one execution must share one layout (tree structure and "
-            f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}"
-        )
-    padded = [*batches, *[batches[-1]] * (size - len(batches))]
-    leaves, treedef = jax.tree_util.tree_flatten(padded[0])
+    full = padded(batches, size)
+    leaves, treedef = jax.tree_util.tree_flatten(full[0])
     if not any(isinstance(x, jax.Array) for x in leaves):
-        stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)
+        stacked = jax.tree.map(lambda *xs: np.stack(xs), *full)
         return partitioner.shard_stacked_batch(stacked) if place_it else stacked
     rule = jax.tree.leaves(batch_shardings(partitioner, jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)), x.dtype), padded[0]),
+        lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)), x.dtype), full[0]),
         stacked=True))
-    return _device_stacker(treedef, tuple(rule))(padded)
+    return _device_stacker(treedef, tuple(rule))(list(full))
 
 
 @jax.jit

@@ -230,13 +230,13 @@ class Step(step_state.StepState):
             self._donating = previous
 
     def _program(self, size: int | None = None, carry_state: bool = True,
-                 unroll: bool = False) -> program_lib.Program:
+                 unroll: bool = False, separate: bool = False) -> program_lib.Program:
         """The program of one step (`size` None) or of executions of up to `size` steps,
         made on first use with the jit flags of `compile`; a training step's donates the
         state inside `donating_state`."""
         donate = (self._train and self._donating and "donate_argnums" not in self._jit_kwargs
                   and "donate_argnames" not in self._jit_kwargs)
-        key = (size, carry_state, unroll, donate)
+        key = (size, carry_state, unroll, separate, donate)
         program = self._programs.get(key)
         if program is None:
             kwargs = dict(self._jit_kwargs, **({"donate_argnums": (0,)} if donate else {}))
@@ -248,7 +248,7 @@ class Step(step_state.StepState):
             functools.update_wrapper(run, self.run)
             program = self._programs[key] = program_lib.Program(
                 run, self._partitioner, steps=size, carry_state=carry_state, unroll=unroll,
-                **kwargs)
+                separate=separate, **kwargs)
         return program
 
     @property
@@ -414,17 +414,23 @@ class Step(step_state.StepState):
         first, last = per_loop_step_number, per_loop_step_number + count - 1
         step_actions.check_none_inside(self._begin_actions, self._end_actions, first, last)
         place_first, custom = self._placing_policy()
+        # Without a `begin` of the user's (which sees them stacked), the batches go to the
+        # program as k arguments, placed as single steps' are, and are stacked inside it:
+        # no stacked copy on the host.
+        separate = type(self).begin is Step.begin
         ready = [b.batch if isinstance(b, PreparedBatch)
-                 else self.shard_batch(self.preprocess_batch(b)) if custom
+                 else self.shard_batch(self.preprocess_batch(b))
+                 if custom or (separate and place_first)
                  else self.preprocess_batch(b) for b in batches]
-        stacked = staging.stack(ready, size, self._partitioner, place_it=place_first)
+        stacked = (staging.padded(ready, size) if separate else
+                   staging.stack(ready, size, self._partitioner, place_it=place_first))
         if self._begin_actions and any(action_fires(a, first, True) for a in self._begin_actions):
             step_actions.fire(self._begin_actions, True, first, state,
                               batch=self._placed(ready[0]))
         state, stacked = self.begin(state, stacked)
         if log_num_flops:
             self.compute_num_flops(state, ready[0], **kwargs)
-        program = self._last_program = self._program(size, carry_state, unroll)
+        program = self._last_program = self._program(size, carry_state, unroll, separate)
         new_state, outputs = program(state, stacked, count, **kwargs)
         state = new_state if carry_state else state
         state, outputs = self.end(state, outputs)
