@@ -33,8 +33,6 @@ State = types.TrainState
 Step = step_lib.Step
 # Names kept here for code that imports them from the loop module.
 MetricList = outputs.MetricList
-DEFAULT_MAX_STEPS_IN_FLIGHT = in_flight.DEFAULT_MAX_STEPS_IN_FLIGHT
-default_max_steps_in_flight = in_flight.default_max_steps_in_flight
 
 
 # The train step of each state a loop returned, as the host counted it (see `host_step`).
@@ -58,8 +56,8 @@ def host_step(state: Any) -> int:
 
 
 def remember_step(state: Any, step: int) -> None:
-    """Records that `state` is at train step `step` (see `host_step`); states that take no
-    weak reference (a plain dict) are not recorded."""
+    """Records that `state` is at train step `step` (see `host_step`), if it takes a weak
+    reference."""
     key = id(state)
     try:
         ref = weakref.ref(state, lambda _: _host_steps.pop(key, None))
@@ -116,7 +114,7 @@ class Loop:
         donate_input_state: bool = False,
     ):
         if max_steps_in_flight is None:
-            max_steps_in_flight = default_max_steps_in_flight(step)
+            max_steps_in_flight = in_flight.default_max_steps_in_flight(step)
         self._in_flight = in_flight.InFlight(max_steps_in_flight)
         if (not isinstance(steps_per_execution, int) or isinstance(steps_per_execution, bool)
                 or steps_per_execution < 1):

@@ -1,46 +1,27 @@
-"""Batches read ahead of the loop that uses them, in a background thread.
+"""Where batches are read ahead, and whether they are placed there: the one place that
+decides it, by the step's devices.
 
-`Prefetcher` is the one read-ahead mechanism: a thread reads the source iterator, applies
-a function to each batch (a loop's `prepare_batch`, or `Partitioner.shard_batch` in a
-hand-written loop) and keeps `size` results in a bounded queue. A loop opens one beside
-the iterator it was given (`Loop.prefetching`), and `data.prefetch_to_device` gives one
-to a user's own loop. Where a host-to-device copy exists (GPU, TPU) a loop's prefetcher
-also places the batches, so the copy overlaps the step; where device arrays are host
-memory (CPU) it only reads ahead and the program's jit places each batch (`places_ahead`
-decides, in this one place).
-
-A loop's prefetcher starts its thread at the first read, so a loop that reads
-``next(dataset)`` itself loses no batch to it. Its `position` is after the batches read
-through it, not those read ahead, so a checkpoint resumes exactly; `close` hands the
-source back at that position.
+Where a host-to-device copy exists (GPU, TPU) a loop's read-ahead thread
+(`read_ahead.Prefetcher`) also places the batches, so the copy overlaps the step; where
+device arrays are host memory (CPU) it only reads ahead and the program's jit places each
+batch. An `OuterLoop` reads ahead by default only where batches are placed ahead.
 
 Example::
 
-    ahead = Prefetcher(iterator, step.prepare_batch, size=2)
-    batch = next(ahead)      # a PreparedBatch of placed arrays; the thread starts here
-    meta = ahead.position()  # for a checkpoint
-    ahead.close()            # stops the thread; the iterator goes on after `batch`
-
-This module imports no data library: grain loads (through `jaxloop.data`) only when a
-prefetcher first reads.
+    places_ahead(step)   # False for a step on CPU devices
+    default_size(step)   # 0 there, 2 on a GPU or TPU
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
-from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+from jaxloop.read_ahead import Prefetcher, prefetch_to_device
+
+__all__ = ["DEFAULT_SIZE", "Prefetcher", "default_size", "places_ahead", "prefetch_to_device"]
 
 # What an `OuterLoop` reads ahead by default where batches are placed ahead (`places_ahead`).
 DEFAULT_SIZE = 2
-
-Batch = Any
-
-_BATCH, _END, _ERROR = "batch", "end", "error"
-_POLL_SECONDS = 0.05
-_THREAD_NAME = "jaxloop-device-prefetch"
 
 
 def places_ahead(step: Any) -> bool:
@@ -68,246 +49,3 @@ def default_size(step: Any) -> int:
         OuterLoop(train_loop, prefetch=4)  # an explicit size always wins
     """
     return DEFAULT_SIZE if places_ahead(step) else 0
-
-
-def _iterators() -> Any:
-    """`jaxloop.data.iterators`, imported when a prefetcher first needs it (it loads grain)."""
-    from jaxloop.data import iterators  # noqa: PLC0415
-
-    return iterators
-
-
-def _put(items: queue.Queue, stop: threading.Event, item: tuple[str, Any, Any]) -> bool:
-    """Puts `item` once there is room; False if stopped first."""
-    while not stop.is_set():
-        try:
-            items.put(item, timeout=_POLL_SECONDS)
-            return True
-        except queue.Full:
-            pass
-    return False
-
-
-def _produce(
-    source: Iterator[Batch],
-    prepare: Callable[[Batch], Batch],
-    items: queue.Queue,
-    stop: threading.Event,
-    state_of: Callable[[Any], Any] | None,
-) -> None:
-    # A module-level function holding no reference to the Prefetcher, so an abandoned
-    # prefetcher can be garbage-collected (and its __del__ stop this thread).
-    try:
-        while not stop.is_set():
-            try:
-                batch = next(source)
-            except StopIteration:
-                _put(items, stop, (_END, None, None))
-                return
-            state = state_of(source) if state_of is not None else None
-            if not _put(items, stop, (_BATCH, prepare(batch), state)):
-                return
-    except BaseException as e:  # re-raised in the consumer thread
-        _put(items, stop, (_ERROR, e, None))
-
-
-class Prefetcher(Iterator[Batch]):
-    """Reads `source` through a thread that keeps `size` batches prepared by `prepare`.
-
-    Batches come out in order. An exception raised by the source or by `prepare` is
-    re-raised by ``next()`` at the position where that batch would have come. With
-    ``size=0`` there is no thread and each batch is prepared on ``next()``. The thread
-    starts at the first ``next()`` (or `start`), and stops at the end of the data, on an
-    error, or on `close` (also as a context manager).
-
-    ``get_state()`` (`position`) reports the source's state just after the last batch
-    *returned* (not the last one read ahead), so a checkpoint resumes exactly;
-    ``set_state`` drops the batches read ahead and reads on from the given position.
-
-    Example::
-
-        ahead = Prefetcher(iterator, step.prepare_batch, size=2)
-        first = next(ahead)       # the thread starts here
-        ahead.set_state(earlier)  # drops what was read ahead; reads on from `earlier`
-        ahead.close()             # `iterator` goes on after the last batch returned
-
-    Args:
-      source: the iterator read (anything `data.as_iterator` accepts); kept as `source`.
-      prepare: applied to each batch in the thread, e.g. ``Partitioner.shard_batch``.
-      size: number of batches kept ready (a bounded queue).
-
-    Raises:
-      ValueError: if `size` is negative.
-    """
-
-    def __init__(self, source: Any, prepare: Callable[[Batch], Batch], size: int):
-        if size < 0:
-            raise ValueError(f"size must be >= 0, got {size}.")
-        self.source = source
-        self._prepare = prepare
-        self._size = size
-        self._reader: Iterator[Batch] | None = None  # `source` as an iterator, once read
-        self._state_of: Callable[[Any], Any] | None = None
-        self._state: Any = None
-        self._thread: threading.Thread | None = None
-        self._finished = False
-
-    def start(self) -> Prefetcher:
-        """Starts reading ahead now, not at the first ``next()``; returns this prefetcher."""
-        if self._reader is None and not self._finished:
-            iterators = _iterators()
-            self._reader = iterators.reader(self.source)
-            tracks = callable(getattr(self._reader, "get_state", None))
-            self._state_of = iterators.iterator_state if tracks else None
-            self._state = self._state_of(self._reader) if tracks else None
-            self._start_thread()
-        return self
-
-    def _start_thread(self) -> None:
-        self._finished = False
-        if self._size == 0:
-            return
-        self._items: queue.Queue = queue.Queue(self._size)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=_produce,
-            args=(self._reader, self._prepare, self._items, self._stop, self._state_of),
-            name=_THREAD_NAME,
-            daemon=True,  # never block interpreter exit on a stuck source
-        )
-        self._thread.start()
-
-    def _shutdown(self, timeout: float | None = None) -> None:
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._stop.set()
-        while not self._items.empty():  # frees a producer blocked on a full queue
-            self._items.get_nowait()
-        if thread is not threading.current_thread():
-            thread.join(timeout)
-            if thread.is_alive():
-                logging.warning("jaxloop prefetch thread did not stop within %s s.", timeout)
-
-    def __iter__(self) -> Prefetcher:
-        return self
-
-    def __next__(self) -> Batch:
-        self.start()
-        if self._finished:
-            raise StopIteration
-        if self._size == 0:
-            try:
-                batch = next(self._reader)
-            except StopIteration:
-                self._finished = True
-                raise
-            state = self._state_of(self._reader) if self._state_of is not None else None
-            batch = self._prepare(batch)
-            self._state = state
-            return batch
-
-        thread = self._thread
-        if thread is None:  # closed
-            self._finished = True
-            raise StopIteration
-        while True:
-            try:
-                kind, value, state = self._items.get(timeout=_POLL_SECONDS * 10)
-                break
-            except queue.Empty:
-                if not thread.is_alive() and self._items.empty():
-                    self._finished = True
-                    self._shutdown()
-                    raise RuntimeError("jaxloop prefetch thread exited unexpectedly.") from None
-        if kind == _BATCH:
-            self._state = state
-            return value
-        self._finished = True
-        self._shutdown()
-        if kind == _ERROR:
-            raise value
-        raise StopIteration
-
-    def get_state(self) -> dict[str, Any] | None:
-        """The source's state after the last batch returned (None if it has none)."""
-        if self._reader is None:  # nothing read through this prefetcher yet
-            return _iterators().iterator_state(self.source)
-        return self._state
-
-    def position(self) -> dict[str, Any] | None:
-        """The source's checkpointable position after the batches read through this
-        prefetcher (None when the source cannot report one); the same as `get_state`."""
-        return self.get_state()
-
-    def set_state(self, state: Mapping[str, Any]) -> None:
-        """Moves the source to `state`, dropping the batches read ahead so far.
-
-        Raises:
-          ValueError: if the source cannot take a position (it has no ``set_state``).
-        """
-        iterators = _iterators()
-        if self._reader is None:
-            iterators.restore_iterator_state(self.source, state)
-            return
-        if not callable(getattr(self._reader, "set_state", None)):
-            iterators.restore_iterator_state(self._reader, state)  # raises, naming its type
-        self._shutdown()
-        iterators.restore_iterator_state(self._reader, state)
-        self._state = iterators.iterator_state(self._reader)
-        self._start_thread()
-
-    def close(self, timeout: float | None = None) -> None:
-        """Stops and joins the thread; later ``next()`` calls end iteration.
-
-        A source that can take a position (``set_state``) is moved back to just after the
-        last batch returned, so batches read ahead are not lost to a later user of it (the
-        next `OuterLoop` call on the same iterator, say), however far the thread had read.
-        """
-        self._finished = True
-        if self._reader is None:  # never read: the source is where it was
-            return
-        thread = self._thread
-        self._shutdown(timeout)
-        stopped = thread is None or not thread.is_alive()
-        if stopped and self._state is not None and callable(
-            getattr(self._reader, "set_state", None)
-        ):
-            _iterators().restore_iterator_state(self._reader, self._state)
-
-    def __enter__(self) -> Prefetcher:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            if getattr(self, "_thread", None) is not None:
-                self._shutdown(timeout=5.0)
-        except Exception:  # never raise from a finaliser
-            pass
-
-
-def prefetch_to_device(
-    iterator: Any, shard_fn: Callable[[Batch], Batch], size: int = DEFAULT_SIZE
-) -> Prefetcher:
-    """Shards batches onto devices in a background thread, keeping `size` ready: a
-    `Prefetcher` over ``data.as_iterator(iterator)``, started at once.
-
-    Example::
-
-        with prefetch_to_device(iter(train_ds), partitioner.shard_batch, size=2) as it:
-            for batch in it:
-                state, out = step(state, batch)
-            data_state = it.get_state()  # position after the last batch used
-
-    Args:
-      iterator: source iterator (anything `data.as_iterator` accepts) of host numpy batches.
-      shard_fn: puts a host batch on the devices, e.g. ``Partitioner.shard_batch``.
-      size: number of batches kept ready (a bounded queue); 0: no thread.
-
-    Raises:
-      ValueError: if `size` is negative.
-    """
-    return Prefetcher(_iterators().as_iterator(iterator), shard_fn, size).start()

@@ -2,10 +2,8 @@
 
 A `Program` is MaxText's train step: ``jax.jit(fn, in_shardings=(state, batch, ...),
 out_shardings=(state, ...), donate_argnums=...)``, built on the first call from the state's
-shardings (`Partitioner.state_shardings`) and the batch's (`Partitioner.batch_shardings`; a
-leaf already placed keeps its own), then called as it is every step. A host (numpy) batch
-and a placed one are the same program: jit places a host batch in its own dispatch, so
-the caller need not (several processes still hand it global arrays).
+and the batch's shardings (a leaf already placed keeps its own), then called as it is every
+step. jit places a host batch in its own dispatch (several processes hand it global arrays).
 
 Jit flags (`static_argnums`, `static_argnames`, `donate_argnums`, `donate_argnames`,
 `compiler_options`, ...) reach that jit as written, with the positions and names of `fn`'s
@@ -17,10 +15,9 @@ own signature: ``donate_argnums=(2,)`` donates `fn`'s third argument and nothing
 state, anything else is returned as it is. A state of another tree structure than the one
 the program was built for (a new optimizer, say) gets a program of its own.
 
-With ``steps=k`` the program runs an execution of up to k steps over k stacked batches whose
-first ``count`` entries are real (``count`` is an argument, so one program serves every
-execution length from 1 to k). Each step's state is pinned as a single step's is, so the
-steps compute exactly what single steps do.
+With ``steps=k`` the program runs an execution of up to k steps over k batches (stacked, or
+with ``separate=True`` k arguments) whose first ``count`` are real: one program serves every
+execution length from 1 to k, and each step's state is pinned as a single step's is.
 
 Every call also leaves `last_token`, a scalar made by the same execution: a loop waits on
 it to bound the steps in flight, whatever `fn` returns.
@@ -102,6 +99,8 @@ class Program:
       unroll: with `steps`, True inlines all k steps as straight-line code (compiled as
         single steps are; the steps past `count` run too and their state is dropped);
         False runs them as a loop of `count` iterations.
+      separate: with `steps`, the k batches come as a sequence of k batches (each placed as
+        a single step's), not stacked on a leading axis.
       returns_state: True: `fn` returns ``(new_state, outputs)``; None: any result.
       **jit_kwargs: flags of `jax.jit`, with `fn`'s argument positions and names.
         `in_shardings` and `out_shardings` come from the partitioner and cannot be given.

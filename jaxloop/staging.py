@@ -174,8 +174,7 @@ def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool 
     Entries past ``len(batches)`` repeat the last (`padded`). Host batches are stacked on
     the host and left for the program's jit to place, or placed here with `place_it`
     (`Partitioner.shard_stacked_batch`: global arrays with several processes); batches
-    already placed are stacked on the devices. (A step without a `begin` of its own hands
-    its program the padded batches instead, stacked inside the program.)
+    already placed are stacked on the devices.
 
     Raises:
       BatchLayoutError: the batches differ in tree structure or leaf shapes.

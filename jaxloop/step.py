@@ -414,9 +414,8 @@ class Step(step_state.StepState):
         first, last = per_loop_step_number, per_loop_step_number + count - 1
         step_actions.check_none_inside(self._begin_actions, self._end_actions, first, last)
         place_first, custom = self._placing_policy()
-        # Without a `begin` of the user's (which sees them stacked), the batches go to the
-        # program as k arguments, placed as single steps' are, and are stacked inside it:
-        # no stacked copy on the host.
+        # Without a `begin` of the user's (which sees them stacked), k batches go to the
+        # program as k arguments, stacked inside it: no stacked copy on the host.
         separate = type(self).begin is Step.begin
         ready = [b.batch if isinstance(b, PreparedBatch)
                  else self.shard_batch(self.preprocess_batch(b))

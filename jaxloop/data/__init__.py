@@ -36,8 +36,8 @@ from jaxloop.data.iterators import (
 )
 from jaxloop.data.padding import pad_to_global_batches
 from jaxloop.data.sources import ArraySource
-from jaxloop.prefetch import Prefetcher as DevicePrefetchIterator
-from jaxloop.prefetch import prefetch_to_device
+from jaxloop.read_ahead import Prefetcher as DevicePrefetchIterator
+from jaxloop.read_ahead import prefetch_to_device
 
 __all__ = [
     "ArraySource",

@@ -147,8 +147,8 @@ def describe_iterator(iterator: Any) -> str:
     """A short name of an iterator's kind for messages (a prefetcher names its source)."""
     source = getattr(iterator, "source", None)
     # Recognised through sys.modules, as tf.data is: no prefetcher exists unless
-    # jaxloop.prefetch was imported, and importing it from here would point up the layers.
-    prefetch = sys.modules.get("jaxloop.prefetch")
+    # jaxloop.read_ahead was imported, and importing it from here would point up the layers.
+    prefetch = sys.modules.get("jaxloop.read_ahead")
     if prefetch is not None and isinstance(iterator, prefetch.Prefetcher) and source is not None:
         return f"{describe_iterator(source)} behind a device prefetcher"
     if isinstance(iterator, _TFToNumpyIterator):
