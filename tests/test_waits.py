@@ -12,17 +12,10 @@ import numpy as np
 import optax
 import pytest
 from jax.experimental import io_callback
-from models import ClassifierStep, LinenMLP, toy_data
+from models import ClassifierStep, LinenMLP
+from test_performance import BATCHES, forever
 
 from jaxloop import actions, eval_loop, outer_loop, partition, program, stat_loop, train_loop
-
-DATA = toy_data(256)
-BATCHES = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 256, 16)]
-
-
-def forever():
-    while True:
-        yield from BATCHES
 
 
 class SilentStep(ClassifierStep):
@@ -173,8 +166,10 @@ def test_an_eval_step_follows_the_state_of_a_train_step_built_later():
 
 
 class DeviceBoundStep(ClassifierStep):
-    """A step whose device time is a sleep inside the computation: the device works beside
-    the host, as an accelerator does, so a wait of the host's is a wait for real."""
+    """A step whose device time includes a sleep inside the computation. (jaxlib runs a
+    program holding a host callback in the thread that dispatches it, so on CPU the host
+    waits out each step in its dispatch; the waits counted are the loop's own: blocks and
+    reads at its boundaries.)"""
 
     def run(self, state, batch):
         state, outputs = super().run(state, batch)
