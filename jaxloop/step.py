@@ -1,12 +1,8 @@
 """Step: what happens to one batch. Users subclass it and override `run`.
 
-`Step.__call__` runs ``preprocess_batch -> begin actions -> begin -> compiled run -> end ->
-end actions``. `run` is compiled once (`jaxloop.program`: one `jax.jit` with the state's and
-the batch's shardings) and called directly every step. A host batch goes to it as it is and
-jit places it in its own dispatch; a batch is placed before the program only where something
-needs it placed (several processes, a `shard_batch` or `begin` of your own), or ahead of the
-step by a prefetcher (`prepare_batch`). `Step.call_steps` runs up to k batches in one compiled
-call, which is what a loop with ``steps_per_execution=k`` does.
+A call runs ``preprocess_batch -> begin actions -> begin -> compiled run -> end -> end
+actions``; `run` is compiled once (`jaxloop.program`). `call_steps` runs up to k batches in
+one compiled call (a loop's ``steps_per_execution=k``).
 
 Example::
 
@@ -66,45 +62,24 @@ class Step(step_state.StepState):
     """One batch of training or evaluation. Subclass and override `run`.
 
     Args:
-      base_prng: a PRNG key (or a dict of named keys) from which per-step keys are derived
-        with `prng_key(step)`; also seeds model initialisation.
-      model: a flax linen module instance, or a flax nnx module class (built with
-        `nnx_model_args` and `nnx_model_kwargs`), or an nnx module instance.
-      optimizer: an optax transformation (identity for eval steps).
-      partitioner: where arrays live; single device when None.
-      train: whether this is a training step. Inside a loop it donates the states the loop
-        produced to `run`; a state you pass in is never deleted (see `compile`). nnx
-        models follow this mode; a linen model takes it as a call argument (see
-        `jaxloop.model`).
-      should_shard_batch: whether `__call__` shards the batch (off when batches arrive
-        already on the devices).
-      nnx_model_args: positional arguments for an nnx module class.
-      begin_actions / end_actions: actions run before / after each step whose number
-        (`per_loop_step_number`) is a multiple of their interval (see `action_fires`).
-      dtype_policy: mixed precision, a `jaxloop.precision.Policy` or a string such as
-        ``'bfloat16'`` (see `precision.get_policy`); None leaves the model untouched.
-      sown: flax collections the model sows into (e.g. ``('intermediates',)``), added to
-        the outputs as ``'<collection>/<path>'`` (see `jaxloop.sown`); scalars only unless
-        ``sown_scalars_only=False``.
-      **nnx_model_kwargs: keyword arguments for an nnx module class.
+      base_prng: a key (or dict of named keys) for `prng_key` and model initialisation.
+      model: a linen or nnx module instance, or an nnx module class (built with
+        `nnx_model_args` and `nnx_model_kwargs`).
+      should_shard_batch: False when batches arrive already on the devices.
+      begin_actions / end_actions: run before / after the steps they fire on.
+      dtype_policy: mixed precision (`precision.get_policy`); None leaves the model as is.
+      sown: flax collections the model sows into, added to the outputs (`jaxloop.sown`).
     """
 
-    def __init__(
-        self,
-        base_prng: types.PRNGType,
-        model: model_lib.Model,
-        optimizer: optax.GradientTransformation = _IDENTITY,
-        partitioner: partition_lib.Partitioner | None = None,
-        train: bool = False,
-        should_shard_batch: bool = True,
-        nnx_model_args: Sequence[Any] | None = None,
-        begin_actions: Sequence[Any] | None = None,
-        end_actions: Sequence[Any] | None = None,
-        dtype_policy: precision_lib.Policy | str | None = None,
-        sown: Sequence[str] = (),
-        sown_scalars_only: bool = True,
-        **nnx_model_kwargs: Any,
-    ):
+    def __init__(self, base_prng: types.PRNGType, model: model_lib.Model,
+                 optimizer: optax.GradientTransformation = _IDENTITY,
+                 partitioner: partition_lib.Partitioner | None = None, train: bool = False,
+                 should_shard_batch: bool = True, nnx_model_args: Sequence[Any] | None = None,
+                 begin_actions: Sequence[Any] | None = None,
+                 end_actions: Sequence[Any] | None = None,
+                 dtype_policy: precision_lib.Policy | str | None = None,
+                 sown: Sequence[str] = (), sown_scalars_only: bool = True,
+                 **nnx_model_kwargs: Any):
         self._sown = (sown,) if isinstance(sown, str) else tuple(sown)
         self._sown_scalars_only = sown_scalars_only
         self._dtype_policy = precision_lib.get_policy(dtype_policy)
@@ -121,18 +96,13 @@ class Step(step_state.StepState):
         self._end_actions = list(end_actions or [])
         self._jit_kwargs: dict[str, Any] = {}
         self._donating = False
-        # Programs by (size, carry_state, unroll, donating): size None is the single step; a
-        # loop runs executions of several steps (`call_steps`), donating the states it made.
         self._programs: dict[Any, program_lib.Program] = {}
         self._last_program: program_lib.Program | None = None
         self._placing: tuple[bool, bool] | None = None
         self._num_params: int | None = None
-        # The batch spec of the last `abstract_state`, to initialise it when nothing is
-        # restored (host-side configuration, like the model itself).
+        # The spec of the last `abstract_state`, to initialise it when nothing is restored.
         self._abstract_spec: types.BatchSpec | None = None
         self._num_flops: float | None = None
-
-    # -- properties -------------------------------------------------------------------------
 
     @property
     def train(self) -> bool:
@@ -169,42 +139,24 @@ class Step(step_state.StepState):
         # Looked up per call: notebooks reassign ``jaxloop.step.State`` after import.
         return self.state_class or State
 
-    # -- randomness -------------------------------------------------------------------------
-
     def prng_key(self, step: int | jax.Array) -> types.PRNGType:
-        """The PRNG key for a step: a pure function of (base key, step), also inside `run`.
-
-        Example::
-
-            dropout_key = self.prng_key(state.step)
-        """
+        """The PRNG key of a step, a pure function of (base key, step); in `run`:
+        ``self.prng_key(state.step)``."""
         if isinstance(self._base_prng, Mapping):
             return {k: jax.random.fold_in(v, step) for k, v in self._base_prng.items()}
         return jax.random.fold_in(self._base_prng, step)
 
-    # -- compilation ----------------------------------------------------------------------------
-
     def compile(self, **jit_kwargs: Any) -> program_lib.Program:
-        """Jits `run` through the partitioner (`Partitioner.partition`); `jit_kwargs` go to
-        `jax.jit`. Returns the program a direct call ``step(state, batch)`` runs.
-
-        A state you pass is never deleted: a training step donates only inside a loop, which
-        hands it states the loop produced (`donating_state`). ``donate_argnums`` here applies
-        to every call, as in google/jaxloop (``(0,)`` consumes the state you pass). An
-        unknown jit flag raises TypeError here.
-
-        Example::
-
-            step.compile(keep_unused=True)
-        """
+        """Jits `run` with `jit_kwargs` for `jax.jit`; returns the program ``step(state,
+        batch)`` runs. ``donate_argnums=(0,)`` consumes the state of every call; otherwise a
+        training step donates only inside a loop (`donating_state`)."""
         self._jit_kwargs = dict(jit_kwargs)
         self._programs = {}
         return self._program()
 
     @property
     def donates_input_state(self) -> bool:
-        """Whether every call consumes the state it is given (``compile(donate_argnums=
-        ...)`` names argument 0), so that a loop has no copy of the caller's state to make."""
+        """Whether `compile`'s flags donate the state: a loop then copies none."""
         donate = self._jit_kwargs.get("donate_argnums", ())
         names = self._jit_kwargs.get("donate_argnames", ())
         return 0 in ((donate,) if isinstance(donate, int) else tuple(donate)) or "state" in (
@@ -212,17 +164,9 @@ class Step(step_state.StepState):
 
     @contextlib.contextmanager
     def donating_state(self) -> Iterator[None]:
-        """While open, a training step donates the state it is given to its program (the
-        new state reuses its buffers: one state in memory, not two). Loops open it around
-        their steps, which they hand only states they produced; outside it a call never
-        deletes the caller's arrays.
-
-        Example::
-
-            own = jax.device_put(state, may_alias=False)  # a copy nobody else holds
-            with step.donating_state():
-                own, outputs = step(own, batch)   # `own`'s old buffers are reused
-        """
+        """While open, a training step donates the state it is given (one state in memory,
+        not two). Loops open it around steps on states they produced: give it only a state
+        nobody else holds, such as ``jax.device_put(state, may_alias=False)``."""
         previous, self._donating = self._donating, True
         try:
             yield
@@ -231,9 +175,7 @@ class Step(step_state.StepState):
 
     def _program(self, size: int | None = None, carry_state: bool = True,
                  unroll: bool = False, separate: bool = False) -> program_lib.Program:
-        """The program of one step (`size` None) or of executions of up to `size` steps,
-        made on first use with the jit flags of `compile`; a training step's donates the
-        state inside `donating_state`."""
+        """The program of one step (`size` None) or of up to `size` steps, made on first use."""
         donate = (self._train and self._donating and "donate_argnums" not in self._jit_kwargs
                   and "donate_argnames" not in self._jit_kwargs)
         key = (size, carry_state, unroll, separate, donate)
@@ -253,43 +195,27 @@ class Step(step_state.StepState):
 
     @property
     def last_token(self) -> jax.Array | None:
-        """A scalar made by the last compiled call's execution: ready when it has finished
-        (loops wait on it to bound the steps in flight)."""
+        """A scalar of the last compiled call, ready when it has finished (`in_flight`)."""
         return None if self._last_program is None else self._last_program.last_token
-
-    # -- the parts users override ---------------------------------------------------------------
 
     def preprocess_batch(self, batch: Batch) -> Batch:
         """Host-side transformation of the raw batch before sharding (numpy in, numpy out)."""
         return batch
 
     def prepare_batch(self, batch: Batch) -> PreparedBatch:
-        """`preprocess_batch`, then the batch placed on the devices as the program takes it
-        (`shard_batch`; global arrays with several processes). This is all the work for a
-        batch before its step, which a prefetcher does in its thread ahead of the step where
-        placing ahead pays (`prefetch.places_ahead`).
-
-        Example::
-
-            prepared = step.prepare_batch(batch)
-            state, outputs = step(state, prepared)  # not preprocessed or placed again
-        """
+        """`preprocess_batch`, then `shard_batch`: all the work before a step (a prefetcher
+        does it in its thread); ``step(state, prepared)`` does neither again."""
         batch = self.preprocess_batch(batch)
         return PreparedBatch(self.shard_batch(batch) if self._should_shard_batch else batch)
 
     def shard_batch(self, batch: Batch) -> Batch:
-        """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`, so a
-        partitioner subclass or a patched method decides): split along the data axis, as
-        global arrays with several processes."""
+        """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`)."""
         return self._partitioner.shard_batch(batch)
 
     def _placing_policy(self) -> tuple[bool, bool]:
-        """(whether a host batch is placed before the program, whether each batch is placed
-        by a `shard_batch` of the user's), decided once per step. Otherwise jit places a
-        host batch in its own dispatch, by the same shardings. Placed first: with several
-        processes (global arrays), where a `shard_batch` of the user's decides (a subclass's,
-        a partitioner subclass's or a patched one, as google's notebooks patch
-        ``SPMDPartitioner.shard_batch``), or where `begin` of the user's sees the batch."""
+        """(place a host batch before the program, the user's own `shard_batch` places it),
+        decided once. Otherwise jit places it in its own dispatch. Placed first with several
+        processes, a custom or patched `shard_batch`, or a `begin` of the user's."""
         if self._placing is None:
             partitioner = self._partitioner
             custom = (type(self).shard_batch is not Step.shard_batch
@@ -314,12 +240,8 @@ class Step(step_state.StepState):
         return self.shard_batch(batch) if self._placing_policy()[0] else batch
 
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
-        """Runs on the host before each compiled call, on the batch it is given (placed).
-
-        It runs once per compiled call: for one step on its batch; for an execution of
-        fused steps (`call_steps`, ``steps_per_execution=k``) once, on the execution's
-        batches stacked on a leading axis of k.
-        """
+        """Runs on the host before each compiled call, on its placed batch (for fused steps,
+        the k batches stacked on a leading axis)."""
         return state, batch
 
     def run(self, state: State, batch: Batch) -> tuple[State, Output | None]:
@@ -328,7 +250,7 @@ class Step(step_state.StepState):
 
     def _run_in_mode(self, state: State, batch: Batch, *args: Any,
                      **kwargs: Any) -> tuple[State, Output | None]:
-        # nnx models follow this step's mode while `run` is traced (see model.training_mode).
+        # nnx models follow this step's mode while `run` is traced.
         with model_lib.training_mode(self._train):
             if not self._sown:
                 return self.run(state, batch, *args, **kwargs)
@@ -337,33 +259,19 @@ class Step(step_state.StepState):
             return sown_lib.restored(new_state, state), recorder.outputs(outputs)
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
-        """Runs on the host after each compiled call, on the outputs it returned.
-
-        Once per compiled call, as `begin`: for fused steps on the outputs stacked on a
-        leading axis of k (the entries past the execution's real steps are no real step's).
-        """
+        """Runs on the host after each compiled call, on its outputs (for fused steps,
+        stacked on a leading axis of k; entries past the real steps are padding)."""
         return state, outputs
 
-    # -- driver ---------------------------------------------------------------------------------
-
-    def __call__(
-        self,
-        state: State,
-        batch: Batch,
-        per_loop_step_number: int = 0,
-        log_num_flops: bool = False,
-        **kwargs: Any,
-    ) -> tuple[State, Output | None]:
-        """Runs one batch: preprocess, begin, compiled run, end, with step actions.
-
-        ``batch_preprocessed=True`` (a keyword the reference reads, passed on to `run` with
-        the others) skips `preprocess_batch`."""
+    def __call__(self, state: State, batch: Batch, per_loop_step_number: int = 0,
+                 log_num_flops: bool = False, **kwargs: Any) -> tuple[State, Output | None]:
+        """Runs one batch with its actions; ``batch_preprocessed=True`` (passed on to `run`
+        with the other kwargs) skips `preprocess_batch`."""
         program = self._last_program = self._program()
         batch = self._ready(batch, kwargs.get("batch_preprocessed", False))
         if self._begin_actions and any(
                 action_fires(a, per_loop_step_number, True) for a in self._begin_actions):
-            # A placed copy for the actions only: jit traces a host and a placed batch apart,
-            # so the program keeps taking the batch in one form.
+            # A placed copy for the actions only: the program keeps one batch form (no retrace).
             step_actions.fire(self._begin_actions, True, per_loop_step_number, state,
                               batch=self._placed(batch))
         state, batch = self.begin(state, batch)
@@ -375,38 +283,16 @@ class Step(step_state.StepState):
             step_actions.fire(self._end_actions, False, per_loop_step_number, state, outputs)
         return state, outputs
 
-    def call_steps(
-        self,
-        state: State,
-        batches: Sequence[Batch | PreparedBatch],
-        per_loop_step_number: int = 1,
-        log_num_flops: bool = False,
-        carry_state: bool = True,
-        unroll: bool = False,
-        size: int | None = None,
-        **kwargs: Any,
-    ) -> tuple[State, Output | None]:
-        """Runs batches (raw or prepared, of one layout) as consecutive steps in one
-        compiled call (`jaxloop.program`), with the results of calling the step on each in
-        turn. One program serves every number of batches up to `size` (default: their
-        number); outputs come back stacked (``outputs['loss'][i]`` is step i's). `begin`
-        and `end` run once, on the stacked batch and outputs; a begin action fires on the
-        first step (with its batch), an end action on the last (with its outputs).
-
-        Args:
-          carry_state: False runs every step on the given `state` (as eval loops do) and
-            returns it unchanged.
-          unroll: True compiles the steps straight-line, else one loop body (see `Loop`).
-          **kwargs: passed to every `run`.
-
-        Raises:
-          ValueError: a step action would fire on a step inside the execution.
-          BatchLayoutError: the batches differ in layout.
-
-        Example::
-
-            state, outputs = step.call_steps(state, [batch1, batch2, batch3, batch4])
-        """
+    def call_steps(self, state: State, batches: Sequence[Batch | PreparedBatch],
+                   per_loop_step_number: int = 1, log_num_flops: bool = False,
+                   carry_state: bool = True, unroll: bool = False, size: int | None = None,
+                   **kwargs: Any) -> tuple[State, Output | None]:
+        """Runs batches of one layout (else BatchLayoutError) as consecutive steps in one
+        compiled call, with the results of calling the step on each. One program serves up
+        to `size` batches (default: their number); outputs come back stacked
+        (``outputs['loss'][i]`` is step i's). Begin actions fire on the first step, end
+        actions on the last (ValueError if one fires inside). ``carry_state=False`` runs
+        every step on `state` (eval); `unroll` compiles the steps straight-line."""
         if not batches:
             raise ValueError("call_steps needs at least one batch")
         count = len(batches)
@@ -414,8 +300,7 @@ class Step(step_state.StepState):
         first, last = per_loop_step_number, per_loop_step_number + count - 1
         step_actions.check_none_inside(self._begin_actions, self._end_actions, first, last)
         place_first, custom = self._placing_policy()
-        # Without a `begin` of the user's (which sees them stacked), k batches go to the
-        # program as k arguments, stacked inside it: no stacked copy on the host.
+        # Without a user `begin` (which sees them stacked) the program stacks the k batches.
         separate = type(self).begin is Step.begin
         ready = [b.batch if isinstance(b, PreparedBatch)
                  else self.shard_batch(self.preprocess_batch(b))

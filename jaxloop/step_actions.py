@@ -1,16 +1,5 @@
-"""When a Step's own actions run: every `interval` steps, or where the action (or its
-`triggers.Trigger`) says.
-
-A step-level action (``Step(begin_actions=..., end_actions=...)``) is called before (begin)
-or after (end) each step it fires on. Fused steps (``steps_per_execution=k``) show the host
-only the boundaries of an execution, so a loop cuts its executions at the steps actions
-fire on (`execution_length`), and `Step.call_steps` refuses an execution that hides one
-(`check_none_inside`).
-
-Example::
-
-    action_fires(SummaryAction(writer, interval=10), 20, begin=False)  # True
-    execution_length([], [SummaryAction(writer, interval=10)], first=1, size=16)  # 10
+"""When a Step's own actions (``Step(begin_actions=..., end_actions=...)``) run, and where
+an execution of fused steps must end so that the host sees every step one fires on.
 """
 
 from __future__ import annotations
@@ -20,12 +9,9 @@ from typing import Any
 
 
 def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
-    """Whether a step-level action runs at this step (before it when `begin`, else after).
-
-    An action fires every `interval` steps, or where its `triggers.Trigger` says (its
-    ``trigger`` attribute), or where its optional method ``fires_at(per_loop_step_number,
-    begin)`` says (for actions tied to one step range, such as `profiling.ProfileAction`).
-    """
+    """Whether a step-level action runs at this step (before it when `begin`, else after):
+    where its ``trigger`` (`triggers.Trigger`) or its ``fires_at(per_loop_step_number,
+    begin)`` method says, else every ``interval`` steps."""
     trigger = getattr(action, "trigger", None)
     if trigger is not None:
         return trigger.fires_within_loop(per_loop_step_number)
@@ -37,8 +23,8 @@ def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
 
 def fire(actions: Sequence[Any], begin: bool, step_number: int, state: Any,
          outputs: Any = None, batch: Any = None) -> None:
-    """Calls the actions that fire at this step: a begin action with the step's batch, an
-    end action with its outputs."""
+    """Calls the actions that fire at this step (begin ones with the batch, end ones with
+    the outputs)."""
     for action in actions:
         if action_fires(action, step_number, begin):
             if begin:
@@ -49,9 +35,8 @@ def fire(actions: Sequence[Any], begin: bool, step_number: int, state: Any,
 
 def execution_length(begin_actions: Sequence[Any], end_actions: Sequence[Any],
                      first: int, size: int) -> int:
-    """How many of the steps ``first, first + 1, ...`` (at most `size`) one execution runs:
-    it stops before a step a begin action fires on (other than its first) and after a step
-    an end action fires on."""
+    """How many steps from `first` (at most `size`) one execution runs: it stops before a
+    later step a begin action fires on, and after one an end action fires on."""
     if begin_actions or end_actions:
         for n in range(first, first + size):
             if n > first and any(action_fires(a, n, True) for a in begin_actions):
@@ -63,8 +48,7 @@ def execution_length(begin_actions: Sequence[Any], end_actions: Sequence[Any],
 
 def check_none_inside(begin_actions: Sequence[Any], end_actions: Sequence[Any],
                       first: int, last: int) -> None:
-    """Raises ValueError if an action fires on a step the host cannot see: a begin action
-    after step `first` or an end action before step `last` of one execution."""
+    """Raises ValueError if an action fires inside the execution of steps `first`..`last`."""
     for actions, begin, steps in ((begin_actions, True, range(first + 1, last + 1)),
                                   (end_actions, False, range(first, last))):
         for action in actions:
@@ -73,5 +57,4 @@ def check_none_inside(begin_actions: Sequence[Any], end_actions: Sequence[Any],
                 raise ValueError(
                     f"Step action {action!r} fires on step {inner}, inside an execution of "
                     f"steps {first}..{last}; run the steps around it separately (loops with "
-                    "steps_per_execution do this)"
-                )
+                    "steps_per_execution do this)")
