@@ -1,18 +1,8 @@
-"""How far the host may run ahead of the device.
-
-A loop never waits for a step's result; it only bounds the executions dispatched but not
-finished, waiting once the bound is reached. That keeps the
-device fed while capping queued work: unbounded dispatch of sharded steps deadlocked XLA's
-CPU collectives ("Expected 8 threads to join the rendezvous"), and queued steps hold their
-batches in memory. Each execution is known by a token: an array its program made (a
-`Program`'s `last_token`), never a state leaf, which the next step donates.
-
-Example::
-
-    in_flight = InFlight(default_max_steps_in_flight(step))
-    for batch in batches:
-        state, outputs = step(state, batch)
-        in_flight.add(token(step, outputs, state))  # waits only beyond the bound
+"""How far the host may run ahead of the device: a loop bounds the executions dispatched but
+not finished, which keeps the device fed while capping queued batches in memory (and
+avoids a deadlock of XLA's CPU collectives). Each execution is known by a token its program
+made (`Program.last_token`), never a state leaf, which the next step donates. A loop calls
+``in_flight.add(token(step, outputs, state))`` after each dispatch.
 """
 
 from __future__ import annotations
@@ -22,18 +12,13 @@ from typing import Any
 
 import jax
 
-# The bound on a mesh of several CPU devices (see `default_max_steps_in_flight`).
+# The bound on a mesh of several CPU devices.
 DEFAULT_MAX_STEPS_IN_FLIGHT = 2
 
 
 def default_max_steps_in_flight(step: Any) -> int:
-    """2 on a mesh of several CPU devices, for correctness (the collective deadlock above);
-    8 elsewhere, so the device finds queued work whenever the host thread is late.
-
-    Example::
-
-        default_max_steps_in_flight(step)  # 8 for a SingleDevicePartitioner's step
-    """
+    """2 on a mesh of several CPU devices (the collective deadlock above), else 8 so the
+    device finds queued work whenever the host is late."""
     mesh = getattr(getattr(step, "partitioner", None), "mesh", None)
     if mesh is None:
         return DEFAULT_MAX_STEPS_IN_FLIGHT
@@ -42,10 +27,8 @@ def default_max_steps_in_flight(step: Any) -> int:
 
 
 def token(step: Any, outputs: Any, state: Any) -> jax.Array | None:
-    """The array that is ready once the execution just dispatched has finished: the step's
-    `last_token` (a jaxloop `Step`), else an output array. For a plain callable that
-    returned no array, None after waiting for its state (the next call may donate it).
-    """
+    """An array ready once the execution just dispatched has finished: the step's
+    `last_token`, else an output array; else None after waiting for `state`."""
     found = getattr(step, "last_token", None)
     if found is not None:
         return found
@@ -73,9 +56,8 @@ class InFlight:
         tokens = self._tokens
         tokens.append(token)
         if len(tokens) >= self.bound:
-            # Down to half the bound: the host sleeps and wakes once per bound/2 executions,
-            # not once per execution, and the device keeps bound/2 queued. Executions finish
-            # in order: only the newest of those needs a wait.
+            # Down to half the bound: one wake-up per bound/2 executions, bound/2 still
+            # queued. Executions finish in order, so only the newest needs a wait.
             for _ in range(len(tokens) - self.bound // 2 - 1):
                 tokens.popleft()
             tokens.popleft().block_until_ready()

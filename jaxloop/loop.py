@@ -1,8 +1,7 @@
 """Loop: runs a Step over many batches and collects its outputs.
 
-The host never waits for a step's result inside the loop; it only bounds how far ahead it
-runs (`jaxloop.in_flight`). With ``steps_per_execution=k`` the loop runs k steps per
-compiled call (`Step.call_steps`), with the results of k=1 (see `Loop`).
+The host never waits for a step's result; it only bounds how far ahead it runs
+(`jaxloop.in_flight`).
 
 Example::
 
@@ -35,20 +34,13 @@ Step = step_lib.Step
 MetricList = outputs.MetricList
 
 
-# The train step of each state a loop returned, as the host counted it (see `host_step`).
+# id(state) -> (weak reference, train step) for the states loops returned.
 _host_steps: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def host_step(state: Any) -> int:
-    """The train step of `state`, without reading the device where the host knows it: for a
-    state a training loop returned, its first step plus the steps it ran (a training step
-    advances ``state.step`` by one per batch, as ``apply_gradients`` does); else read.
-
-    Example::
-
-        state, _ = train_loop(state, batches, num_steps=100)
-        host_step(state)  # the step, with the last steps possibly still running
-    """
+    """The train step of `state`: counted on the host for a state a training loop returned
+    (one step per batch; its last steps may still be running), else read from the device."""
     entry = _host_steps.get(id(state))
     if entry is not None and entry[0]() is state:
         return entry[1]
@@ -56,8 +48,7 @@ def host_step(state: Any) -> int:
 
 
 def remember_step(state: Any, step: int) -> None:
-    """Records that `state` is at train step `step` (see `host_step`), if it takes a weak
-    reference."""
+    """Records `state`'s train step for `host_step` (if it takes a weak reference)."""
     key = id(state)
     try:
         ref = weakref.ref(state, lambda _: _host_steps.pop(key, None))
@@ -68,8 +59,8 @@ def remember_step(state: Any, step: int) -> None:
 
 @functools.lru_cache(maxsize=32)
 def _copier(shardings: tuple[jax.sharding.Sharding, ...]) -> Callable[[list], list]:
-    """Copies a list of arrays on their devices, each keeping its sharding, in one
-    dispatch (`jax.device_put(..., may_alias=False)` dispatches once per leaf)."""
+    """Copies arrays on their devices, keeping their shardings, in one dispatch (not one
+    per leaf)."""
     def copy_state(arrays: list) -> list:
         return [jnp.copy(x) for x in arrays]
 
@@ -80,39 +71,20 @@ class Loop:
     """Runs a step repeatedly over a dataset iterator.
 
     Args:
-      step: the Step to run on each batch.
-      max_steps_in_flight: how many dispatched executions may be unfinished at once
-        (>= 1); None: `in_flight.default_max_steps_in_flight(step)`.
-      steps_per_execution: how many steps run in one compiled call (>= 1). Larger k spreads
-        the host's dispatch over k steps: choose it by measuring (``benchmarks/overhead.py``
-        shows how).
-      unroll: with ``steps_per_execution > 1``, True compiles an execution's steps as
-        straight-line code; False runs them as one loop body `count` times (see
-        `jaxloop.program`).
-      donate_input_state: False (the default) leaves the state you pass untouched: a
-        training loop copies it once on the devices and donates only the states its steps
-        produce. True consumes the state you pass (for a state that does not fit twice);
-        a state handed over with `adopt` is never copied.
-
-    With ``steps_per_execution=k > 1`` the loop runs up to k batches per call of one
-    compiled program (`Step.call_steps`), cut so that the host sees what it would at k=1:
-    step actions fire on their steps (`step_actions`), a batch of another layout starts an
-    execution of its own, preemption is honoured at the end of the execution holding the
-    requested step. Each step's outputs still reach `update_outputs` one at a time;
-    `Step.begin` and `Step.end` run once per compiled call.
+      max_steps_in_flight: unfinished executions allowed; None: `in_flight`'s default.
+      steps_per_execution: steps per compiled call (`Step.call_steps`), cut so the host
+        sees what it would at k=1 (step actions, layout changes, preemption).
+      unroll: compile an execution's steps straight-line, not as one loop body.
+      donate_input_state: True consumes the state you pass; False copies it once on the
+        devices. An `adopt`-ed state is never copied.
 
     Override `begin`, `run`, `end` or `update_outputs` to customise; `_get_next_batch`,
     `_run_one_step` and `_run_steps` are the per-batch hooks.
     """
 
-    def __init__(
-        self,
-        step: Step,
-        max_steps_in_flight: int | None = None,
-        steps_per_execution: int = 1,
-        unroll: bool = False,
-        donate_input_state: bool = False,
-    ):
+    def __init__(self, step: Step, max_steps_in_flight: int | None = None,
+                 steps_per_execution: int = 1, unroll: bool = False,
+                 donate_input_state: bool = False):
         if max_steps_in_flight is None:
             max_steps_in_flight = in_flight.default_max_steps_in_flight(step)
         self._in_flight = in_flight.InFlight(max_steps_in_flight)
@@ -120,8 +92,7 @@ class Loop:
                 or steps_per_execution < 1):
             raise ValueError(
                 "steps_per_execution must be a positive integer (choose k by measuring: "
-                f"see benchmarks/overhead.py), got {steps_per_execution!r}"
-            )
+                f"see benchmarks/overhead.py), got {steps_per_execution!r}")
         if not isinstance(unroll, bool):
             raise TypeError(f"unroll must be True or False, got {unroll!r}")
         self._step = step
@@ -130,7 +101,7 @@ class Loop:
         self._donate_input_state = donate_input_state
         self._adopted: Any = None
         self._prefetch: prefetch_lib.Prefetcher | None = None
-        # A batch read but left for the next execution (another layout than the one before).
+        # A batch of another layout, left for the next execution.
         self._pending: Any = None
         self.dataset_exhausted = False
         self.preempted = False
@@ -148,33 +119,23 @@ class Loop:
 
     @property
     def steps_per_execution(self) -> int:
-        """Steps per compiled call."""
         return self._steps_per_execution
 
     def adopt(self, state: State) -> State:
-        """Hands the loop a state that no caller holds (one restored from a checkpoint,
-        built from `Step.abstract_state`, or produced by this loop's previous run and never
-        handed out): the next run donates it without copying it first. Returns `state`.
-
-        Example::
-
-            state, outputs = loop(loop.adopt(step.restore_model(abstract, ckpt_dir)), it)
-        """
+        """Hands the loop a state no caller holds (restored, say): the next run donates it
+        without a copy. Returns `state`, as in ``loop(loop.adopt(restored), it)``."""
         self._adopted = state
         return state
 
     def _own(self, state: State) -> State:
-        """The state this run may donate: `state` itself when the loop may consume it (an
-        adopted state, ``donate_input_state``, a step that never donates or that the user
-        compiled to donate), else a copy on the devices with each array's own sharding."""
+        """`state` where the loop may consume it, else a copy on the devices."""
         adopted, self._adopted = self._adopted, None
         step = self._step
         if (state is adopted or self._donate_input_state or not getattr(step, "train", False)
                 or getattr(step, "donates_input_state", True)):
             return state
         leaves, treedef = jax.tree.flatten(state)
-        # One copy per set of devices: a state may hold leaves on several (params placed
-        # on a mesh beside a step counter on one device), and one jit takes only one set.
+        # One copy per set of devices: one jit takes only one set.
         groups: dict[frozenset, list[int]] = {}
         for i, x in enumerate(leaves):
             if isinstance(x, jax.Array):
@@ -186,12 +147,7 @@ class Loop:
         return jax.tree.unflatten(treedef, leaves)
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
-        """Called before the first step of each loop; returns the state and iterator.
-
-        An iterable `dataset` is turned into an iterator. (A restored data position is
-        given to the iterator by `checkpoint.restore(..., dataset=it)` or `OuterLoop`,
-        never through the state.)
-        """
+        """Called before the first step; returns the state and `dataset` as an iterator."""
         if not isinstance(dataset, Iterator):
             if not isinstance(dataset, Iterable):
                 raise TypeError(f"dataset must be an iterator or iterable, got {type(dataset)}")
@@ -203,23 +159,17 @@ class Loop:
         return outputs.append(loop_outputs, step_outputs)
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
-        """The next batch; raises StopIteration when the dataset is exhausted.
-
-        Inside `prefetching(dataset)` the batch comes from the prefetcher (a
-        `step.PreparedBatch`, as the program takes it); otherwise from ``next(dataset)``.
-        """
+        """The next batch (from the prefetcher inside `prefetching(dataset)`); raises
+        StopIteration at the end."""
         ahead = self._prefetch
         return next(ahead if ahead is not None and ahead.source is dataset else dataset)
 
     @contextlib.contextmanager
     def prefetching(self, dataset: Iterator[Any], size: int = 2, place: bool | None = None
                     ) -> Iterator[Iterator[Any]]:
-        """Prepares the batches of `dataset` `size` ahead in a background thread while
-        open (`prefetch.Prefetcher`, which `_get_next_batch` reads through): preprocessed,
-        and placed on the devices where that pays (`place`; None: `prefetch.places_ahead`,
-        decided by the step's devices). The loop still receives `dataset` itself: ``run``,
-        ``_get_next_batch`` and the actions see the very object the user passed.
-        `data_position` is after the batches consumed.
+        """While open, prepares `dataset`'s batches `size` ahead in a thread, placed on the
+        devices where `place` (None: `prefetch.places_ahead`). The loop and its actions
+        still see `dataset` itself.
 
         Example::
 
@@ -243,8 +193,7 @@ class Loop:
             current.close()
 
     def data_position(self, dataset: Any) -> Any:
-        """The checkpointable position of `dataset` after the batches this loop consumed
-        (None when the iterator cannot report one)."""
+        """`dataset`'s checkpointable position after the batches consumed (or None)."""
         ahead = self._prefetch
         if ahead is not None and ahead.source is dataset:
             return ahead.position()
@@ -252,47 +201,27 @@ class Loop:
 
         return data.iterator_state(dataset)
 
-    def _run_one_step(
-        self,
-        state: State,
-        dataset: Iterator[Any],
-        loop_outputs: Output,
-        per_loop_step_number: int,
-        log_num_flops: bool = False,
-        return_state_from_step: bool = True,
-        **kwargs: Any,
-    ) -> tuple[State, Output]:
-        """Runs one batch through the step and records its outputs.
-
-        With `return_state_from_step=False` (eval loops) the step's returned state is
-        dropped, so the same state feeds every step.
-        """
+    def _run_one_step(self, state: State, dataset: Iterator[Any], loop_outputs: Output,
+                      per_loop_step_number: int, log_num_flops: bool = False,
+                      return_state_from_step: bool = True, **kwargs: Any
+                      ) -> tuple[State, Output]:
+        """Runs one batch and records its outputs; `return_state_from_step=False` (eval)
+        keeps the given state."""
         batch = self._get_next_batch(dataset)
         new_state, step_outputs = self._step(
-            state, batch, per_loop_step_number, log_num_flops=log_num_flops, **kwargs
-        )
+            state, batch, per_loop_step_number, log_num_flops=log_num_flops, **kwargs)
         if return_state_from_step:
             state = new_state
         self._in_flight.add(in_flight.token(self._step, step_outputs, new_state))
         return state, self.update_outputs(loop_outputs, step_outputs)
 
-    def _run_steps(
-        self,
-        state: State,
-        dataset: Iterator[Any],
-        loop_outputs: Output,
-        per_loop_step_number: int,
-        num_steps: int,
-        log_num_flops: bool = False,
-        return_state_from_step: bool = True,
-        **kwargs: Any,
-    ) -> tuple[State, Output, int]:
-        """Runs up to `num_steps` batches in one execution and records each step's outputs.
-
-        Returns the state, the loop outputs and how many steps ran: fewer when the dataset
-        ends first (which also sets `dataset_exhausted`) or a batch of another layout
-        comes (it is kept for the next execution).
-        """
+    def _run_steps(self, state: State, dataset: Iterator[Any], loop_outputs: Output,
+                   per_loop_step_number: int, num_steps: int, log_num_flops: bool = False,
+                   return_state_from_step: bool = True, **kwargs: Any
+                   ) -> tuple[State, Output, int]:
+        """Runs up to `num_steps` batches in one execution; returns the state, the outputs
+        and the steps run (fewer at the dataset's end or before a batch of another layout,
+        kept for the next execution)."""
         batches = [self._pending] if self._pending is not None else []
         self._pending = None
         layout = staging.batch_layout(batches[0]) if batches else None
@@ -313,8 +242,7 @@ class Loop:
         new_state, stacked = self._step.call_steps(
             state, batches, per_loop_step_number, log_num_flops=log_num_flops,
             carry_state=return_state_from_step, unroll=self._unroll,
-            size=self._steps_per_execution, **kwargs,
-        )
+            size=self._steps_per_execution, **kwargs)
         if return_state_from_step:
             state = new_state
         per_step = [None] * count if stacked is None else staging.unstack(stacked)[:count]
@@ -323,14 +251,8 @@ class Loop:
             loop_outputs = self.update_outputs(loop_outputs, step_outputs)
         return state, loop_outputs, count
 
-    def run(
-        self,
-        state: State,
-        dataset: Iterator[Any],
-        num_steps: int | None = None,
-        log_num_flops: bool = False,
-        **kwargs: Any,
-    ) -> tuple[State, Output | None]:
+    def run(self, state: State, dataset: Iterator[Any], num_steps: int | None = None,
+            log_num_flops: bool = False, **kwargs: Any) -> tuple[State, Output | None]:
         """Runs steps until `num_steps` or the end of `dataset`."""
         if num_steps is not None and num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {num_steps}")
@@ -339,11 +261,9 @@ class Loop:
         self.dataset_exhausted = False
         self.preempted = False
         self._pending = None
-        # Preemption is checked between training steps against the host's step count, so
-        # the per-step check never waits for the device.
+        # Against the host's step count: the check never waits for the device.
         check_preemption = preemption.active() and train
-        # Counted on the host for a training Step's state (one step per batch); a plain
-        # callable's step may advance it otherwise (or not at all).
+        # A plain callable may advance `state.step` otherwise (or not at all).
         counted = train and getattr(self._step, "train", False) and hasattr(state, "step")
         first_step = host_step(state) if counted or check_preemption else None
         # An evaluation may stop at any batch on Ctrl-C; a training loop at a step boundary.
@@ -360,8 +280,7 @@ class Loop:
                     if size == 1 and self._pending is None:
                         state, loop_outputs = self._run_one_step(
                             state, dataset, loop_outputs, done + 1, log_num_flops=first_flops,
-                            return_state_from_step=train, **kwargs,
-                        )
+                            return_state_from_step=train, **kwargs)
                         ran = 1
                     else:
                         remaining = size if num_steps is None else min(size, num_steps - done)
@@ -370,14 +289,12 @@ class Loop:
                             step_actions.execution_length(
                                 self._step.begin_actions, self._step.end_actions, done + 1,
                                 remaining),
-                            log_num_flops=first_flops, return_state_from_step=train, **kwargs,
-                        )
+                            log_num_flops=first_flops, return_state_from_step=train, **kwargs)
                 except StopIteration:
                     self.dataset_exhausted = True
                     break
                 done += ran
-                # Every step number is offered: with several processes the agreed sync step may
-                # fall inside an execution, and all processes then stop at that execution's end.
+                # The agreed sync step may fall inside an execution: stop at its end.
                 if check_preemption and (
                         preemption.reached_sync_point(first_step + done) if ran == 1
                         else any(preemption.reached_sync_point(first_step + n)
@@ -398,21 +315,13 @@ class Loop:
         """Called after the last step of each loop."""
         return state, outputs
 
-    def __call__(
-        self,
-        state: State,
-        dataset: Iterator[Any] | Iterable[Any],
-        num_steps: int | None = None,
-        **kwargs: Any,
-    ) -> tuple[State, Output | None]:
+    def __call__(self, state: State, dataset: Iterator[Any] | Iterable[Any],
+                 num_steps: int | None = None, **kwargs: Any) -> tuple[State, Output | None]:
         """Runs `begin`, `run` and `end`; returns the final state and the loop outputs.
 
-        Ctrl-C (a notebook's Stop button) ends the loop at the next step boundary (an
-        evaluation at its next batch): `end` runs, a training loop saves with its
-        checkpoint action if it has one, then `preemption.Interrupted` (a
-        `KeyboardInterrupt`) is raised carrying the live state, which `stopped_state` also
-        holds. Inside an `OuterLoop` the outer loop ends the run instead.
-        """
+        Ctrl-C ends the loop at the next step boundary: `end` runs, a training loop saves,
+        then `preemption.Interrupted` is raised with the live state (also `stopped_state`),
+        unless an `OuterLoop` runs it."""
         self.stopped_state = None
         owner = not preemption.active()
         with (preemption.handling_preemption((signal.SIGINT,)) if owner
@@ -427,7 +336,5 @@ class Loop:
         return state, outputs
 
     def save_checkpoint(self, state: State, outputs: Output | None) -> bool:
-        """Saves `state` now, where the loop can (a training loop with a checkpoint
-        action); returns whether a checkpoint of its step exists. This loop saves
-        nothing."""
+        """Saves `state` now if the loop can; returns whether its step is saved (here never)."""
         return False

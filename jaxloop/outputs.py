@@ -1,8 +1,5 @@
-"""A loop's outputs: one list per key, one entry per step, as the step returned it.
-
-`clu.metrics` values go to a `MetricList`, a list whose `compute()` merges the loop's
-metrics with one jitted merge of two, compiled once per metric type and shapes whatever
-the loop's length (summaries use it at the loop's end).
+"""A loop's outputs: one list per key, one entry per step; `clu.metrics` values go to a
+`MetricList`, whose `compute()` merges them over the loop.
 
 Example::
 
@@ -28,16 +25,11 @@ def _merge(merged: Any, metric: Any) -> Any:
 
 
 class MetricList(list):
-    """Per-step `clu.metrics` values: a list (``len``, indexing) whose `merged` metric over
-    all steps is clu's ``merge`` of each step's into the steps' before it."""
+    """Per-step `clu.metrics` values: a list with the merge over all steps (`merged`)."""
 
     def merged(self) -> Any:
-        """All steps' metrics merged, in step order (stays on the device).
-
-        One compiled merge of two serves every loop length (a merge unrolled over the
-        list would compile a program per length); it runs once per step after the first,
-        dispatched without waiting.
-        """
+        """All steps' metrics merged in order, on the device: one compiled merge of two
+        serves every loop length."""
         if not self:
             raise ValueError("No metric to merge: the loop ran no step")
         return functools.reduce(_merge, self)
@@ -53,8 +45,6 @@ def append(loop_outputs: dict[str, list[Any]], step_outputs: dict[str, Any] | No
     for key, value in (step_outputs or {}).items():
         values = loop_outputs.get(key)
         if values is None:
-            values = loop_outputs[key] = (
-                MetricList() if isinstance(value, _METRIC_TYPES) else []
-            )
+            values = loop_outputs[key] = MetricList() if isinstance(value, _METRIC_TYPES) else []
         values.append(value)
     return loop_outputs

@@ -4,11 +4,7 @@ Example::
 
     train_loop = TrainLoop(train_step, end_actions=[summary_action, ckpt_action])
     state, outputs = train_loop(state, train_iterator, num_steps=100)
-
-    # 16 steps per compiled call: same results, far less per-step dispatch for small steps.
-    train_loop = TrainLoop(train_step, steps_per_execution=16)
-    # Or let the loop time its first executions and pick the size.
-    train_loop = TrainLoop(train_step, steps_per_execution='auto')
+    train_loop = TrainLoop(train_step, steps_per_execution=16)  # 16 steps per compiled call
 """
 
 from __future__ import annotations
@@ -23,14 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class TrainLoop(action_loop.ActionLoop):
-    """An ActionLoop whose step must be a training step (``step.train`` is True).
-
-    Arguments are those of `ActionLoop`: ``begin_actions``, ``end_actions``,
-    ``stat_names``, ``global_batch_size``, ``max_steps_in_flight`` and
-    ``steps_per_execution`` (default 1: steps that run k at a time in one compiled
-    `jax.lax.scan`, with bit-identical results; ``'auto'`` measures and picks k; see
-    `loop.Loop` for the rules).
-    """
+    """An `ActionLoop` (same arguments) whose step must be a training step."""
 
     def __init__(self, step: step_lib.Step, *args: Any, **kwargs: Any):
         if not getattr(step, "train", True):
@@ -38,17 +27,10 @@ class TrainLoop(action_loop.ActionLoop):
         super().__init__(step, *args, **kwargs)
 
     def save_checkpoint(self, state: types.TrainState, outputs: types.Output | None) -> bool:
-        """Saves `state` now with this loop's first `CheckpointAction` (not a best-k one),
-        unless its step is saved already, and waits for the write. Returns whether a
-        checkpoint of this step exists; False, with a warning, when no action saves the
-        state. A stopped run (Ctrl-C, preemption) calls it before it ends.
-
-        Example::
-
-            if not train_loop.save_checkpoint(state, outputs):
-                print('nothing saved')
-        """
-        # Here, not at the top: a train loop without checkpoints never imports orbax.
+        """Saves `state` now with this loop's first `CheckpointAction` (not a best-k one)
+        unless its step is saved, and waits; returns whether this step is saved (False, with
+        a warning, without such an action). A stopped run calls it before it ends."""
+        # Here: a train loop without checkpoints never imports orbax.
         from jaxloop import checkpoint_actions  # noqa: PLC0415
 
         step = loop.host_step(state)
