@@ -1,26 +1,7 @@
-"""The compiled program of a step: one `jax.jit` with explicit shardings, called directly.
-
-A `Program` is MaxText's train step: ``jax.jit(fn, in_shardings=(state, batch, ...),
+"""The compiled program of a step: ``jax.jit(fn, in_shardings=(state, batch, ...),
 out_shardings=(state, ...), donate_argnums=...)``, built on the first call from the state's
-and the batch's shardings (a leaf already placed keeps its own), then called as it is every
-step. jit places a host batch in its own dispatch (several processes hand it global arrays).
-
-Jit flags (`static_argnums`, `static_argnames`, `donate_argnums`, `donate_argnames`,
-`compiler_options`, ...) reach that jit as written, with the positions and names of `fn`'s
-own signature: ``donate_argnums=(2,)`` donates `fn`'s third argument and nothing else.
-
-`fn` returns ``(new_state, outputs)``; the new state keeps the state's tree structure (a
-`ValueError` names the leaves added or missing otherwise). ``returns_state=None`` (what
-`Partitioner.partition` uses) accepts any result: a pair's first item is pinned as a
-state, anything else is returned as it is. A state of another tree structure than the one
-the program was built for (a new optimizer, say) gets a program of its own.
-
-With ``steps=k`` the program runs an execution of up to k steps over k batches (stacked, or
-with ``separate=True`` k arguments) whose first ``count`` are real: one program serves every
-execution length from 1 to k, and each step's state is pinned as a single step's is.
-
-Every call also leaves `last_token`, a scalar made by the same execution: a loop waits on
-it to bound the steps in flight, whatever `fn` returns.
+and the batch's shardings, then called directly every step (jit places a host batch). Jit
+flags use the positions and names of `fn`'s own signature.
 
 Example::
 
@@ -29,9 +10,6 @@ Example::
 
     train_k = Program(step_fn, partitioner, steps=16, donate_argnums=(0,))
     state, stacked_outputs = train_k(state, stacked_batches, 5)  # the first 5 of 16
-
-    sample = Program(sample_fn, partitioner, static_argnames=('length',))
-    tokens = sample(state, prompt, length=32)
 """
 
 from __future__ import annotations
@@ -50,13 +28,8 @@ PyTree = Any
 
 
 def check_state_structure(new: PyTree, state: PyTree) -> None:
-    """Raises a ValueError naming the leaves added or missing when `new` (a step's new
-    state) does not have the tree structure of `state` (the state it was given).
-
-    Example::
-
-        check_state_structure(new_state, state)  # None when they match
-    """
+    """Raises a ValueError naming the leaves added or missing unless `new` (a step's new
+    state) has the tree structure of `state`."""
     if jax.tree.structure(new) == jax.tree.structure(state):
         return
 
@@ -73,8 +46,7 @@ def check_state_structure(new: PyTree, state: PyTree) -> None:
         "The step returned a state whose tree structure differs from the state it was "
         f"given ({detail}). The compiled program pins the new state to the given state's "
         "shardings, so run(state, batch) must return a state of the same structure; "
-        "create new fields when the state is built (initialize_model)."
-    )
+        "create new fields when the state is built (initialize_model).")
 
 
 def _as_tuple(value: Any, kind: type) -> tuple:
@@ -84,51 +56,31 @@ def _as_tuple(value: Any, kind: type) -> tuple:
 
 
 class Program:
-    """`fn(state, batch, ...)` compiled as one `jax.jit` with the state's shardings in and out.
+    """`fn(state, batch, ...)` compiled as one `jax.jit` with the state's shardings in and out;
+    `last_token` is a scalar of the last call's execution (to bound the steps in flight).
 
     Args:
-      fn: the step function, returning ``(new_state, outputs)``.
-      partitioner: gives the state's shardings (`Partitioner.state_shardings`), the batch's
-        (`Partitioner.batch_shardings`) and the context `fn` is traced in
-        (`Partitioner.trace_context`).
-      steps: None for one step; k for executions of up to k steps over batches stacked on
-        a leading axis of size k, called as ``program(state, stacked, count, *args,
-        **kwargs)``. Outputs come back stacked (entries from `count` on are no real step's).
-      carry_state: with `steps`, False runs every step on the given state (evaluation)
-        and returns None in its place (the caller holds the state).
-      unroll: with `steps`, True inlines all k steps as straight-line code (compiled as
-        single steps are; the steps past `count` run too and their state is dropped);
-        False runs them as a loop of `count` iterations.
-      separate: with `steps`, the k batches come as a sequence of k batches (each placed as
-        a single step's), not stacked on a leading axis.
-      returns_state: True: `fn` returns ``(new_state, outputs)``; None: any result.
-      **jit_kwargs: flags of `jax.jit`, with `fn`'s argument positions and names.
-        `in_shardings` and `out_shardings` come from the partitioner and cannot be given.
+      fn: returns ``(new_state, outputs)``, the new state of the given one's structure.
+      partitioner: gives the state's and batch's shardings and the trace context.
+      steps: k for executions called as ``program(state, stacked, count, ...)``, outputs
+        stacked (entries from `count` on are padding); None for one step.
+      carry_state: False runs every step on the given state and returns None for it.
+      unroll: inline the k steps (those past `count` run, their state dropped), not a loop.
+      separate: the k batches come as a sequence, not stacked on a leading axis.
+      returns_state: None accepts any result (a pair's first item is pinned as a state).
+      **jit_kwargs: flags of `jax.jit` except `in_shardings` and `out_shardings`.
 
-    Raises:
-      TypeError: an unknown jit flag, `in_shardings`/`out_shardings`, or a non-bool
-        `unroll`.
-      ValueError: a static state or batch (`static_argnums` 0 or 1).
-    """
+    Raises TypeError for an unknown jit flag, `in_shardings`/`out_shardings` or a non-bool
+    `unroll`; ValueError for a static state or batch (`static_argnums` 0 or 1)."""
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        partitioner: Any,
-        *,
-        steps: int | None = None,
-        carry_state: bool = True,
-        unroll: bool = False,
-        separate: bool = False,
-        returns_state: bool | None = True,
-        **jit_kwargs: Any,
-    ):
+    def __init__(self, fn: Callable[..., Any], partitioner: Any, *, steps: int | None = None,
+                 carry_state: bool = True, unroll: bool = False, separate: bool = False,
+                 returns_state: bool | None = True, **jit_kwargs: Any):
         given = [flag for flag in ("in_shardings", "out_shardings") if flag in jit_kwargs]
         if given:
             raise TypeError(
                 f"Program sets {' and '.join(given)} from the partitioner's shardings; "
-                "place the state with the partitioner instead of passing them"
-            )
+                "place the state with the partitioner instead of passing them")
         if not isinstance(unroll, bool):
             raise TypeError(f"unroll must be True or False, got {unroll!r}")
         jax.jit(fn, **jit_kwargs)  # an unknown jit flag is a TypeError here, not at first use
@@ -138,8 +90,7 @@ class Program:
         if {0, 1} & set(self._static_nums):
             raise ValueError(
                 f"static_argnums={self._static_nums}: the state (0) and the batch (1) are "
-                "arrays and cannot be static"
-            )
+                "arrays and cannot be static")
         try:
             params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
@@ -157,18 +108,14 @@ class Program:
         self._separate = separate
         self._returns_state = returns_state
         self._flags = flags
-        # By call signature (positional count, keyword names): the jit, and the state and
-        # batch structures it was built for.
+        # (positional count, keyword names) -> (jit, state and batch structures it is for).
         self._jitted: dict[tuple, tuple[Callable[..., Any], Any, Any]] = {}
         self.last_token: jax.Array | None = None
 
-    # -- building -----------------------------------------------------------------------
-
     def _positions(self, nums: tuple[int, ...], names: set[str], num_args: int,
                    kw_names: tuple[str, ...]) -> tuple[int, ...]:
-        """Positions in the jitted call ``(state, *args, *kwarg values)`` of `fn`'s
-        arguments given by number or name, however this call passes them (a fused
-        execution's count sits at 2)."""
+        """Positions in the jitted call ``(state, *args, *kwarg values)`` of `fn`'s arguments
+        given by number or name (a fused execution's count sits at 2)."""
         shift = 1 if self._steps is not None else 0
         positional = self._positional_names
         names = names | {positional[n] for n in nums if n < len(positional)}
@@ -180,9 +127,8 @@ class Program:
         return tuple(sorted(found))
 
     def _batch_shardings(self, batch: PyTree) -> PyTree:
-        """The partitioner's shardings for `batch`, a leaf already placed keeping its own.
-        A ValueError names a leaf that does not split."""
-        if self._separate:  # a sequence of k batches, each placed as a single step's
+        """The partitioner's shardings for `batch`, a placed leaf keeping its own."""
+        if self._separate:
             return tuple(self._batch_shardings_of(b, False) for b in batch)
         return self._batch_shardings_of(batch, self._steps is not None)
 
@@ -248,9 +194,7 @@ class Program:
         def execution(state: PyTree, batches: PyTree, count: jax.Array, *args: Any,
                       **kwargs: Any) -> Any:
             carry_state = self._carry_state
-            if self._separate and not self._unroll:
-                # k batches as k arguments (each placed as the hand-written loop places
-                # one), stacked here for the loop body to index.
+            if self._separate and not self._unroll:  # stacked here for the loop body
                 batches = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
 
             def batch_at(i: Any) -> PyTree:
@@ -259,8 +203,7 @@ class Program:
                 return jax.tree.map(lambda x: x[i], batches)
 
             def run_at(i: Any, current: PyTree) -> tuple[PyTree, Any]:
-                # The carry is pinned on entry too: that fixes the loop's carried placement,
-                # so every step partitions its arithmetic as a single step does.
+                # Pinned on entry too, so each step partitions as a single step does.
                 current = pin(current) if carry_state else state
                 new, outputs = one_step(current, batch_at(i), *args, **kwargs)
                 return (pin(new) if carry_state else new), outputs
@@ -276,8 +219,7 @@ class Program:
                 stacked_outputs = jax.tree.map(lambda *xs: jnp.stack(xs), *per_step)
                 return (carry if carry_state else None), stacked_outputs
 
-            # A loop of `count` iterations (an XLA while loop): its carry is updated in place,
-            # and each step's outputs are written into buffers of k entries.
+            # A while loop of `count` iterations writing each step's outputs into k buffers.
             shapes = jax.eval_shape(lambda s: run_at(0, s), state)[1]
             buffers = jax.tree.map(lambda x: jnp.zeros((self._steps, *x.shape), x.dtype), shapes)
 
@@ -295,8 +237,6 @@ class Program:
 
         return execution
 
-    # -- calling ------------------------------------------------------------------------
-
     def _jit_for(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> Callable:
         key = (len(args), tuple(kwargs))
         entry = self._jitted.get(key)
@@ -307,8 +247,7 @@ class Program:
         return entry[0]
 
     def _rebuilt(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> bool:
-        """Makes a new jit where the state or batch structure differs from the one the
-        current jit was built for; False when they are the same."""
+        """Makes a new jit if the state or batch structure changed; False if not."""
         key = (len(args), tuple(kwargs))
         _, state_def, batch_def = self._jitted[key]
         if (jax.tree.structure(state) == state_def
@@ -328,8 +267,7 @@ class Program:
     def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
         args = self._arguments(args)
         if jax.config.jax_disable_jit:
-            # Debugging (`jax.disable_jit`): `fn` runs op by op, so prints and breakpoints
-            # in it work; nothing is traced, nor cached for when jit is back.
+            # `fn` runs op by op (prints and breakpoints work); nothing is cached.
             shardings = self._partitioner.state_shardings(state)
             with self._partitioner.trace_context():
                 return self._body(shardings)(state, *args, **kwargs)
@@ -346,8 +284,8 @@ class Program:
         return result
 
     def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """Lowers the program for these arguments (abstract ones too), e.g. to compile it
-        ahead of time for XLA's cost and memory analyses."""
+        """Lowers the program for these (possibly abstract) arguments, e.g. for XLA's cost
+        and memory analyses."""
         args = self._arguments(args)
         return self._jit_for(state, args, kwargs).lower(state, *args, *kwargs.values())
 

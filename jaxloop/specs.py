@@ -1,7 +1,5 @@
-"""Batches from specs: a spec such as ``[1, 28, 28, 1]`` or ``{'image': [1, 28, 28, 1],
-'label': ([1], 'int32')}`` built as numpy zeros (`zeros_from_spec`, to initialise a model) or
-only described as the partitioner would place it (`abstract_batch`, to compile or estimate
-a step without data).
+"""Batches from specs such as ``[1, 28, 28, 1]``: built as numpy zeros (`zeros_from_spec`)
+or described as the partitioner would place them (`abstract_batch`).
 
 Example::
 
@@ -24,14 +22,12 @@ Batch = types.Batch
 
 _SPEC_HELP = (
     "expected a shape such as [1, 28, 28, 1], a (shape, dtype) pair such as "
-    "([1, 28, 28, 1], 'float32'), or a dict/list/tuple of these"
-)
+    "([1, 28, 28, 1], 'float32'), or a dict/list/tuple of these")
 
 
 def _is_shape(x: Any) -> bool:
     return isinstance(x, list | tuple) and all(
-        isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in x
-    )
+        isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in x)
 
 
 def _as_dtype(x: Any) -> np.dtype | None:
@@ -44,12 +40,7 @@ def _as_dtype(x: Any) -> np.dtype | None:
 
 
 def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
-    """Builds a zero batch (numpy arrays) from a batch spec.
-
-    Example::
-
-        zeros_from_spec({'image': [2, 8, 8, 1], 'label': ([2], 'int32')})
-    """
+    """Builds a zero batch (numpy arrays) from a batch spec."""
     if isinstance(spec, jax.ShapeDtypeStruct | np.ndarray | jax.Array):
         return np.zeros(spec.shape, spec.dtype)
     if _is_shape(spec):
@@ -69,18 +60,9 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
 
 
 def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
-    """The global batch of `spec`, described but not built: each leaf a
-    `jax.ShapeDtypeStruct` placed as `Partitioner.shard_batch` places batches (leading
-    dimension split along the data axis, 0-d leaves replicated).
-
-    Raises:
-      ValueError: a leaf's leading dimension does not divide by the devices along the
-        data axis (the message names the leaf), or a malformed spec.
-
-    Example::
-
-        abstract_batch(partitioner, {'image': [256, 28, 28, 1], 'label': ([256], 'int32')})
-    """
+    """The global batch of `spec` as `jax.ShapeDtypeStruct` leaves placed as
+    `Partitioner.shard_batch` places batches. ValueError for a malformed spec or a leading
+    dimension that does not divide by the devices along the data axis."""
     mesh = partitioner.mesh
     axis = partitioner.data_axis
     shards = partitioner.num_data_shards
@@ -92,10 +74,9 @@ def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
                 f"Batch leaf {annotations.path_str(path)} has shape "
                 f"{tuple(x.shape)}: its leading dimension {x.shape[0]} (the global "
                 f"batch) does not divide by the {shards} devices along mesh axis "
-                f"{axis!r}"
-            )
+                f"{axis!r}")
         sharding = partitioner.batch_sharding if x.ndim else replicated
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-    # np.zeros reserves pages lazily: describing a large batch this way costs no memory.
+    # np.zeros reserves pages lazily: a large batch costs no memory.
     return jax.tree_util.tree_map_with_path(describe, zeros_from_spec(spec))

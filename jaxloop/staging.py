@@ -1,17 +1,5 @@
-"""Batches made ready for a step's compiled program: placed, built from specs, stacked, split.
-
-- `batch_shardings` / `place`: a process-local batch split along the partitioner's data axis
-  (what `Partitioner.shard_batch` does, and the shardings a program's jit places a host
-  batch to in its own dispatch).
-- `stack`: up to k batches of one layout stacked on a new leading axis of k for an execution
-  of fused steps, the entries past the real ones repeating the last.
-- `unstack`: an execution's stacked outputs as one output per step.
-
-Example::
-
-    stacked = staging.stack(batches[:5], 16, partitioner)  # 5 real of 16
-    state, outputs = program(state, stacked, 5)
-    per_step = staging.unstack(outputs)[:5]
+"""Batches made ready for a step's program: placed along the data axis (`place`), stacked for
+fused steps (`stack`), and an execution's stacked outputs split per step (`unstack`).
 """
 
 from __future__ import annotations
@@ -30,11 +18,9 @@ from jaxloop import annotations, types
 Batch = types.Batch
 
 
-
 @dataclasses.dataclass(frozen=True)
 class PreparedBatch:
-    """A batch already preprocessed and made ready for the step's program
-    (`Step.prepare_batch`), as a prefetcher hands them to the step, which then skips both."""
+    """A batch already preprocessed and placed (`Step.prepare_batch`): the step skips both."""
 
     batch: Batch
 
@@ -44,12 +30,7 @@ class BatchLayoutError(ValueError):
 
 
 def batch_layout(batch: Batch | PreparedBatch) -> tuple:
-    """The tree structure and leaf shapes of a batch: batches of one layout can be stacked.
-
-    Example::
-
-        batch_layout({'x': np.ones((8, 2))}) == batch_layout({'x': np.zeros((8, 2))})  # True
-    """
+    """The tree structure and leaf shapes of a batch: batches of one layout can be stacked."""
     if isinstance(batch, PreparedBatch):
         batch = batch.batch
     leaves, treedef = jax.tree_util.tree_flatten(batch)
@@ -58,8 +39,7 @@ def batch_layout(batch: Batch | PreparedBatch) -> tuple:
 
 @functools.cache
 def _local_shards(mesh: jax.sharding.Mesh, axis: str | tuple[str, ...] | None) -> int:
-    """The distinct coordinates along `axis` (one mesh axis or several) of this process's
-    devices."""
+    """The distinct coordinates along `axis` (one or several) of this process's devices."""
     if axis is None:
         return 1
     index = [mesh.axis_names.index(a) for a in ((axis,) if isinstance(axis, str) else axis)]
@@ -69,16 +49,9 @@ def _local_shards(mesh: jax.sharding.Mesh, axis: str | tuple[str, ...] | None) -
 
 
 def batch_shardings(partitioner: Any, batch: Batch, stacked: bool = False) -> Any:
-    """The sharding of each leaf of a process-local batch, checked against the mesh.
-
-    Leaves are split along the data axis on their leading dimension (with `stacked`, on
-    their second: ``stacked[i]`` is placed as batch i); leaves without it are replicated.
-    Computed once per batch layout (tree structure and leaf shapes).
-
-    Raises:
-      ValueError: a leaf's batch dimension does not divide by this process's devices along
-        the data axis (the message names the leaf path and shape).
-    """
+    """Each leaf's sharding: split along the data axis on its leading dimension (with
+    `stacked`, its second), replicated if it has none; cached per layout. ValueError where
+    a batch dimension does not divide by this process's devices along the data axis."""
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     shapes = tuple(tuple(np.shape(x)) for x in leaves)
     shardings = _leaf_shardings(partitioner.mesh, partitioner.data_axis, treedef, shapes,
@@ -90,8 +63,7 @@ def batch_shardings(partitioner: Any, batch: Batch, stacked: bool = False) -> An
 def _leaf_shardings(mesh: jax.sharding.Mesh, axis: str | None, treedef: Any,
                     shapes: tuple, stacked: bool) -> list:
     dim = 1 if stacked else 0
-    split = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec(*[None] * dim, axis))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * dim, axis))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     shards = _local_shards(mesh, axis)
     for path, shape in zip(_paths(treedef), shapes, strict=True):
@@ -102,40 +74,31 @@ def _leaf_shardings(mesh: jax.sharding.Mesh, axis: str | None, treedef: Any,
                 f"{'batch' if stacked else 'leading'} dimension {shape[dim]} does not divide "
                 f"by the {shards} local devices along mesh axis {axis!r} of process "
                 f"{jax.process_index()}. Use a per-process batch size that is a multiple "
-                f"of {shards}."
-            )
+                f"of {shards}.")
     return [replicated if len(shape) <= dim else split for shape in shapes]
 
 
 def _paths(treedef: Any) -> list[str]:
-    """The path of each leaf of `treedef`, as messages name them."""
+    """The path of each leaf of `treedef`, for messages."""
     dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
     return [annotations.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
 def place(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:
-    """This process's batch as global arrays placed by `batch_shardings`: with P processes
-    the global batch is P times larger. Leaves already placed so pass through.
-
-    Example::
-
-        placed = place(partitioner, {'x': np.ones((32, 784))})
-    """
+    """This process's batch as global arrays placed by `batch_shardings` (P processes: a
+    global batch P times larger). Leaves already placed so pass through."""
     shardings = batch_shardings(partitioner, batch, stacked)
     if jax.process_count() == 1:
         return jax.device_put(batch, shardings)
     return jax.tree.map(
         lambda x, s: x
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
-        else jax.make_array_from_process_local_data(s, np.asarray(x)),
-        batch, shardings,
-    )
+        else jax.make_array_from_process_local_data(s, np.asarray(x)), batch, shardings)
 
 
 @functools.lru_cache(maxsize=64)
 def _device_stacker(treedef: Any, shardings: tuple) -> Any:
-    """One jitted stack of placed batches (compiled once per layout and size): eager
-    stacking would dispatch once per batch and leaf."""
+    """One jitted stack of placed batches per layout and size (not a dispatch per leaf)."""
 
     def stack_on_devices(batches: list[Batch]) -> Batch:
         return jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
@@ -145,44 +108,23 @@ def _device_stacker(treedef: Any, shardings: tuple) -> Any:
 
 
 def padded(batches: Sequence[Batch], size: int) -> tuple[Batch, ...]:
-    """`batches` (of one layout) and repeats of the last, `size` in all: an execution's
-    program always takes `size` batches and is told how many are real, so one program
-    serves every count.
-
-    Raises:
-      BatchLayoutError: the batches differ in tree structure or leaf shapes.
-
-    Example::
-
-        padded([b1, b2, b3], 4)  # (b1, b2, b3, b3)
-    """
+    """`batches` and repeats of the last, `size` in all (``padded([b1, b2], 3) == (b1, b2,
+    b2)``), so one program serves every count; BatchLayoutError unless of one layout."""
     if not 0 < len(batches) <= size:
         raise ValueError(f"an execution takes 1 to {size} batches, got {len(batches)}")
     layouts = {batch_layout(b) for b in batches}
     if len(layouts) > 1:
         raise BatchLayoutError(
             f"Batches run in one execution must share one layout (tree structure and "
-            f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}"
-        )
+            f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}")
     return (*batches, *[batches[-1]] * (size - len(batches)))
 
 
 def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool = False
           ) -> Batch:
-    """Stacks `batches` (preprocessed, of one layout) on a new leading axis of `size`.
-
-    Entries past ``len(batches)`` repeat the last (`padded`). Host batches are stacked on
-    the host and left for the program's jit to place, or placed here with `place_it`
-    (`Partitioner.shard_stacked_batch`: global arrays with several processes); batches
-    already placed are stacked on the devices.
-
-    Raises:
-      BatchLayoutError: the batches differ in tree structure or leaf shapes.
-
-    Example::
-
-        stacked = stack([b1, b2, b3], 4, partitioner)  # leading axis 4, 3 real
-    """
+    """Stacks `batches` (preprocessed, of one layout) on a new leading axis of `size`, the
+    entries past them repeating the last. Host batches are stacked on the host (placed with
+    `place_it`), placed ones on the devices."""
     full = padded(batches, size)
     leaves, treedef = jax.tree_util.tree_flatten(full[0])
     if not any(isinstance(x, jax.Array) for x in leaves):
@@ -196,12 +138,6 @@ def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool 
 
 @jax.jit
 def unstack(outputs: Any) -> list[Any]:
-    """An execution's stacked outputs (leading axis k) as k per-step outputs, split on the
-    devices in one dispatch.
-
-    Example::
-
-        per_step = unstack({'loss': jnp.arange(4.0)})  # [{'loss': 0.0}, ..., {'loss': 3.0}]
-    """
+    """An execution's stacked outputs as k per-step outputs, split in one dispatch."""
     size = len(jax.tree.leaves(outputs)[0]) if jax.tree.leaves(outputs) else 0
     return [jax.tree.map(lambda x, i=i: x[i], outputs) for i in range(size)]
