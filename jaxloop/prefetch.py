@@ -1,15 +1,6 @@
-"""Where batches are read ahead, and whether they are placed there: the one place that
-decides it, by the step's devices.
-
-Where a host-to-device copy exists (GPU, TPU) a loop's read-ahead thread
-(`read_ahead.Prefetcher`) also places the batches, so the copy overlaps the step; where
-device arrays are host memory (CPU) it only reads ahead and the program's jit places each
-batch. An `OuterLoop` reads ahead by default only where batches are placed ahead.
-
-Example::
-
-    places_ahead(step)   # False for a step on CPU devices
-    default_size(step)   # 0 there, 2 on a GPU or TPU
+"""Where batches are read ahead, and whether placed there, decided by the step's devices:
+off CPUs the read-ahead thread also places them (the copy overlaps the step); on CPUs
+placing ahead buys nothing and an `OuterLoop` reads in the training thread by default.
 """
 
 from __future__ import annotations
@@ -20,20 +11,13 @@ from jaxloop.read_ahead import Prefetcher, prefetch_to_device
 
 __all__ = ["DEFAULT_SIZE", "Prefetcher", "default_size", "places_ahead", "prefetch_to_device"]
 
-# What an `OuterLoop` reads ahead by default where batches are placed ahead (`places_ahead`).
+# What an `OuterLoop` reads ahead by default where batches are placed ahead.
 DEFAULT_SIZE = 2
 
 
 def places_ahead(step: Any) -> bool:
-    """Whether a prefetcher places the step's batches on its devices ahead of the step: where
-    the step's mesh has a device other than a CPU (a copy to device memory, which the thread
-    overlaps with the step). On CPUs a device array is host memory: placing ahead buys
-    nothing and takes a core from XLA.
-
-    Example::
-
-        places_ahead(step)  # False for a step on CPU devices
-    """
+    """Whether a prefetcher places the step's batches ahead: where its mesh has a device
+    other than a CPU (on CPUs a device array is host memory)."""
     mesh = getattr(getattr(step, "partitioner", None), "mesh", None)
     devices = mesh.devices.flat if mesh is not None else ()
     return any(d.platform != "cpu" for d in devices)
@@ -41,11 +25,5 @@ def places_ahead(step: Any) -> bool:
 
 def default_size(step: Any) -> int:
     """Batches an `OuterLoop` reads ahead unless told: `DEFAULT_SIZE` where they are placed
-    ahead (`places_ahead`), else 0 (batches are read in the training thread, as a
-    hand-written loop reads them; ask for a read-ahead thread for a slow input pipeline).
-
-    Example::
-
-        OuterLoop(train_loop, prefetch=4)  # an explicit size always wins
-    """
+    ahead, else 0; an explicit ``OuterLoop(..., prefetch=4)`` wins (for a slow pipeline)."""
     return DEFAULT_SIZE if places_ahead(step) else 0

@@ -1,26 +1,5 @@
-"""Batches read ahead of the loop that uses them, in a background thread.
-
-`Prefetcher` is the one read-ahead mechanism: a thread reads the source iterator, applies
-a function to each batch (a loop's `prepare_batch`, or `Partitioner.shard_batch` in a
-hand-written loop) and keeps `size` results in a bounded queue. A loop opens one beside
-the iterator it was given (`Loop.prefetching`, which decides with `jaxloop.prefetch`
-whether the batches are also placed), and `data.prefetch_to_device` gives one to a user's
-own loop.
-
-A loop's prefetcher starts its thread at the first read, so a loop that reads
-``next(dataset)`` itself loses no batch to it. Its `position` is after the batches read
-through it, not those read ahead, so a checkpoint resumes exactly; `close` hands the
-source back at that position.
-
-Example::
-
-    ahead = Prefetcher(iterator, step.prepare_batch, size=2)
-    batch = next(ahead)      # a PreparedBatch of placed arrays; the thread starts here
-    meta = ahead.position()  # for a checkpoint
-    ahead.close()            # stops the thread; the iterator goes on after `batch`
-
-This module imports no data library: grain loads (through `jaxloop.data`) only when a
-prefetcher first reads.
+"""Batches read ahead in a background thread (`Prefetcher`): a loop's (`Loop.prefetching`)
+and a hand-written loop's (`data.prefetch_to_device`). Grain loads only at the first read.
 """
 
 from __future__ import annotations
@@ -39,7 +18,7 @@ _THREAD_NAME = "jaxloop-device-prefetch"
 
 
 def _iterators() -> Any:
-    """`jaxloop.data.iterators`, imported when a prefetcher first needs it (it loads grain)."""
+    """`jaxloop.data.iterators`, imported on first use (it loads grain)."""
     from jaxloop.data import iterators  # noqa: PLC0415
 
     return iterators
@@ -56,15 +35,10 @@ def _put(items: queue.Queue, stop: threading.Event, item: tuple[str, Any, Any]) 
     return False
 
 
-def _produce(
-    source: Iterator[Batch],
-    prepare: Callable[[Batch], Batch],
-    items: queue.Queue,
-    stop: threading.Event,
-    state_of: Callable[[Any], Any] | None,
-) -> None:
-    # A module-level function holding no reference to the Prefetcher, so an abandoned
-    # prefetcher can be garbage-collected (and its __del__ stop this thread).
+def _produce(source: Iterator[Batch], prepare: Callable[[Batch], Batch], items: queue.Queue,
+             stop: threading.Event, state_of: Callable[[Any], Any] | None) -> None:
+    # Module-level, holding no reference to the Prefetcher: an abandoned one is collected
+    # and its __del__ stops this thread.
     try:
         while not stop.is_set():
             try:
@@ -80,33 +54,14 @@ def _produce(
 
 
 class Prefetcher(Iterator[Batch]):
-    """Reads `source` through a thread that keeps `size` batches prepared by `prepare`.
+    """Reads `source` (anything `data.as_iterator` accepts) through a thread that keeps
+    `size` batches prepared by `prepare` (such as ``step.prepare_batch``), in order;
+    ``size=0``: no thread.
 
-    Batches come out in order. An exception raised by the source or by `prepare` is
-    re-raised by ``next()`` at the position where that batch would have come. With
-    ``size=0`` there is no thread and each batch is prepared on ``next()``. The thread
-    starts at the first ``next()`` (or `start`), and stops at the end of the data, on an
-    error, or on `close` (also as a context manager).
-
-    ``get_state()`` (`position`) reports the source's state just after the last batch
-    *returned* (not the last one read ahead), so a checkpoint resumes exactly;
-    ``set_state`` drops the batches read ahead and reads on from the given position.
-
-    Example::
-
-        ahead = Prefetcher(iterator, step.prepare_batch, size=2)
-        first = next(ahead)       # the thread starts here
-        ahead.set_state(earlier)  # drops what was read ahead; reads on from `earlier`
-        ahead.close()             # `iterator` goes on after the last batch returned
-
-    Args:
-      source: the iterator read (anything `data.as_iterator` accepts); kept as `source`.
-      prepare: applied to each batch in the thread, e.g. ``Partitioner.shard_batch``.
-      size: number of batches kept ready (a bounded queue).
-
-    Raises:
-      ValueError: if `size` is negative.
-    """
+    The thread starts at the first ``next()`` (or `start`), so a loop reading `source`
+    itself first loses no batch. An error of the source or `prepare` is raised by
+    ``next()`` where its batch would have come. ``get_state()`` (`position`) is just after
+    the last batch *returned*, not read ahead, so a checkpoint resumes exactly."""
 
     def __init__(self, source: Any, prepare: Callable[[Batch], Batch], size: int):
         if size < 0:
@@ -121,7 +76,7 @@ class Prefetcher(Iterator[Batch]):
         self._finished = False
 
     def start(self) -> Prefetcher:
-        """Starts reading ahead now, not at the first ``next()``; returns this prefetcher."""
+        """Starts reading ahead now, not at the first ``next()``; returns self."""
         if self._reader is None and not self._finished:
             iterators = _iterators()
             self._reader = iterators.reader(self.source)
@@ -137,12 +92,10 @@ class Prefetcher(Iterator[Batch]):
             return
         self._items: queue.Queue = queue.Queue(self._size)
         self._stop = threading.Event()
-        self._thread = threading.Thread(
+        self._thread = threading.Thread(  # daemon: a stuck source never blocks exit
             target=_produce,
             args=(self._reader, self._prepare, self._items, self._stop, self._state_of),
-            name=_THREAD_NAME,
-            daemon=True,  # never block interpreter exit on a stuck source
-        )
+            name=_THREAD_NAME, daemon=True)
         self._thread.start()
 
     def _shutdown(self, timeout: float | None = None) -> None:
@@ -204,16 +157,12 @@ class Prefetcher(Iterator[Batch]):
         return self._state
 
     def position(self) -> dict[str, Any] | None:
-        """The source's checkpointable position after the batches read through this
-        prefetcher (None when the source cannot report one); the same as `get_state`."""
+        """The same as `get_state`."""
         return self.get_state()
 
     def set_state(self, state: Mapping[str, Any]) -> None:
-        """Moves the source to `state`, dropping the batches read ahead so far.
-
-        Raises:
-          ValueError: if the source cannot take a position (it has no ``set_state``).
-        """
+        """Moves the source to `state`, dropping the batches read ahead so far (ValueError if
+        the source has no ``set_state``)."""
         iterators = _iterators()
         if self._reader is None:
             iterators.restore_iterator_state(self.source, state)
@@ -226,12 +175,8 @@ class Prefetcher(Iterator[Batch]):
         self._start_thread()
 
     def close(self, timeout: float | None = None) -> None:
-        """Stops and joins the thread; later ``next()`` calls end iteration.
-
-        A source that can take a position (``set_state``) is moved back to just after the
-        last batch returned, so batches read ahead are not lost to a later user of it (the
-        next `OuterLoop` call on the same iterator, say), however far the thread had read.
-        """
+        """Stops the thread (later ``next()`` calls end iteration) and moves a source that
+        takes a position back to just after the last batch returned."""
         self._finished = True
         if self._reader is None:  # never read: the source is where it was
             return
@@ -239,8 +184,7 @@ class Prefetcher(Iterator[Batch]):
         self._shutdown(timeout)
         stopped = thread is None or not thread.is_alive()
         if stopped and self._state is not None and callable(
-            getattr(self._reader, "set_state", None)
-        ):
+                getattr(self._reader, "set_state", None)):
             _iterators().restore_iterator_state(self._reader, self._state)
 
     def __enter__(self) -> Prefetcher:
@@ -257,11 +201,10 @@ class Prefetcher(Iterator[Batch]):
             pass
 
 
-def prefetch_to_device(
-    iterator: Any, shard_fn: Callable[[Batch], Batch], size: int = 2
-) -> Prefetcher:
-    """Shards batches onto devices in a background thread, keeping `size` ready: a
-    `Prefetcher` over ``data.as_iterator(iterator)``, started at once.
+def prefetch_to_device(iterator: Any, shard_fn: Callable[[Batch], Batch], size: int = 2
+                       ) -> Prefetcher:
+    """Shards batches onto devices (`shard_fn`, e.g. ``Partitioner.shard_batch``) in a
+    background thread, keeping `size` ready: a `Prefetcher` started at once.
 
     Example::
 
@@ -269,13 +212,5 @@ def prefetch_to_device(
             for batch in it:
                 state, out = step(state, batch)
             data_state = it.get_state()  # position after the last batch used
-
-    Args:
-      iterator: source iterator (anything `data.as_iterator` accepts) of host numpy batches.
-      shard_fn: puts a host batch on the devices, e.g. ``Partitioner.shard_batch``.
-      size: number of batches kept ready (a bounded queue); 0: no thread.
-
-    Raises:
-      ValueError: if `size` is negative.
     """
     return Prefetcher(_iterators().as_iterator(iterator), shard_fn, size).start()

@@ -18,11 +18,7 @@ Output = dict[str, Any]
 
 Shape = Sequence[int]
 BatchSpec = Shape | tuple[Shape, Any] | Mapping[str, Any]
-"""The shape of an example batch for `Step.initialize_model`.
-
-Either a shape (``[1, 28, 28, 1]``, float32), a ``(shape, dtype)`` pair, or a nested dict,
-list or tuple of these.
-"""
+"""An example batch's shape (float32), ``(shape, dtype)`` pair, or a dict/list/tuple of these."""
 
 PRNGType = jax.Array | Mapping[str, jax.Array]
 """A PRNG key, or a dict of named keys such as ``{'dropout': key}``."""
@@ -31,14 +27,8 @@ Scalar = int | float | jax.Array
 
 
 class TrainState(train_state.TrainState):
-    """flax's TrainState plus the model's mutable collections: arrays only, since the whole
-    state enters jit. Host data (the data iterator's position, loop counters) is saved
-    beside it in each checkpoint (see `jaxloop.checkpoint`).
-
-    Attributes:
-      batch_stats: non-parameter model variables (linen ``batch_stats``, nnx ``BatchStat``
-        and other non-``Param`` state), or None.
-    """
+    """flax's TrainState plus `batch_stats`, the model's non-parameter variables (or None).
+    Arrays only: host data is saved beside it in each checkpoint."""
 
     batch_stats: Any = None
 
@@ -56,18 +46,12 @@ class MetricType(enum.Enum):
 
 @flax.struct.dataclass
 class MetricWithMetadata:
-    """A step output that says how it should be written.
-
-    The value is a pytree leaf that may be traced inside a jitted step; the type and
-    metadata are static. Plain outputs (without this wrapper) are written as scalars.
+    """A step output that says how it should be written (plain outputs are scalars); the
+    value may be traced, the type and metadata are static.
 
     Example::
 
-        return state, {
-            'loss': loss,
-            'inputs': MetricWithMetadata(images, MetricType.IMAGE),
-            'logits': MetricWithMetadata(logits, MetricType.HISTOGRAM),
-        }
+        return state, {'loss': loss, 'inputs': MetricWithMetadata(images, MetricType.IMAGE)}
     """
 
     value: Any
