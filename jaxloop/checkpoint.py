@@ -1,10 +1,8 @@
 """Saving and restoring the whole training state with orbax.
 
 A checkpoint step holds ``state`` (the TrainState's arrays) and ``meta`` (JSON host data:
-each process's data position, loop counters, early-stopping progress); a manager built the
-guide's way holds the state arrays alone. `restore`, the one reader, reads either layout.
-
-Example, resume a loop called directly (`OuterLoop` does this itself)::
+each process's data position, loop counters); a manager built the guide's way holds the
+arrays alone. `restore` reads either. Example, resume a loop called directly::
 
     manager = checkpoint.make_manager(workdir / 'checkpoints', max_to_keep=3)
     checkpoint.save(manager, int(state.step), state, dataset_state=data.iterator_state(it))

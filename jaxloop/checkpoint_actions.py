@@ -29,14 +29,10 @@ log = logging.getLogger("jaxloop.actions")
 
 
 class CheckpointAction(actions.Action):
-    """Saves the whole training state with the user's orbax `CheckpointManager`.
-
-    The train iterator's position and the loop count are saved beside the state, so a
-    resumed run reads the same batches; scalar outputs are the save's metrics. A save that
-    failed in the background is raised at this action's next call. `meta` adds JSON values
-    (a mapping, or a function returning one) to every checkpoint's metadata. With
-    `every_secs` it saves only when that many seconds have passed since its last save,
-    whatever the manager's policy (process 0's `clock` decides for all). Example::
+    """Saves the training state, the train iterator's position and the loop count with the
+    user's orbax `CheckpointManager`; scalar outputs are the save's metrics. `meta` adds
+    JSON values (or a function returning them) to each checkpoint's metadata. With
+    `every_secs` it saves only that often, whatever the manager's policy. Example::
 
         CheckpointAction(manager, interval=1, every_secs=600)  # at most every ten minutes
     """

@@ -3,8 +3,7 @@
 `OuterLoop.history` records the train loop's scalar outputs at the steps they were made and
 each eval loop's results at the step evaluated, as ``train/<key>``, ``eval/<key>`` and
 ``eval_<i>/<key>``. It is saved with each checkpoint (so a resumed run has it up to the
-restored step), and a value recorded at a step replaces what it held from that step on.
-
+restored step); a value recorded at a step replaces what it held from that step on.
 Example, after an `OuterLoop` run::
 
     outer.history['eval/accuracy'].values[-1]

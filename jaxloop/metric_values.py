@@ -1,11 +1,8 @@
 """Metric values: a loop's outputs brought to the host as floats, in few transfers.
 
 Everything that reads loop outputs on the host (actions, history, guard, eval loops) goes
-through here: scalars are picked by shape and dtype before anything is copied (a
-per-example array never is), and a per-step list of device scalars is stacked on the
-devices and copied in one transfer per `STACK_GROUP` steps.
-
-Example::
+through here: scalars are picked by shape and dtype before anything is copied, and a
+per-step list of device scalars is copied in one transfer per `STACK_GROUP` steps. Example::
 
     _, outputs = eval_loop(state, eval_batches)
     metric_values.scalar_metrics(outputs, loop=eval_loop)  # {'loss': 0.31, 'accuracy': 0.9}

@@ -1,12 +1,8 @@
 """Triggers: when an action fires, in global train steps (``state.step``) or in seconds.
 
-A `Trigger` fires where any of its conditions holds (bobbin's ``CronTab``). A loop's end
-action looks at the steps the loop ran, a begin action at the step it starts from, a Step's
-own action at each step (global in a train loop, else counted within the loop from 1).
-A time condition is one small collective per look in a multi-process job: prefer it on
-loop-level actions there.
-
-Example::
+A loop's end action looks at the steps the loop ran, a begin action at the step it starts
+from, a Step's own action at each step (global in a train loop, else counted from 1). A
+time condition costs a small collective per look in a multi-process job. Example::
 
     trigger = triggers.Trigger(at_steps=(1000, 5000), every_n_steps=10_000, every_secs=600)
     train_loop = TrainLoop(step, end_actions=[CheckpointAction(manager).with_trigger(trigger)])
@@ -35,17 +31,10 @@ def _positive_int(name: str, value: Any) -> int | None:
 
 
 class Trigger:
-    """When an action fires; conditions are OR-ed.
-
-    Args:
-      every_n_steps: fire at the multiples of this step count.
-      first_n_steps: fire at steps 0 .. n.
-      first_n_process_steps: fire at the first n steps this process looks at (after the
-        step it started or resumed from).
-      every_secs: fire when this many seconds of `clock` have passed since the last firing
-        (process 0 decides for all processes).
-
-    Example::
+    """When an action fires; conditions are OR-ed (bobbin's ``CronTab``). `first_n_steps`
+    fires at steps 0 .. n, `first_n_process_steps` at the first n steps this process looks
+    at, `every_secs` when that many seconds of process 0's `clock` have passed since the
+    last firing. Example::
 
         Trigger(every_n_steps=100).fires(100)        # True
         Trigger(at_steps=(3, 7)).fires(first=1, last=5)  # True: step 3 is in 1..5
