@@ -1,27 +1,12 @@
 """Saving and restoring the whole training state with orbax.
 
-A checkpoint step directory holds two items: ``state`` (the TrainState's arrays, written by
-orbax's PyTree handler, sharded and multi-process aware) and ``meta`` (JSON host data: each
-process's data position, loop counters, early-stopping progress), so host data never enters
-jit. No pickle. A manager built the guide's way (one unnamed `Checkpointer`) holds the state
-arrays alone. Each checkpoint keeps the layout it was saved with (orbax names the item
-directories), and `restore` reads either, including a whole `TrainState` saved with
-``args.PyTreeSave(state)`` by a user or google/jaxloop (tuples stored as lists, no data
-position) and states of releases whose TrainState carried a ``dataset_state`` field.
-
-`restore` is the one reader (a state, an abstract state, the best by a metric, some leaves,
-orbax's restore transforms); `Step.restore_model`, `OuterLoop`,
-`restore_best` and `warm_start` call it. Steps are found with orbax's step naming
-(``step_prefix``, ``step_format_fixed_length``: ``ckpt_000100`` restores like ``100``).
-
-Example, resume a loop called directly (`OuterLoop` does this itself)::
+A checkpoint step holds ``state`` (the TrainState's arrays) and ``meta`` (JSON host data:
+each process's data position, loop counters); a manager built the guide's way holds the
+arrays alone. `restore` reads either. Example, resume a loop called directly::
 
     manager = checkpoint.make_manager(workdir / 'checkpoints', max_to_keep=3)
     checkpoint.save(manager, int(state.step), state, dataset_state=data.iterator_state(it))
-    ...
-    state, meta = checkpoint.restore(state, workdir / 'checkpoints', partitioner=partitioner,
-                                     dataset=it)  # `it` continues where the run stood
-    state, outputs = train_loop(state, it, num_steps=100)
+    state, meta = checkpoint.restore(state, workdir / 'checkpoints', dataset=it)
 """
 
 from __future__ import annotations
@@ -46,36 +31,25 @@ log = logging.getLogger(__name__)
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
-# The item of a manager holding one unnamed item (the guide's way), as orbax names it.
 _SINGLE_ITEM = ocp.checkpoint_manager.DEFAULT_ITEM_NAME
-# The field where jaxloop's TrainState held the data position before it moved to META_ITEM:
-# a whole state saved the guide's way may still hold it.
+# A TrainState field of older releases; a whole state saved the guide's way may hold it.
 _LEGACY_POSITION = "dataset_state"
-# Whether a manager holds one unnamed item: known for `make_manager`'s, learnt at the first
-# `save` to any other.
+# Whether a manager holds one unnamed item, learnt at its first `save`.
 _SINGLE_LAYOUT: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _absolute(directory: Any) -> epath.Path:
-    """`directory` as an absolute path (orbax's array readers and writers refuse relative
-    ones): a notebook's ``'ckpt'`` is taken from the current directory."""
+    """`directory` as an absolute path (orbax refuses relative ones)."""
     path = epath.Path(directory)
     return path if path.is_absolute() else path.absolute()
 
 
-def make_manager(
-    directory: Any, *, max_to_keep: int | None = 3, async_save: bool = True, **options: Any
-) -> ocp.CheckpointManager:
-    """A CheckpointManager for jaxloop's two-item layout (state arrays + JSON metadata).
-
-    Extra keyword arguments go to `ocp.CheckpointManagerOptions` (for example
-    ``best_fn=...``, ``keep_period=...``). A relative `directory` is taken from the current
-    directory (a notebook's ``make_manager('ckpt')``: orbax's writers need absolute paths).
-    """
+def make_manager(directory: Any, *, max_to_keep: int | None = 3, async_save: bool = True,
+                 **options: Any) -> ocp.CheckpointManager:
+    """A CheckpointManager for jaxloop's layout; `options` go to CheckpointManagerOptions."""
     directory = _absolute(directory)
     if "multiprocessing_options" not in options:
-        # orbax names its cross-process barriers by step; two managers saving the same step
-        # (latest and best) in a multi-process job would collide without a distinct prefix.
+        # Two managers saving one step (latest and best) must not share orbax's barriers.
         name = hashlib.blake2b(str(directory).encode(), digest_size=6).hexdigest()
         options["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
             barrier_sync_key_prefix=f"jaxloop-{name}")
@@ -86,14 +60,9 @@ def make_manager(
     return manager
 
 
-def make_best_manager(
-    directory: Any, metric: str, *, mode: str = "min", k: int = 3, async_save: bool = True
-) -> ocp.CheckpointManager:
-    """A manager that keeps the `k` best checkpoints by `metric` (``'min'`` or ``'max'``).
-
-    Use it in a directory of its own, beside the manager that keeps the latest checkpoints,
-    with `actions.BestCheckpointAction` on an eval loop.
-    """
+def make_best_manager(directory: Any, metric: str, *, mode: str = "min", k: int = 3,
+                      async_save: bool = True) -> ocp.CheckpointManager:
+    """A manager keeping the `k` best checkpoints by `metric` (for `BestCheckpointAction`)."""
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     if k <= 0:
@@ -116,22 +85,11 @@ def state_arrays(state: State) -> dict[str, Any]:
 def save(manager: ocp.CheckpointManager, step: int, state: State,
          meta: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
          force: bool = False, dataset_state: Any = None) -> bool:
-    """Saves `state` at `step`, with `dataset_state` (this process's data position, JSON)
-    and `meta` (JSON) beside it; asynchronous if the manager is.
-
-    Returns whether a checkpoint was started (the manager may skip steps by its policy).
-    A manager holding a single unnamed item (the guide's) gets the state arrays only.
-
-    With several processes every process must call this (orbax's save is collective too):
-    each process's `dataset_state` is gathered, so that each one restores its own.
-
-    Example::
-
-        checkpoint.save(manager, int(state.step), state,
-                        dataset_state=data.iterator_state(it), meta={'loop_count': 3})
-    """
+    """Saves `state` at `step` with this process's `dataset_state` and `meta` (JSON) beside
+    it (the guide's single-item manager gets the arrays only); returns whether a checkpoint
+    was started. A collective: every process calls it."""
     if not force and not manager.should_save(step):
-        return False  # (before the gather below: no collective for a skipped step)
+        return False
     positions = agreement.gathered(dataset_state)
     meta = {**(meta or {}), "dataset_state": positions[0], "dataset_states": positions,
             "process_count": len(positions)}
@@ -140,9 +98,8 @@ def save(manager: ocp.CheckpointManager, step: int, state: State,
     if manager in _SINGLE_LAYOUT:
         args = single if _SINGLE_LAYOUT[manager] else composite
         return manager.save(step, args=args, metrics=metrics, force=force)
-    # The first save learns the layout from the manager itself, alike on every process: orbax
-    # validates the arguments first, and a manager of one unnamed item (the guide's) refuses
-    # a composite (a ValueError, whatever its words). Later saves keep the answer.
+    # orbax refuses a composite for a manager of one unnamed item (a ValueError) before
+    # writing anything, so the first save learns the layout alike on every process.
     try:
         saved = manager.save(step, args=composite, metrics=metrics, force=force)
         _SINGLE_LAYOUT[manager] = False
@@ -156,8 +113,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: State,
 
 
 def _looks_process_independent(position: Any) -> bool:
-    # A GlobalBatchDataset position (next global batch) means the same in any process
-    # count; other iterators can say so with a truthy 'process_independent' entry.
+    # A GlobalBatchDataset position, or one that says so.
     return isinstance(position, Mapping) and (bool(position.get("process_independent")) or
                                               {"next_batch", "global_batch_size"} <= set(position))
 
@@ -165,18 +121,9 @@ def _looks_process_independent(position: Any) -> bool:
 def dataset_state_for_process(meta: Mapping[str, Any], process_index: int | None = None,
                               process_count: int | None = None) -> Any:
     """This process's data position from a checkpoint's metadata (None if none saved).
-
-    A checkpoint written by the same number of processes gives each process its own
-    position. Under another process count only a process-independent position (a
-    `data.GlobalBatchDataset` iterator's, identical on every process) can be used.
-
-    Raises:
-      ValueError: when the checkpoint holds per-process positions for a different number
-        of processes (a per-process pipeline cannot resume exactly on another layout).
-    """
+    Under another process count only a process-independent position can be used."""
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
-    # (Only "dataset_state": written by one process, or by an older jaxloop.)
     positions = meta.get("dataset_states") or [meta.get("dataset_state")]
     saved_count = int(meta.get("process_count", len(positions)))
     if all(p is None for p in positions):
@@ -194,18 +141,13 @@ def dataset_state_for_process(meta: Mapping[str, Any], process_index: int | None
 
 
 def _key(k: Any) -> Any:
-    """A pytree path entry's key, as the tree spells it (dict key, attribute, index)."""
+    """A pytree path entry's key (dict key, attribute, index)."""
     return next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
-    """'backbone/kernel' for a pytree key path."""
-    return "/".join(str(_key(k)) for k in path)
-
-
 def _named_leaves(tree: Any) -> dict[str, tuple[tuple[Any, ...], Any]]:
-    """name -> (key path, leaf) for every leaf of `tree`."""
-    return {_path_name(path): (path, leaf)
+    """'backbone/kernel' -> (key path, leaf) for every leaf of `tree`."""
+    return {"/".join(str(_key(k)) for k in path): (path, leaf)
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -215,8 +157,7 @@ def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
 
 
 def check_compatible(saved: Any, target: Any, where: str, partial: bool = False) -> None:
-    """Raises ValueError naming the first leaf whose structure or shape differs (with
-    `partial`, leaves only in the checkpoint are fine)."""
+    """Raises ValueError naming a leaf whose structure or shape differs (`partial`: a subset)."""
     saved_shapes, target_shapes = _shapes(saved), _shapes(target)
     missing = sorted(set(target_shapes) - set(saved_shapes))
     extra = [] if partial else sorted(set(saved_shapes) - set(target_shapes))
@@ -239,15 +180,12 @@ def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> A
     else:
         default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda x: getattr(x, "sharding", None) or default, arrays)
-    # The target may itself be abstract (`Step.abstract_state`): only shapes, dtypes and
-    # shardings are read, so the restore needs no initialised state.
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype), sharding=s),
         arrays, shardings)
 
 
 def _step_paths(directory: epath.Path) -> dict[int, epath.Path]:
-    """Finalized step directories by step, whatever the manager's step naming."""
     if not directory.exists():
         return {}
     return {ocp.path.step.step_from_checkpoint_name(path.name): path
@@ -255,16 +193,13 @@ def _step_paths(directory: epath.Path) -> dict[int, epath.Path]:
 
 
 def all_steps(directory: Any) -> list[int]:
-    """The steps of the complete checkpoints in `directory` (half-written ones excluded),
-    whatever the step naming (``step_prefix``, ``step_format_fixed_length``)."""
+    """The steps of the complete checkpoints in `directory`, whatever the step naming."""
     return sorted(_step_paths(epath.Path(directory)))
 
 
 def _reader(handlers: dict[str, Any]) -> ocp.Checkpointer:
-    """A checkpointer reading these items (by name) of one checkpoint step directory."""
-    # Each process reads its own shards, with no barrier across processes: a process whose
-    # read fails (a checkpoint deleted by max_to_keep meanwhile) cannot leave the others
-    # waiting there. Callers that must act alike on a failure agree afterwards (`OuterLoop`).
+    """A checkpointer reading these items of one step directory, with no barrier across
+    processes: one whose read fails cannot leave the others waiting."""
     own = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=own, active_processes={own})
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
@@ -284,8 +219,7 @@ def _step_path(directory: epath.Path, step: int | None) -> tuple[int, epath.Path
 
 
 def _layout(path: epath.Path) -> tuple[str, dict[str, Any]]:
-    """(the name of the state's item, the handlers of the items) of the checkpoint at `path`:
-    the layout it was saved with, told by the directory orbax names a single item by."""
+    """(the state item's name, the items' handlers) of the checkpoint at `path`."""
     if (path / _SINGLE_ITEM).exists():
         return _SINGLE_ITEM, {_SINGLE_ITEM: ocp.PyTreeCheckpointHandler()}
     return STATE_ITEM, {STATE_ITEM: ocp.PyTreeCheckpointHandler(),
@@ -293,13 +227,11 @@ def _layout(path: epath.Path) -> tuple[str, dict[str, Any]]:
 
 
 def _saved_tree(reader: ocp.Checkpointer, path: epath.Path, name: str) -> dict[str, Any]:
-    """The tree metadata (names, shapes, dtypes) of the state item `name` at `path`."""
     saved = reader.metadata(path).item_metadata[name]
     return dict(getattr(saved, "tree", saved))
 
 
 def _json(path: epath.Path, name: str, filename: str | None = None) -> dict[str, Any]:
-    """The JSON item `name` of the checkpoint at `path` ({} where it has none)."""
     if not (path / name).exists():
         return {}
     with _reader({name: ocp.JsonCheckpointHandler(filename)}) as reader:
@@ -308,20 +240,17 @@ def _json(path: epath.Path, name: str, filename: str | None = None) -> dict[str,
 
 
 def read_meta(directory: Any, step: int) -> dict[str, Any]:
-    """The JSON metadata saved with the checkpoint at `step` (loop count, data positions,
-    early-stopping progress, a tracker's run id); {} for a single-item checkpoint, which
-    has none. Any step naming (``step_prefix``, fixed length) is found."""
+    """The JSON metadata saved with the checkpoint at `step` ({} for a single-item one)."""
     return _json(_step_path(epath.Path(directory), step)[1], META_ITEM)
 
 
 def _best_step(directory: epath.Path, metric: str, mode: str) -> int:
-    """The step whose saved metrics have the best `metric` (the latest of equals, as orbax's
-    ``best_step`` picks)."""
+    """The step whose saved metrics have the best `metric` (the latest of equals)."""
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     scores = {}
     for step, path in _step_paths(directory).items():
-        name = ocp.checkpoint_manager.METRIC_ITEM_NAME  # (orbax's file is named alike)
+        name = ocp.checkpoint_manager.METRIC_ITEM_NAME
         saved = _json(path, name, filename=name)
         if metric in saved:
             scores[step] = float(saved[metric]) * (1 if mode == "max" else -1)
@@ -335,14 +264,8 @@ def _has_arrays(tree: Any) -> bool:
 
 
 def _conform(target: Any, saved: Any) -> Any:
-    """`target` (a flax state dict) laid out as the checkpoint's tree `saved`.
-
-    flax writes a tuple as a dict with keys '0', '1', ...; orbax writes the tuples of a
-    TrainState saved as a whole (the guide's way) as lists, and an empty tuple (optax's
-    EmptyState) or an absent field as None. Entries of the target without arrays that the
-    checkpoint lacks (such as the data position) are dropped. Anything else is left for
-    `check_compatible` to report.
-    """
+    """`target` (a flax state dict) laid out as the checkpoint's tree `saved` (a TrainState
+    saved whole has lists and Nones for tuples); array-less entries it lacks are dropped."""
     if isinstance(saved, list | tuple) and isinstance(target, Mapping):
         if set(target) == {str(i) for i in range(len(saved))}:
             return [_conform(target[str(i)], saved[i]) for i in range(len(saved))]
@@ -371,37 +294,16 @@ def restore(state: State, directory: Any, step: int | None = None, partitioner: 
             skip_optimizer: bool = False, transforms: Any = None,
             dataset: Iterator[Any] | None = None, *, best: str | None = None,
             mode: str = "min", partial: bool = False) -> tuple[State, dict[str, Any]]:
-    """Restores the checkpoint at `step` (latest if None); returns (state, metadata).
+    """Restores the checkpoint at `step` (latest if None; with `best`, the best by that
+    metric); returns (state, metadata), or `state` unchanged and {} with no checkpoint.
 
-    The one function that reads a checkpoint: its tree metadata once, then the arrays and
-    the JSON item together; it logs "Resumed from step <N> of <dir>".
-
-    `state` may be abstract (`Step.abstract_state`): arrays are read straight into place.
-    `skip_optimizer` keeps the given optimizer state (an eval state has none to restore).
-    `best` restores the checkpoint whose saved metrics (`BestCheckpointAction`'s) have the
-    lowest (`mode` ``'min'``) or highest (``'max'``) value of that metric. With `partial`,
-    `state` may hold some of the checkpoint's leaves only (a dict of its names): only those
-    are read (`warm_start` reads parameters this way).
-
-    Arrays are placed where `partitioner` places `state` (else where its arrays are). Given
-    the train iterator as `dataset`, this moves it to this process's saved data position
-    (`restore_data_position`), so a loop called directly continues where the run stood; a
-    training restore (no `skip_optimizer`) without it whose saved positions do not fit this
-    job's process count logs a warning. With no checkpoint in `directory`, logs "No
-    checkpoint found in <dir>" and returns `state`. A structure or shape mismatch is a
-    ValueError naming the leaf; an unreadable checkpoint raises, never a silent fresh start.
-
-    `transforms` are orbax restore transforms (``PyTreeRestore(transforms=...)``), keyed
-    by '/'-joined paths of the state dict (regular expressions allowed), e.g. to start a
-    new head from the given state while restoring the rest::
+    `state` may be abstract (`Step.abstract_state`) or, with `partial`, hold some leaves
+    only. `skip_optimizer` keeps the given optimizer state. `dataset` (the train iterator)
+    is moved to this process's saved data position. `transforms` are orbax restore
+    transforms keyed by '/'-joined paths, e.g. a new head::
 
         state, _ = checkpoint.restore(
             state, ckpt_dir, transforms={r'params/head/.*': ocp.Transform(use_fallback=True)})
-
-    Raises:
-      ValueError: no checkpoint for `step` (or none with metric `best`); a structure or
-        shape mismatch; with `dataset`, positions saved by another number of processes for
-        a per-process pipeline, or an iterator that cannot take a position.
     """
     directory = _absolute(directory)
     if best is not None:
@@ -424,8 +326,7 @@ def restore(state: State, directory: Any, step: int | None = None, partitioner: 
                 item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                 partial_restore=True)
         else:
-            # Values the transforms take from the given state ("use_fallback") must be
-            # real arrays, not shapes.
+            # "use_fallback" takes values from the given state: real arrays, not shapes.
             args = ocp.args.PyTreeRestore(
                 item={k: v for k, v in state_arrays(state).items() if k not in skip},
                 restore_args=ocp.checkpoint_utils.construct_restore_args(target),
@@ -451,20 +352,13 @@ def restore(state: State, directory: Any, step: int | None = None, partitioner: 
 
 def restore_best(state: State, directory: Any, metric: str, mode: str = "min",
                  partitioner: Any = None, skip_optimizer: bool = False) -> State:
-    """Restores the best checkpoint (by `metric`, as saved by BestCheckpointAction): `restore`
-    with ``best=metric``."""
+    """`restore` of the best checkpoint by `metric` (as `BestCheckpointAction` saves them)."""
     return restore(state, directory, partitioner=partitioner, skip_optimizer=skip_optimizer,
                    best=metric, mode=mode)[0]
 
 
 def restore_data_position(dataset: Iterator[Any], meta: Mapping[str, Any]) -> bool:
-    """Moves `dataset` (the train iterator) to this process's data position in a
-    checkpoint's metadata (`restore`, `read_meta`); returns whether one was saved.
-
-    Raises:
-      ValueError: positions saved by another number of processes that only fit their own
-        process (see `dataset_state_for_process`), or an iterator without ``set_state``.
-    """
+    """Moves `dataset` to this process's saved data position; returns whether one was saved."""
     position = dataset_state_for_process(meta)
     if position is None:
         return False
@@ -474,14 +368,11 @@ def restore_data_position(dataset: Iterator[Any], meta: Mapping[str, Any]) -> bo
     return True
 
 
-# Warm start: parameters only, from another run's checkpoint.
-# ----------------------------------------------------------------------------------------
-
 PARAMS_KEY = "params"
 
 
 def _renamer(rename: Any) -> Any:
-    """A function checkpoint name -> target name (None: not loaded) from `rename`."""
+    """A function checkpoint name -> target name (None: not loaded)."""
     if rename is None:
         return lambda name: name
     if callable(rename):
@@ -508,24 +399,12 @@ def _renamer(rename: Any) -> Any:
 def warm_start(state: State, directory: Any, step: int | None = None, *,
                rename: dict[str, str | None] | Callable[[str], str | None] | None = None,
                strict: bool = True, partitioner: Any = None) -> State:
-    """Loads only the parameters of another run's checkpoint (jaxloop's or the guide's
-    layout; `step`, latest if None) into a fresh `state`; all else stays as given.
+    """Loads only the parameters of another run's checkpoint into a fresh `state`.
 
-    Names are the parameters' paths joined by '/', e.g. ``'backbone/Dense_0/kernel'``.
-    `rename` maps checkpoint names to the state's names: a dict of prefixes
-    (``{'backbone/': 'encoder/'}``; a prefix mapped to None is not loaded, e.g. an old head:
-    ``{'head/': None}``) or a callable ``name -> new name or None``.
+    `rename` maps checkpoint names (``'backbone/Dense_0/kernel'``) to the state's: a dict of
+    prefixes (a prefix mapped to None is not loaded) or a callable. With `strict`, missing
+    or unexpected parameters are a ValueError, else logged. Example, a new head::
 
-    Parameters of `state` the checkpoint lacks are "missing" (they keep their fresh values);
-    checkpoint parameters `state` lacks are "unexpected". With `strict` either is a
-    ValueError listing them; otherwise they are logged. A parameter whose shape differs is
-    always a ValueError naming it and both shapes (drop it with `rename` to keep it fresh).
-    Each loaded parameter is cast to the dtype of, and placed like, the state's parameter
-    (by `partitioner`, else where the given array lives): a partial `restore` of them alone.
-
-    Example, fine-tune with a new 3-class head from a 10-class run::
-
-        state = step.initialize_model(spec)
         state = checkpoint.warm_start(state, 'runs/a/checkpoints', rename={'head/': None},
                                       strict=False, partitioner=partitioner)
     """
@@ -537,7 +416,6 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
     arrays = state_arrays(state)
     if PARAMS_KEY not in arrays:
         raise ValueError(f"Warm start: the state has no {PARAMS_KEY!r}; it has {sorted(arrays)}")
-    # Each parameter's shape, dtype and placement, by name.
     others = tuple(k for k in arrays if k != PARAMS_KEY)
     targets = _named_leaves(_abstract_target(state, partitioner, others)[PARAMS_KEY])
     name, handlers = _layout(path)
@@ -547,7 +425,6 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
         raise ValueError(
             f"Warm start: checkpoint {path} holds no {PARAMS_KEY!r}; it has {sorted(saved)}")
     sources = _named_leaves(saved[PARAMS_KEY])
-
     loads: dict[str, str] = {}  # target name -> checkpoint name
     unexpected, mismatched = [], []
     for source, (_, meta) in sources.items():
@@ -580,15 +457,12 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
         log.warning("Warm start from %s: parameters missing from the checkpoint, kept fresh: "
                     "%s; checkpoint parameters not in the state, not loaded: %s",
                     path, missing, sorted(unexpected))
-
     loaded = {}
     if loads:
-        # A partial restore of just the chosen leaves under their checkpoint names, each
-        # shaped, typed and placed as its target; the rest (optimizer state, step) is never
-        # read. (Orbax's renaming transforms would match every name against every other.)
+        # A partial restore of the chosen leaves only (orbax's renaming transforms would
+        # match every name against every other).
         item = {PARAMS_KEY: traverse_util.unflatten_dict(
             {tuple(map(_key, sources[old][0])): targets[new][1] for new, old in loads.items()})}
-        # (skip_optimizer: another run's data positions are no concern of this state's.)
         restored, _ = restore(item, directory, step, skip_optimizer=True, partial=True)
         loaded = {n: leaf for n, (_, leaf) in _named_leaves(restored[PARAMS_KEY]).items()}
     current = _named_leaves(arrays[PARAMS_KEY])

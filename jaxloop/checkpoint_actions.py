@@ -1,14 +1,8 @@
-"""Checkpoint actions: the train state saved with orbax at loop ends (`CheckpointAction`), and
-the best k states by an eval metric (`BestCheckpointAction`).
-
-Their own module because they are the only actions that need orbax (and, when saving,
-grain for the data position): a program that trains without checkpoints never imports
-either. Users reach them as ``actions.CheckpointAction`` and ``jaxloop.CheckpointAction``,
-which load this module on first use.
+"""Checkpoint actions: the train state saved at loop ends (`CheckpointAction`), and the best
+k states by an eval metric (`BestCheckpointAction`). Their own module because they are the
+only actions that import orbax; users reach them as ``actions.CheckpointAction``.
 
 Example::
-
-    from jaxloop import actions, checkpoint
 
     manager = checkpoint.make_manager(workdir / 'ckpt')
     train_loop = TrainLoop(step, end_actions=[actions.CheckpointAction(manager, interval=5)])
@@ -30,60 +24,27 @@ from jaxloop.metric_values import scalar_metrics
 Output = types.Output
 State = types.TrainState
 
-# The logger these actions had before they left `actions.py`: logging set up for it holds.
+# The logger of `actions.py`, so logging configured for it still applies.
 log = logging.getLogger("jaxloop.actions")
 
 
 class CheckpointAction(actions.Action):
-    """Saves the whole training state with the user's orbax `CheckpointManager`.
+    """Saves the training state, the train iterator's position and the loop count with the
+    user's orbax `CheckpointManager`; scalar outputs are the save's metrics. `meta` adds
+    JSON values (or a function returning them) to each checkpoint's metadata. With
+    `every_secs` it saves only that often, whatever the manager's policy. Example::
 
-    The save is asynchronous when the manager is (orbax copies the arrays off the device
-    before `save` returns, so training continues while the files are written). A save that
-    fails in the background is raised on the loop's thread at this action's next call (or
-    by the next save, or `OuterLoop`'s final wait): orbax re-raises it from the manager's
-    `wait_until_finished`, once. The train iterator's position (when it can report one)
-    and the loop count are saved beside the state, so a resumed run reads the same batches
-    and fires actions on the same loops. An iterator that cannot report its position (a
-    generator, a tf.data iterator) is named in a warning at the first checkpoint: a resume
-    replays its data from the start. Scalar outputs are passed as metrics (for `best_fn`
-    policies); per-example outputs are recognised by shape and never copied to the host.
-
-    Example::
-
-        manager = ocp.CheckpointManager(workdir / 'ckpt',
-                                        options=ocp.CheckpointManagerOptions(max_to_keep=3))
-        train_loop = TrainLoop(step, end_actions=[CheckpointAction(manager, interval=5)])
-
-    `meta` adds JSON values to every checkpoint's metadata (a mapping, or a function
-    returning one), e.g. a tracker's run id: ``meta={'tracker_run_id': writer.run_id}``.
-
-    Time-based saves: with `every_secs`, the action still looks every `interval` loops, but
-    saves there only when `every_secs` seconds have passed since its last save (or since it
-    was made), whatever the manager's step policy says. Process 0's `clock` decides and every
-    process follows it (one broadcast per call in a multi-process job), so all processes save
-    the same steps. A forced save (preemption) always saves and restarts the time. Example,
-    look every loop, save at most every ten minutes::
-
-        CheckpointAction(manager, interval=1, every_secs=600)
+        CheckpointAction(manager, interval=1, every_secs=600)  # at most every ten minutes
     """
 
-    def __init__(
-        self,
-        ckpt_manager: ocp.CheckpointManager,
-        interval: int = 1,
-        meta: Mapping[str, Any] | Any = None,
-        every_secs: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, ckpt_manager: ocp.CheckpointManager, interval: int = 1,
+                 meta: Mapping[str, Any] | Any = None, every_secs: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         super().__init__(interval)
-        if every_secs is not None and (
-            isinstance(every_secs, bool)
-            or not isinstance(every_secs, (int, float))
-            or not every_secs > 0
-        ):
+        bad = isinstance(every_secs, bool) or not isinstance(every_secs, int | float)
+        if every_secs is not None and (bad or not every_secs > 0):
             raise ValueError(
-                f"`every_secs` must be a positive number of seconds, got {every_secs!r}"
-            )
+                f"`every_secs` must be a positive number of seconds, got {every_secs!r}")
         if not callable(clock):
             raise TypeError(f"`clock` must be a callable returning seconds, got {clock!r}")
         self._every_secs = every_secs
@@ -91,7 +52,7 @@ class CheckpointAction(actions.Action):
         self._last_save_time = clock()
         self._ckpt_manager = ckpt_manager
         self._warned_no_position = False
-        self._warned_later = False  # said once that a later checkpoint blocks saving
+        self._warned_later = False
         self._extra_meta = meta
         self._resume_metadata: Any = None
 
@@ -100,8 +61,7 @@ class CheckpointAction(actions.Action):
         return self._every_secs
 
     def _time_due(self) -> bool:
-        """Whether a time-based save is due: process 0's clock decides for every process
-        (each calls the action at the same loop boundaries, so each reaches the agreement)."""
+        # Every process calls the action at the same loop boundaries, so each reaches this.
         return bool(agreement.agreed(
             lambda: self._clock() - self._last_save_time >= self._every_secs))
 
@@ -110,33 +70,18 @@ class CheckpointAction(actions.Action):
         return self._ckpt_manager
 
     def save(self, step: int, state: State, outputs: Output | None = None) -> bool:
-        """Saves `state` alone at `step` as the manager's one PyTree item, with the scalar
-        outputs as metrics: the reference's building block, for a manager made the
-        reference's way. A subclass that overrides it saves its own way in `__call__`;
-        otherwise `__call__` also saves the data position and loop count (`checkpoint.save`).
-
-        Example::
-
-            CheckpointAction(ocp.CheckpointManager(path)).save(0, {'a': 0})
-        """
+        """Saves `state` alone as the manager's one PyTree item (google/jaxloop's way). A
+        subclass overriding it saves its own way in `__call__`, without the data position."""
         return self._ckpt_manager.save(
             step, args=ocp.args.PyTreeSave(state), metrics=scalar_metrics(outputs))
 
     def set_resume_metadata(self, metadata: Any) -> None:
-        """Saves ``metadata.save()`` (a dict of JSON values) in each checkpoint's metadata,
-        beside the data position and loop count: an `OuterLoop` gives its
-        `resume.ResumeMetadata` (history, early-stopping progress, where the loop stands)
-        this way. None: no more of it."""
+        """Saves ``metadata.save()`` (JSON) in each checkpoint's metadata (an `OuterLoop`'s
+        `resume.ResumeMetadata`); None stops it."""
         self._resume_metadata = metadata
 
-    def __call__(
-        self,
-        state: State,
-        outputs: Output | None,
-        loop: Any = None,
-        force: bool = False,
-        **kwargs: Any,
-    ) -> bool:
+    def __call__(self, state: State, outputs: Output | None, loop: Any = None,
+                 force: bool = False, **kwargs: Any) -> bool:
         """Saves `state` at its step; `force` saves even where the manager's policy would
         skip this step (preemption)."""
         step = loop_lib.host_step(state)
@@ -153,17 +98,14 @@ class CheckpointAction(actions.Action):
 
         iterator = getattr(loop, "dataset", None)
         position = getattr(loop, "data_position", None)  # knows about prefetched batches
-        dataset_state = (
-            position(iterator) if callable(position) else data.iterator_state(iterator)
-        )
+        dataset_state = position(iterator) if callable(position) else data.iterator_state(iterator)
         if dataset_state is None and iterator is not None and not self._warned_no_position:
             self._warned_no_position = True
             log.warning(
                 "The train iterator (%s) cannot report its position, so checkpoints hold no "
                 "data position: a resumed run will replay the data from the start. Use a "
                 "grain dataset or data.GlobalBatchDataset to resume the data exactly.",
-                data.describe_iterator(iterator),
-            )
+                data.describe_iterator(iterator))
         extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
         meta = {**(extra or {}), "loop_count": getattr(loop, "loop_count", None)}
         if self._resume_metadata is not None:
@@ -171,11 +113,9 @@ class CheckpointAction(actions.Action):
         if type(self).save is not CheckpointAction.save:
             saved = self.save(step, state, outputs)  # code written against the reference
         else:
-            saved = checkpoint.save(
-                self._ckpt_manager, step, state, meta=meta,
-                metrics=scalar_metrics(outputs, loop=loop),
-                force=force, dataset_state=dataset_state,
-            )
+            saved = checkpoint.save(self._ckpt_manager, step, state, meta=meta,
+                                    metrics=scalar_metrics(outputs, loop=loop), force=force,
+                                    dataset_state=dataset_state)
         if saved:
             log.info("Saving checkpoint for step %d to %s.", step, self._ckpt_manager.directory)
         elif not self._warned_later:
@@ -191,12 +131,8 @@ class CheckpointAction(actions.Action):
 
 
 class BestCheckpointAction(CheckpointAction):
-    """Keeps the best k checkpoints by an eval metric, beside the latest ones.
-
-    Put it on an eval loop; each evaluation offers the state with the eval outputs as
-    metrics, and the manager (from `checkpoint.make_best_manager`) keeps the best k. These
-    checkpoints are for picking a model, so no data position or loop count is saved.
-
+    """Keeps the best k checkpoints by an eval metric (the manager from
+    `checkpoint.make_best_manager` decides), on an eval loop; no data position is saved.
     Example::
 
         best = checkpoint.make_best_manager(workdir / 'best', 'accuracy', mode='max', k=2)
@@ -204,12 +140,10 @@ class BestCheckpointAction(CheckpointAction):
         state = checkpoint.restore_best(state, workdir / 'best', 'accuracy', mode='max')
     """
 
-    def __call__(
-        self, state: State, outputs: Output | None, loop: Any = None, force: bool = False,
-        **kwargs: Any,
-    ) -> bool:
+    def __call__(self, state: State, outputs: Output | None, loop: Any = None,
+                 force: bool = False, **kwargs: Any) -> bool:
         if loop_lib.host_step(state) in self._ckpt_manager.all_steps():
             return False  # several evals after one train loop: the first one is offered
-        # The metrics reduced here, where the eval loop's example counts weight its means;
-        # the loop itself is not passed on (its data position and count are not saved).
+        # Reduced here, where the eval loop's example counts weight the means; the loop is
+        # not passed on (its data position and count are not saved).
         return super().__call__(state, scalar_metrics(outputs, loop=loop), force=force)

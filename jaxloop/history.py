@@ -1,29 +1,13 @@
 """History: the scalars a run reported, per step, kept on the host for plots and tables.
 
-`OuterLoop.history` records, at each loop's end (where actions already read the device),
-the train loop's scalar outputs at the steps they were produced at (a per-step loss gives
-one value per step) and each eval loop's results (`metric_values.scalar_metrics`: means over real
-examples, clu metrics computed, a clu Collection's members as ``key/member``) at the step
-evaluated. Names are ``train/<key>``, ``eval/<key>`` for the first eval loop and
-``eval_<i>/<key>`` for eval loop i. The loops' ``jaxloop/...`` statistics are left out.
+`OuterLoop.history` records the train loop's scalar outputs at the steps they were made and
+each eval loop's results at the step evaluated, as ``train/<key>``, ``eval/<key>`` and
+``eval_<i>/<key>``. It is saved with each checkpoint (so a resumed run has it up to the
+restored step); a value recorded at a step replaces what it held from that step on.
+Example, after an `OuterLoop` run::
 
-It continues across calls of one `OuterLoop` (run the training cell again: it goes on), and
-it travels with the checkpoints as host data (JSON, beside the early-stopping progress), so
-a run resumed in a new kernel has the history up to the restored step. Saved with the
-checkpoint rather than read back from TensorBoard event files: it needs no summary writer
-nor an event-file reader, and it holds exactly the steps up to the restored one (event
-files of an interrupted run go on past its last checkpoint). A value recorded at a step
-replaces what the history held from that step on (a run restarted from an earlier state
-rewrites its future; `OuterLoop` warns when it starts such a run, naming the steps).
-
-Example::
-
-    outer = OuterLoop(train_loop, [eval_loop])
-    state, _ = outer(state, train_dataset=it, train_total_steps=500, train_loop_steps=50,
-                     eval_specs=[EvalSpec(dataset=eval_ds)])
     outer.history['eval/accuracy'].values[-1]
     outer.history.plot()             # a matplotlib figure: one panel per metric
-    table = outer.history.as_dict()  # {'name': [...], 'step': [...], 'value': [...]}
 """
 
 from __future__ import annotations
@@ -46,16 +30,14 @@ _WEIGHTS = _STATS_PREFIX + "example_weights"  # an eval loop's, pending beside i
 
 
 class Series(NamedTuple):
-    """One metric's recorded values and the steps they belong to (`History[name]` gives a
-    copy, which later training leaves as it is)."""
+    """One metric's recorded values and their steps."""
 
     steps: list[int]
     values: list[float]
 
 
 class _Stacked(NamedTuple):
-    """A per-step list of device scalars, stacked on the devices when recorded
-    (`metric_values.stack_groups`) and read later in one transfer per group."""
+    """Device scalars stacked by `metric_values.stack_groups`, read in one transfer."""
 
     groups: tuple[jax.Array, ...]
     count: int
@@ -65,14 +47,13 @@ class _Stacked(NamedTuple):
 
 
 def _stacked(values: list[Any]) -> list[Any] | _Stacked:
-    """`values` stacked on the devices where they are device scalars of one dtype in this
-    process (dispatched behind the steps that make them: no wait), else as they are."""
+    """`values` stacked on the devices where `metric_values.stack_groups` applies."""
     groups = metric_values.stack_groups(values)
     return values if groups is None else _Stacked(groups, len(values))
 
 
 def eval_prefix(index: int) -> str:
-    """The name prefix of eval loop `index`: ``eval``, then ``eval_1``, ``eval_2``, ..."""
+    """``eval``, then ``eval_1``, ``eval_2``, ..."""
     return EVAL if index == 0 else f"{EVAL}_{index}"
 
 
@@ -85,8 +66,8 @@ class History:
         self._pending: list[tuple[str, int, dict[str, Any], int | None]] = []
 
     def _settled(self, ready_only: bool = False) -> dict[str, Series]:
-        """The series, with the loop outputs still pending read in (in the order recorded);
-        with `ready_only`, only those the device has finished (no wait), in order."""
+        """The series, with pending loop outputs read in order (with `ready_only`, only
+        those the device has finished)."""
         while self._pending:
             prefix, step, outputs, first_step = self._pending[0]
             if ready_only and not all(x.is_ready() for x in jax.tree.leaves(outputs)
@@ -120,38 +101,27 @@ class History:
 
     def record(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
         """Appends values at `steps` (ascending) to `name`, dropping what it held from
-        ``steps[0]`` on (a re-run of those steps replaces them)."""
+        ``steps[0]`` on."""
         if len(steps) != len(values):
             raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
         if not steps:
             return
         series = self._settled().setdefault(name, Series([], []))
-        # Steps ascend, so the values from steps[0] on are a tail: cut it and append, in
-        # time proportional to what is recorded (a run records every step's loss).
+        # Steps ascend, so the values from steps[0] on are a tail.
         keep = bisect.bisect_left(series.steps, steps[0])
         del series.steps[keep:], series.values[keep:]
         series.steps.extend(int(s) for s in steps)
         series.values.extend(float(v) for v in values)
 
     def record_outputs(self, prefix: str, step: int, outputs: types.Output | None,
-                       first_step: int | None = None,
-                       weights: Sequence[Any] | None = None) -> None:
-        """Records a loop's scalar outputs under ``prefix/<key>``.
-
-        A per-step list whose length matches ``step - first_step`` (a train loop's) gives
-        one value per step, ``first_step + 1 ... step``; any other scalar output (an eval
-        loop's mean, weighted per step by `weights`: its example counts, numbers or device
-        scalars) one value at `step`.
-
-        The values are read from the device when the history is next read, or recorded to
-        once the device has computed them: recording never waits for the device (a per-step
-        list is stacked on the devices now, behind the loop's steps, and read in one
-        transfer later). Only scalar outputs are kept until then, picked by shape.
-        """
+                       first_step: int | None = None, weights: Sequence[Any] | None = None) -> None:
+        """Records a loop's scalar outputs under ``prefix/<key>`` without waiting for the
+        device: a per-step list of ``step - first_step`` values gives one value per step,
+        any other scalar output (weighted per step by `weights`) one value at `step`."""
         scalars = {k: _stacked(list(v)) if type(v) is list else v
                    for k, v in (outputs or {}).items()
                    if not k.startswith(_STATS_PREFIX) and _scalar_like(v)}
-        if weights:  # kept with them, under a name no recorded output has (stats are out)
+        if weights:  # under a name no recorded output has (stats are left out)
             scalars[_WEIGHTS] = list(weights)
         self._settled(ready_only=True)  # what earlier loops recorded, where computed
         self._pending.append((prefix, step, scalars, first_step))
@@ -160,7 +130,7 @@ class History:
               first_step: int | None) -> None:
         outputs = {k: v.read() if isinstance(v, _Stacked) else v for k, v in outputs.items()}
         weights = outputs.pop(_WEIGHTS, None)
-        if weights is not None:  # read with the outputs (device scalars for placed batches)
+        if weights is not None:
             weights = metric_values.scalar_values(weights)
         if first_step is not None:
             for key in list(outputs):
@@ -172,13 +142,8 @@ class History:
             self.record(f"{prefix}/{key}", [step], [value])
 
     def steps_after(self, step: int) -> tuple[int, int, list[str]] | None:
-        """The first and last recorded steps after `step` and the metrics recorded there
-        (what a run restarted from `step` replaces), or None when nothing is.
-
-        Example::
-
-            history.steps_after(200)  # (201, 500, ['eval/loss', 'train/loss'])
-        """
+        """(first step, last step, metric names) of what is recorded after `step`, or None:
+        what a run restarted from `step` replaces, e.g. ``(201, 500, ['train/loss'])``."""
         later = {name: [s for s in series.steps if s > step]
                  for name, series in self._series.items()}
         for prefix, last, outputs, first in self._pending:  # their steps, read on the host
@@ -203,8 +168,7 @@ class History:
                 if name.startswith(start) and s.values}
 
     def as_dict(self) -> dict[str, list[Any]]:
-        """A table, one row per value: ``{'name': [...], 'step': [...], 'value': [...]}``
-        (``pandas.DataFrame(history.as_dict())`` makes it a frame)."""
+        """A table, one row per value: ``{'name': [...], 'step': [...], 'value': [...]}``."""
         table: dict[str, list[Any]] = {"name": [], "step": [], "value": []}
         for name in self.names:
             series = self._settled()[name]
@@ -214,26 +178,18 @@ class History:
         return table
 
     def plot(self, names: Sequence[str] | None = None, **subplots_kwargs: Any) -> Any:
-        """A matplotlib figure with one panel per metric (``loss``, ``accuracy``), its
-        train and eval curves against the step, the metric's name on the y axis;
-        evaluations are drawn with markers. Each series keeps one colour (train C0, eval
-        C1, eval_1 C2, ...) in every panel and every call.
-
-        Made with pyplot, so a notebook shows it (``history.plot();``); a script saves it
-        with ``history.plot().savefig('history.png')``.
-        """
+        """A pyplot figure with one panel per metric (``loss``), its train and eval curves
+        against the step, each series in one colour everywhere; a script saves it with
+        ``history.plot().savefig('history.png')``."""
         import matplotlib.pyplot as plt  # noqa: PLC0415 (only when plotting)
 
-        chosen = self.names if names is None else list(names)
         panels: dict[str, list[str]] = {}
-        for name in chosen:
+        for name in self.names if names is None else list(names):
             self[name]  # a KeyError naming the metrics there are
             prefix, _, metric = name.partition("/")
             panels.setdefault(metric or prefix, []).append(name)
         if not panels:
             raise ValueError("The history is empty: nothing to plot (train first)")
-        # One colour per series prefix (train, eval, eval_1, ...), the same in every panel
-        # and every call, whichever series a panel or a call holds.
         prefixes = sorted({n.partition("/")[0] for n in self.names},
                           key=lambda p: (p != TRAIN, p != EVAL, p))
         colours = {p: f"C{i % 10}" for i, p in enumerate(prefixes)}
@@ -246,9 +202,8 @@ class History:
             for name in members:
                 series = self._series[name]
                 prefix = name.partition("/")[0]
-                style = "-" if prefix == TRAIN else "o-"
-                ax.plot(series.steps, series.values, style, label=prefix,
-                        color=colours.get(prefix))
+                ax.plot(series.steps, series.values, "-" if prefix == TRAIN else "o-",
+                        label=prefix, color=colours.get(prefix))
             ax.set(title=metric, xlabel="step", ylabel=metric)
             ax.grid(alpha=0.3)
             ax.legend()
@@ -266,16 +221,13 @@ class History:
         if saved is None:
             return
         self._pending = []
-        self._series = {
-            name: Series([int(s) for s in steps], [float(v) for v in values])
-            for name, (steps, values) in saved.items()
-        }
+        self._series = {name: Series([int(s) for s in steps], [float(v) for v in values])
+                        for name, (steps, values) in saved.items()}
 
     @contextlib.contextmanager
     def recording(self, train_loop: Any, eval_loops: Sequence[Any]) -> Iterator[None]:
-        """Records the loops' outputs while inside: a recorder runs first among each loop's
-        end actions (so a checkpoint saved at that loop's end holds its values, and an
-        action that stops training does not lose the evaluation that stopped it)."""
+        """Records the loops' outputs while inside, first among each loop's end actions (so
+        a checkpoint saved at that loop's end holds its values)."""
         recorders = [(lp, _Recorder(self, eval_prefix(i), per_step=False))
                      for i, lp in enumerate(eval_loops)]
         if train_loop is not None:
@@ -290,7 +242,7 @@ class History:
 
 
 def _scalar_like(value: Any) -> bool:
-    """Whether `value` may hold a scalar for the history, decided from shapes alone."""
+    """Whether `value` may hold a scalar, decided from shapes alone."""
     if callable(getattr(value, "compute", None)):
         return True  # a clu metric, or a loop's per-step list of them
     if isinstance(value, list | tuple):

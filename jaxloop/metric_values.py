@@ -1,19 +1,8 @@
 """Metric values: a loop's outputs brought to the host as floats, in few transfers.
 
-Everything that reads a loop's outputs on the host (summary, checkpoint and early-stopping
-actions, the run history, the non-finite guard, eval loops' example counts) goes through
-here, so that the same rules hold everywhere:
-
-- scalars are picked by shape and dtype (metadata) before anything is copied, so a
-  per-example array (logits, say) is never copied to the host, and in a multi-process job
-  never fetched from other processes' devices;
-- a loop's per-step list of device scalars is stacked on the devices in groups of
-  `STACK_GROUP` and copied in one transfer per group, not one per step;
-- an array spread over other processes' devices is gathered (a collective) by `fetch`.
-
-Example::
-
-    from jaxloop import metric_values
+Everything that reads loop outputs on the host (actions, history, guard, eval loops) goes
+through here: scalars are picked by shape and dtype before anything is copied, and a
+per-step list of device scalars is copied in one transfer per `STACK_GROUP` steps. Example::
 
     _, outputs = eval_loop(state, eval_batches)
     metric_values.scalar_metrics(outputs, loop=eval_loop)  # {'loss': 0.31, 'accuracy': 0.9}
@@ -35,29 +24,17 @@ MetricWithMetadata = types.MetricWithMetadata
 
 
 def fetch(value: Any) -> Any:
-    """Host copy of `value`. An array that spans other processes' devices and is not
-    replicated is gathered first (a collective: every process must call this, as every
-    process runs the loops' actions).
-
-    Example::
-
-        logits = np.asarray(fetch(outputs['logits'][-1]))  # whole, on every process
-    """
-    if (
-        isinstance(value, jax.Array)
-        and not value.is_fully_addressable
-        and not value.is_fully_replicated
-    ):
+    """Host copy of `value`; an array spanning other processes' devices is gathered first
+    (a collective: every process calls this)."""
+    if (isinstance(value, jax.Array) and not value.is_fully_addressable
+            and not value.is_fully_replicated):
         return multihost_utils.process_allgather(value, tiled=True)
     return jax.device_get(value)
 
 
 def is_number(x: Any) -> bool:
     """Whether `x` is one number (a Python or numpy number, or a one-element array of a
-    bool, int or float dtype), decided from its type, shape and dtype alone: nothing is
-    copied from the device."""
-    # This runs for every step's outputs at a loop's end, so the common dtypes are told by
-    # their kind.
+    bool, int or float dtype), decided without copying anything from the device."""
     if isinstance(x, bool | int | float | np.number):
         return True
     dtype = getattr(x, "dtype", None)
@@ -69,14 +46,12 @@ def is_number(x: Any) -> bool:
 
 
 def all_numbers(values: Sequence[Any]) -> bool:
-    """Whether every value is a number (`is_number`), deciding once per distinct type,
-    dtype and shape: a loop's per-step list has thousands of entries of one kind."""
+    """Whether every value is a number, deciding once per distinct type, dtype and shape."""
     kinds = {(type(v), getattr(v, "dtype", None), getattr(v, "shape", None)): v for v in values}
     return all(is_number(v) for v in kinds.values())
 
 
-STACK_GROUP = 128
-"""Per-step scalars are stacked on the devices in groups of this many before their transfer."""
+STACK_GROUP = 128  # per-step scalars stacked on the devices per transfer
 
 
 @jax.jit
@@ -86,24 +61,12 @@ def _stack(values: list[jax.Array]) -> jax.Array:
 
 def stack_groups(values: Sequence[Any]) -> tuple[jax.Array, ...] | None:
     """`values` (a per-step list of device scalars) stacked on the devices in groups of
-    `STACK_GROUP`, the last group padded with its last value: one program per group,
-    dispatched behind the steps that make the values (no wait). None where stacking does
-    not apply: a short list, host values, mixed dtypes, scalars on different devices, or a
-    multi-process job (where a program would be a collective). The first ``len(values)``
-    entries of the groups, concatenated, are the values.
-
-    Example::
-
-        groups = stack_groups(outputs['loss'])
-        if groups is not None:
-            losses = np.concatenate(jax.device_get(groups))[:len(outputs['loss'])]
-    """
-    if not (
-        len(values) > 8
-        and jax.process_count() == 1
-        and all(isinstance(v, jax.Array) for v in values)
-        and len({v.dtype for v in values}) == 1
-    ):
+    `STACK_GROUP` (the last padded), dispatched without waiting; read them back with
+    `read_groups`. None for a short list, host values, mixed dtypes or devices, or several
+    processes (where a program would be a collective)."""
+    if not (len(values) > 8 and jax.process_count() == 1
+            and all(isinstance(v, jax.Array) for v in values)
+            and len({v.dtype for v in values}) == 1):
         return None
     groups = [list(values[start:start + STACK_GROUP])
               for start in range(0, len(values), STACK_GROUP)]
@@ -114,15 +77,13 @@ def stack_groups(values: Sequence[Any]) -> tuple[jax.Array, ...] | None:
 
 
 def read_groups(groups: Sequence[jax.Array], count: int) -> list[float]:
-    """The first `count` values of `stack_groups`'s groups as host floats, in one
-    transfer."""
+    """The first `count` values of `stack_groups`'s groups as host floats, in one transfer."""
     return np.concatenate(jax.device_get(list(groups)))[:count].astype(np.float64).tolist()
 
 
 def host_scalars(values: list[Any]) -> list[float]:
-    """Host copies of a per-step list of scalars, as floats: stacked on the devices first
-    where `stack_groups` applies (a loop of n steps makes n / `STACK_GROUP` transfers, not
-    n, each a device-to-host copy on an accelerator), else fetched as a list."""
+    """Host copies of a per-step list of scalars, as floats (stacked first where
+    `stack_groups` applies)."""
     groups = stack_groups(values)
     if groups is not None:
         return read_groups(groups, len(values))
@@ -131,19 +92,12 @@ def host_scalars(values: list[Any]) -> list[float]:
 
 def computed(value: Any) -> Any:
     """A clu metric's computed value (computed on the device), or `value` itself."""
-    if hasattr(value, "compute") and callable(value.compute):
-        return value.compute()
-    return value
+    return value.compute() if callable(getattr(value, "compute", None)) else value
 
 
 def scalar_values(value: Any) -> float | list[float] | dict[str, float] | None:
-    """The scalar content of a loop output as host floats, or None when it has none.
-
-    Scalars are picked from shapes before any transfer (`is_number`). A per-step list of
-    scalars comes back as a list in few transfers (`host_scalars`). A clu Collection (a
-    dict once computed) gives its scalar entries as a dict.
-
-    Example::
+    """The scalar content of a loop output as host floats (a clu Collection's as a dict),
+    or None when it has none. Example::
 
         scalar_values(outputs['loss'])     # [0.9, 0.7, 0.6]: one per step
         scalar_values(outputs['logits'])   # None: per-example, never copied
@@ -163,23 +117,15 @@ def scalar_values(value: Any) -> float | list[float] | dict[str, float] | None:
 
 
 def mean(numbers: Sequence[float], weights: Sequence[float] | None = None) -> float:
-    """The mean of `numbers`, weighted by `weights` when there is one positive weight per
-    number (else the plain mean)."""
+    """The mean of `numbers`, weighted by `weights` if there is one per number (sum > 0)."""
     if weights is not None and len(weights) == len(numbers) and sum(weights) > 0:
         return float(np.average(np.asarray(numbers, np.float64), weights=weights))
     return float(np.mean(np.asarray(numbers, np.float64)))
 
 
 def example_weights(loop: Any = None) -> list[float] | None:
-    """The per-step example counts of `loop`'s last run as floats (an `EvalLoop` keeps
-    them beside its outputs, see `EvalLoop.example_counts`), or None for a loop that keeps
-    none (a train loop) or no loop.
-
-    Example::
-
-        def __call__(self, state, outputs, loop=None, **kwargs):
-            weights = actions.example_weights(loop)   # [16.0, 16.0, 8.0]
-    """
+    """The per-step example counts of `loop`'s last run as floats (`EvalLoop.example_counts`),
+    or None for a loop that keeps none."""
     counts = getattr(loop, "example_counts", None)
     if not counts:
         return None
@@ -188,46 +134,30 @@ def example_weights(loop: Any = None) -> list[float] | None:
 
 
 def scalar_summary(value: Any, weights: Sequence[float] | None = None) -> float | None:
-    """One number for an output (the mean of a per-step list), or None if not scalar.
-
-    With `weights` (one per step, e.g. the examples in each batch) a per-step list gives
-    the weighted mean, i.e. the mean over examples rather than over batches.
-    Non-scalar outputs are recognised from their shapes and never copied to the host.
-    """
+    """One number for an output (the mean of a per-step list, weighted per step by
+    `weights`), or None if not scalar."""
     host = scalar_values(value)
     if isinstance(host, list):
         return mean(host, weights)
     return host if isinstance(host, float) else None
 
 
-def scalar_metrics(
-    outputs: types.Output | None, weights: Sequence[float] | None = None, *, loop: Any = None
-) -> dict[str, float]:
-    """The scalar outputs of a loop reduced to floats.
-
-    A per-step list gives its mean; a clu Collection gives ``key/name`` entries. Given the
-    loop that produced `outputs` (an action has it as its ``loop`` keyword), an eval
-    loop's means weight each step by its real examples (`example_weights`): the mean over
-    examples. `weights` gives the per-step weights directly instead.
-
-    Example::
-
-        _, outputs = eval_loop(state, eval_batches)
-        actions.scalar_metrics(outputs, loop=eval_loop)   # {'loss': 0.31, 'accuracy': 0.9}
-    """
+def scalar_metrics(outputs: types.Output | None, weights: Sequence[float] | None = None, *,
+                   loop: Any = None) -> dict[str, float]:
+    """The scalar outputs of a loop reduced to floats: a per-step list gives its mean (over
+    an eval `loop`'s real examples, or weighted by `weights`), a clu Collection ``key/name``
+    entries."""
     if weights is None:
         weights = example_weights(loop)
     metrics = {}
     for key, value in (outputs or {}).items():
-        if isinstance(value, MetricWithMetadata) or key.startswith("jaxloop/stop"):
-            continue
-        if isinstance(value, list | tuple) and value and isinstance(value[-1], MetricWithMetadata):
+        if isinstance(value, MetricWithMetadata) or key.startswith("jaxloop/stop") or (
+                isinstance(value, list | tuple) and value
+                and isinstance(value[-1], MetricWithMetadata)):
             continue
         host = scalar_values(value)
-        if isinstance(host, list):
-            metrics[key] = mean(host, weights)
-        elif isinstance(host, float):
-            metrics[key] = host
-        elif isinstance(host, dict):
+        if isinstance(host, dict):
             metrics.update({f"{key}/{k}": v for k, v in host.items()})
+        elif host is not None:
+            metrics[key] = mean(host, weights) if isinstance(host, list) else host
     return metrics

@@ -1,28 +1,16 @@
 """Experiment trackers as metric writers: MLflow and Weights & Biases.
 
-`MlflowWriter` and `WandbWriter` have the `writers.MetricWriter` methods, so they go wherever
-a jaxloop or clu writer goes (`SummaryAction`, `writers.MultiWriter` beside TensorBoard,
-`run_record.write`). Each needs its optional extra: ``pip install jaxloop[mlflow]`` (the
-light ``mlflow-skinny`` client) or ``jaxloop[wandb]``; the packages are imported when a
-writer is created, never by ``import jaxloop``.
+`MlflowWriter` and `WandbWriter` go wherever a `writers.MetricWriter` goes; each needs its
+extra (``pip install jaxloop[mlflow]`` or ``jaxloop[wandb]``), imported when a writer is
+made. Only process 0 talks to the tracker. A resumed job continues the same run: save the
+run id with the checkpoints and read it back with `saved_run_id`::
 
-A resumed job continues the same tracker run: give the writer's `run_id` to the checkpoint
-action (``CheckpointAction(manager, meta={'tracker_run_id': writer.run_id})``) and, on
-restart, read it back with `saved_run_id` before creating the writer.
-
-Example::
-
-    from jaxloop import trackers
-
-    ckpt_dir = workdir / 'checkpoints'
     writer = trackers.MlflowWriter(experiment='digits', tracking_uri='file:///tmp/mlruns',
                                    run_id=trackers.saved_run_id(ckpt_dir))
     train_loop = TrainLoop(step, end_actions=[
         SummaryAction(writer),
         CheckpointAction(manager, meta={trackers.RUN_ID_KEY: writer.run_id}),
     ])
-
-Only process 0 talks to the tracker; elsewhere the writers accept every call and do nothing.
 """
 
 from __future__ import annotations
@@ -41,8 +29,7 @@ __all__ = ["RUN_ID_KEY", "MlflowWriter", "WandbWriter", "saved_run_id"]
 
 log = logging.getLogger(__name__)
 
-RUN_ID_KEY = "tracker_run_id"
-"""The checkpoint metadata key under which the tracker's run id is saved."""
+RUN_ID_KEY = "tracker_run_id"  # the checkpoint metadata key of the tracker's run id
 
 
 def _import(module: str, extra: str) -> Any:
@@ -57,16 +44,7 @@ def _import(module: str, extra: str) -> Any:
 
 
 def saved_run_id(checkpoint_dir: str | os.PathLike[str], step: int | None = None) -> str | None:
-    """The tracker run id saved in the metadata of the latest (or `step`'s) checkpoint.
-
-    Returns None when there is no checkpoint or it holds no run id (a fresh job). The
-    checkpoint is found whatever the manager's step naming (``step_prefix``,
-    ``step_format_fixed_length``), through `checkpoint.read_meta`.
-
-    Example::
-
-        writer = trackers.WandbWriter(project='digits', run_id=trackers.saved_run_id(ckpt))
-    """
+    """The tracker run id saved with the latest (or `step`'s) checkpoint, or None."""
     from jaxloop import checkpoint  # noqa: PLC0415
 
     steps = checkpoint.all_steps(checkpoint_dir)
@@ -84,32 +62,16 @@ def _warn_once(self: Any, what: str) -> None:
 
 
 class MlflowWriter(writers._ContextManagerMixin):
-    """Writes metrics to an MLflow run (scalars as metrics, hparams as params).
+    """Writes metrics to an MLflow run (scalars as metrics, hparams as params): `run_id`
+    continues a run, None starts one in `experiment` (created when missing).
 
-    Args:
-      experiment: the MLflow experiment name (created when missing).
-      run_id: an existing run to continue (a resumed job); None starts a new run.
-      run_name: the new run's name.
-      tracking_uri: where runs are stored (``file:///path``, ``http://host:5000``,
-        ``databricks``, ...); None uses MLflow's default (``MLFLOW_TRACKING_URI``).
-      tags: tags for a new run.
-
-    Images are logged with ``log_image`` and texts as artifacts; histograms become their
-    mean/min/max metrics; videos and audio are not recorded by MLflow (warned once).
-
-    MLflow 3 refuses a local file store (``file:///...``) unless the environment sets
-    ``MLFLOW_ALLOW_FILE_STORE=true``; a database store (``sqlite:///mlflow.db``) needs the
-    full ``mlflow`` package, a tracking server only ``mlflow-skinny``.
+    Texts become artifacts, histograms their mean/min/max; videos and audio are skipped
+    with a warning. MLflow 3 needs ``MLFLOW_ALLOW_FILE_STORE=true`` for a ``file:///`` store.
     """
 
-    def __init__(
-        self,
-        experiment: str = "jaxloop",
-        run_id: str | None = None,
-        run_name: str | None = None,
-        tracking_uri: str | None = None,
-        tags: Mapping[str, str] | None = None,
-    ):
+    def __init__(self, experiment: str = "jaxloop", run_id: str | None = None,
+                 run_name: str | None = None, tracking_uri: str | None = None,
+                 tags: Mapping[str, str] | None = None):
         self._active = distributed.is_main_process()
         self._run_id = run_id
         self._closed = False
@@ -140,10 +102,8 @@ class MlflowWriter(writers._ContextManagerMixin):
             return
         step = writers._as_step(step)
         now = int(time.time() * 1000)
-        metrics = [
-            self._entities.Metric(key, value, now, step)
-            for key, value in writers._prepare_scalars(scalars).items()
-        ]
+        metrics = [self._entities.Metric(key, value, now, step)
+                   for key, value in writers._prepare_scalars(scalars).items()]
         self._client.log_batch(self._run_id, metrics=metrics)
 
     def write_images(self, step: int, images: Mapping[str, writers.ArrayLike]) -> None:
@@ -159,9 +119,8 @@ class MlflowWriter(writers._ContextManagerMixin):
         if self._active and videos:
             _warn_once(self, "videos")
 
-    def write_audios(
-        self, step: int, audios: Mapping[str, writers.ArrayLike], *, sample_rate: int
-    ) -> None:
+    def write_audios(self, step: int, audios: Mapping[str, writers.ArrayLike], *,
+                     sample_rate: int) -> None:
         if self._active and audios:
             _warn_once(self, "audio")
 
@@ -172,12 +131,8 @@ class MlflowWriter(writers._ContextManagerMixin):
         for key, text in texts.items():
             self._client.log_text(self._run_id, str(text), f"texts/{key}/step_{step}.txt")
 
-    def write_histograms(
-        self,
-        step: int,
-        arrays: Mapping[str, writers.ArrayLike],
-        num_buckets: Mapping[str, int] | None = None,
-    ) -> None:
+    def write_histograms(self, step: int, arrays: Mapping[str, writers.ArrayLike],
+                         num_buckets: Mapping[str, int] | None = None) -> None:
         summary = {}
         for key, value in arrays.items():
             value = np.asarray(value, np.float64)
@@ -188,11 +143,8 @@ class MlflowWriter(writers._ContextManagerMixin):
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         if not self._active:
             return
-        flat = writers._flatten_hparams(hparams)
-        params = [
-            self._entities.Param(key, str(writers._hparam_value(v))[:6000])
-            for key, v in flat.items()
-        ]
+        params = [self._entities.Param(key, str(writers._hparam_value(v))[:6000])
+                  for key, v in writers._flatten_hparams(hparams).items()]
         existing = self._client.get_run(self._run_id).data.params
         # MLflow params are immutable: a resumed run logs only the new ones.
         new = [p for p in params if p.key not in existing]
@@ -214,32 +166,15 @@ class MlflowWriter(writers._ContextManagerMixin):
 
 
 class WandbWriter(writers._ContextManagerMixin):
-    """Writes metrics to a Weights & Biases run.
-
-    Args:
-      project: the W&B project.
-      run_id: the run to continue (a resumed job); None starts a new run.
-      name: the run's display name.
-      mode: ``'online'``, ``'offline'`` (files under `dir`, uploaded later with
-        ``wandb sync``) or ``'disabled'``; None uses W&B's default (``WANDB_MODE``).
-      dir: where W&B keeps its files (a ``wandb`` folder is made inside).
-      config: hyperparameters for the run's config.
-      **init_kwargs: passed to ``wandb.init`` (entity, tags, group, settings, ...).
-
-    W&B requires steps not to decrease within a run: values at an earlier step than one
-    already written are dropped by W&B (as after restoring an older checkpoint).
+    """Writes metrics to a Weights & Biases run: `run_id` continues a run, None starts one;
+    `init_kwargs` go to ``wandb.init``. W&B drops values at a step earlier than one already
+    written (as after restoring an older checkpoint).
     """
 
-    def __init__(
-        self,
-        project: str | None = None,
-        run_id: str | None = None,
-        name: str | None = None,
-        mode: str | None = None,
-        dir: str | os.PathLike[str] | None = None,  # noqa: A002 (wandb's name)
-        config: Mapping[str, Any] | None = None,
-        **init_kwargs: Any,
-    ):
+    def __init__(self, project: str | None = None, run_id: str | None = None,
+                 name: str | None = None, mode: str | None = None,
+                 dir: str | os.PathLike[str] | None = None,  # noqa: A002 (wandb's name)
+                 config: Mapping[str, Any] | None = None, **init_kwargs: Any):
         self._active = distributed.is_main_process()
         self._closed = False
         self._run = None
@@ -254,8 +189,7 @@ class WandbWriter(writers._ContextManagerMixin):
             project=project, id=run_id, name=name, mode=mode,
             dir=os.fspath(dir) if dir is not None else None,
             config=dict(config) if config is not None else None,
-            resume="allow", reinit="create_new", **init_kwargs,
-        )
+            resume="allow", reinit="create_new", **init_kwargs)
         self._run_id = self._run.id
 
     @property
@@ -278,10 +212,8 @@ class WandbWriter(writers._ContextManagerMixin):
     def write_images(self, step: int, images: Mapping[str, writers.ArrayLike]) -> None:
         if not self._active:
             return
-        self._log(step, {
-            key: [self._wandb.Image(img) for img in writers._pixels("Image", key, value)]
-            for key, value in images.items()
-        })
+        self._log(step, {key: [self._wandb.Image(i) for i in writers._pixels("Image", key, value)]
+                         for key, value in images.items()})
 
     def write_videos(self, step: int, videos: Mapping[str, writers.ArrayLike]) -> None:
         """As GIFs, N videos of a key tiled into one; needs moviepy (``jaxloop[video]``)."""
@@ -294,35 +226,26 @@ class WandbWriter(writers._ContextManagerMixin):
             logged[key] = self._wandb.Video(np.moveaxis(v, -1, -3), fps=4, format="gif")
         self._log(step, logged)
 
-    def write_audios(
-        self, step: int, audios: Mapping[str, writers.ArrayLike], *, sample_rate: int
-    ) -> None:
+    def write_audios(self, step: int, audios: Mapping[str, writers.ArrayLike], *,
+                     sample_rate: int) -> None:
         if self._active:
-            self._log(step, {
-                key: [self._wandb.Audio(clip, sample_rate=sample_rate)
-                      for clip in writers._audios_ntc(key, value)]
-                for key, value in audios.items()
-            })
+            self._log(step, {key: [self._wandb.Audio(clip, sample_rate=sample_rate)
+                                   for clip in writers._audios_ntc(key, value)]
+                             for key, value in audios.items()})
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         if self._active:
             self._log(step, {key: self._wandb.Html(f"<pre>{text}</pre>")
                              for key, text in texts.items()})
 
-    def write_histograms(
-        self,
-        step: int,
-        arrays: Mapping[str, writers.ArrayLike],
-        num_buckets: Mapping[str, int] | None = None,
-    ) -> None:
+    def write_histograms(self, step: int, arrays: Mapping[str, writers.ArrayLike],
+                         num_buckets: Mapping[str, int] | None = None) -> None:
         if not self._active:
             return
         buckets = dict(num_buckets or {})
-        self._log(step, {
-            key: self._wandb.Histogram(
-                np.asarray(value), num_bins=buckets.get(key, writers.DEFAULT_HISTOGRAM_BUCKETS))
-            for key, value in arrays.items()
-        })
+        self._log(step, {key: self._wandb.Histogram(
+            np.asarray(value), num_bins=buckets.get(key, writers.DEFAULT_HISTOGRAM_BUCKETS))
+            for key, value in arrays.items()})
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         if self._active:
@@ -334,8 +257,7 @@ class WandbWriter(writers._ContextManagerMixin):
         """Nothing to do: W&B's own service writes in the background."""
 
     def close(self) -> None:
-        """Finishes the run. W&B's service process may still be writing the run's files;
-        ``wandb.teardown()`` waits for it (before reading offline files, say)."""
+        """Finishes the run (``wandb.teardown()`` waits for W&B's service to write its files)."""
         if self._active and not self._closed:
             self._closed = True
             self._run.finish()

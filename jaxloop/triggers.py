@@ -1,41 +1,11 @@
-"""Triggers: when an action fires, in global train steps or in seconds.
+"""Triggers: when an action fires, in global train steps (``state.step``) or in seconds.
 
-An action fires every `interval` loops (steps, for a Step's own actions) unless it holds a
-`Trigger`; then the trigger decides, from the global train step (``state.step``), whatever
-the loop lengths are. A trigger is one object with any of these conditions, and fires
-where any of them holds (bobbin's ``CronTab``):
-
-- ``every_n_steps=n``: at the multiples of n;
-- ``at_steps=(1000, 5000)``: at these steps;
-- ``first_n_steps=n``: at steps 0 .. n;
-- ``first_n_process_steps=n``: at the first n steps this process runs (after a restart,
-  the first n after the restored step): a check right after (re)starting;
-- ``every_secs=x``: when x seconds have passed since it last fired (or since it was
-  made). Process 0's clock decides and every process takes its answer
-  (`agreement.agreed`, as `CheckpointAction`'s ``every_secs``), so all processes fire at
-  the same steps.
-
-Where it is looked at:
-
-- a loop's end action: at the end of each loop, on the steps the loop ran (``first_step +
-  1 .. state.step``: it fires when any of them matches); a loop that did not advance the
-  step (an evaluation) is looked at on its step;
-- a loop's begin action: at the start of each loop, on the step it starts from;
-- a Step's own action: on each step (the step a begin action runs before, an end action
-  after). In a train loop (an `ActionLoop` whose step trains) steps are global: the loop
-  tells the trigger the step it started from. Under a plain `Loop`, or in an eval loop,
-  they are counted within the loop, from 1. A time condition is read when a loop plans an
-  execution (``steps_per_execution``: once per execution; at k=1, once per step), and in a
-  multi-process job that is one small collective each time: prefer time triggers on
-  loop-level actions there.
-
-Example::
+A loop's end action looks at the steps the loop ran, a begin action at the step it starts
+from, a Step's own action at each step (global in a train loop, else counted from 1). A
+time condition costs a small collective per look in a multi-process job. Example::
 
     trigger = triggers.Trigger(at_steps=(1000, 5000), every_n_steps=10_000, every_secs=600)
-    summary = actions.SummaryAction(writer).with_trigger(triggers.Trigger(first_n_steps=100,
-                                                                          every_n_steps=1000))
-    train_loop = TrainLoop(step, end_actions=[summary,
-                                              CheckpointAction(manager).with_trigger(trigger)])
+    train_loop = TrainLoop(step, end_actions=[CheckpointAction(manager).with_trigger(trigger)])
 """
 
 from __future__ import annotations
@@ -48,8 +18,7 @@ from jaxloop import agreement
 
 __all__ = ["Trigger"]
 
-# A Step's own actions keep their time decisions per step (within a loop) so that a loop
-# planning an execution and the step firing its actions see the same answer.
+# Time decisions kept per step, so a loop planning an execution and the step agree.
 _KEPT_DECISIONS = 256
 
 
@@ -62,36 +31,18 @@ def _positive_int(name: str, value: Any) -> int | None:
 
 
 class Trigger:
-    """When an action fires (see the module docstring); conditions are OR-ed.
-
-    Args:
-      every_n_steps: fire at the multiples of this step count.
-      at_steps: fire at these steps.
-      first_n_steps: fire at steps 0 .. n.
-      first_n_process_steps: fire at the first n steps this process looks at (those after
-        the step it started or resumed from).
-      every_secs: fire when this many seconds have passed since the last firing (process
-        0's `clock` decides for all processes).
-      clock: seconds, for `every_secs` (default `time.monotonic`).
-
-    Raises:
-      ValueError: no condition, or one that is not a positive number.
-
-    Example::
+    """When an action fires; conditions are OR-ed (bobbin's ``CronTab``). `first_n_steps`
+    fires at steps 0 .. n, `first_n_process_steps` at the first n steps this process looks
+    at, `every_secs` when that many seconds of process 0's `clock` have passed since the
+    last firing. Example::
 
         Trigger(every_n_steps=100).fires(100)        # True
         Trigger(at_steps=(3, 7)).fires(first=1, last=5)  # True: step 3 is in 1..5
     """
 
-    def __init__(
-        self,
-        every_n_steps: int | None = None,
-        at_steps: Iterable[int] = (),
-        first_n_steps: int | None = None,
-        first_n_process_steps: int | None = None,
-        every_secs: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, every_n_steps: int | None = None, at_steps: Iterable[int] = (),
+                 first_n_steps: int | None = None, first_n_process_steps: int | None = None,
+                 every_secs: float | None = None, clock: Callable[[], float] = time.monotonic):
         self._every_n = _positive_int("every_n_steps", every_n_steps)
         self._first_n = _positive_int("first_n_steps", first_n_steps)
         self._first_process_n = _positive_int("first_n_process_steps", first_n_process_steps)
@@ -100,21 +51,17 @@ class Trigger:
         if bad:
             raise ValueError(f"Trigger `at_steps` must be non-negative integers, got {bad}")
         self._at = frozenset(steps)
-        if every_secs is not None and (
-            isinstance(every_secs, bool) or not isinstance(every_secs, int | float)
-            or not every_secs > 0
-        ):
+        if every_secs is not None and (isinstance(every_secs, bool)
+                                       or not isinstance(every_secs, int | float)
+                                       or not every_secs > 0):
             raise ValueError(f"Trigger `every_secs` must be positive seconds, got {every_secs!r}")
         if not callable(clock):
             raise TypeError(f"Trigger `clock` must be a callable returning seconds, got {clock!r}")
         self._every_secs = every_secs
         if (self._every_n, self._first_n, self._first_process_n, every_secs) == (
-            None, None, None, None
-        ) and not self._at:
-            raise ValueError(
-                "A Trigger needs a condition: every_n_steps, at_steps, first_n_steps, "
-                "first_n_process_steps or every_secs"
-            )
+                None, None, None, None) and not self._at:
+            raise ValueError("A Trigger needs a condition: every_n_steps, at_steps, "
+                             "first_n_steps, first_n_process_steps or every_secs")
         self._clock = clock
         self._last_fired = clock()
         self._process_start: int | None = None
@@ -123,8 +70,7 @@ class Trigger:
 
     def __repr__(self) -> str:
         parts = {"every_n_steps": self._every_n, "at_steps": tuple(sorted(self._at)) or None,
-                 "first_n_steps": self._first_n,
-                 "first_n_process_steps": self._first_process_n,
+                 "first_n_steps": self._first_n, "first_n_process_steps": self._first_process_n,
                  "every_secs": self._every_secs}
         return "Trigger(" + ", ".join(f"{k}={v!r}" for k, v in parts.items() if v) + ")"
 
@@ -133,26 +79,21 @@ class Trigger:
             return True
         if self._first_n is not None and step <= self._first_n:
             return True
-        if self._first_process_n is not None:
-            start = self._process_start
-            if start <= step < start + self._first_process_n:
-                return True
+        start, count = self._process_start, self._first_process_n
+        if count is not None and start <= step < start + count:
+            return True
         return step in self._at
 
     def _time_due(self) -> bool:
-        due = bool(agreement.agreed(
-            lambda: self._clock() - self._last_fired >= self._every_secs))
+        due = bool(agreement.agreed(lambda: self._clock() - self._last_fired >= self._every_secs))
         if due:
             self._last_fired = self._clock()
         return due
 
     def fires(self, first: int, last: int | None = None) -> bool:
-        """Whether any step of ``first .. last`` (default: `first` alone) matches a step
-        condition, or the time condition is due (read at each call).
-
-        The first step this trigger is ever asked about is where this process started
-        (for ``first_n_process_steps``).
-        """
+        """Whether any step of ``first .. last`` (default: `first` alone) matches, or the
+        time condition is due. The first step ever asked about is where this process
+        started (for ``first_n_process_steps``)."""
         return self._fires(first, first if last is None else last, None)
 
     def _fires(self, first: int, last: int, decisions: dict[int, bool] | None) -> bool:
@@ -180,15 +121,12 @@ class Trigger:
         return points
 
     def start_loop(self, step_offset: int) -> None:
-        """A loop starts: a Step's own actions number its steps from ``step_offset + 1``
-        (the loop calls this; without it steps count within the loop)."""
+        """A loop starts: a Step's own actions number its steps from ``step_offset + 1``."""
         self._step_offset = step_offset
         self._time_decisions.clear()
 
     def fires_within_loop(self, per_loop_step_number: int) -> bool:
-        """Whether a Step's own action fires on this step of its loop (counted from 1):
-        the global step is the loop's offset plus `per_loop_step_number`. A time decision is
-        made once per step, so a loop planning fused executions and the step firing its
-        actions agree."""
+        """Whether a Step's own action fires on this step of its loop (counted from 1), at
+        the global step ``step_offset + per_loop_step_number``; time is decided once per step."""
         step = self._step_offset + per_loop_step_number
         return self._fires(step, step, self._time_decisions)

@@ -1,9 +1,10 @@
-"""Metric writers that write TensorBoard event files without TensorFlow.
+"""Metric writers with clu's ``MetricWriter`` methods that write TensorBoard event files
+with tensorboardX, without TensorFlow (which ``clu.metric_writers`` imports).
 
-The writers have the method names of clu's ``MetricWriter``, so clu's writers and these go
-wherever either does. ``clu.metric_writers`` imports TensorFlow; `SummaryWriter` writes with
-tensorboardX's summary encoders and event-file writer instead, imported when the first one
-is made.
+Example::
+
+    writer = writers.create_default_writer(workdir / 'tb', collection='train')
+    writer.write_scalars(100, {'loss': 0.25})
 """
 
 from __future__ import annotations
@@ -31,12 +32,10 @@ __all__ = ["AsyncWriter", "LoggingWriter", "MetricWriter", "MultiWriter", "Summa
 
 _LOGGER = logging.getLogger(__name__)
 
-ArrayLike = Any
-"""A numpy array, a jax array or a Python number."""
+ArrayLike = Any  # a numpy array, a jax array or a Python number
 Arrays = Mapping[str, ArrayLike]
 
-DEFAULT_HISTOGRAM_BUCKETS = 30
-"""Buckets per histogram when ``num_buckets`` names none (``tf.summary.histogram``'s default)."""
+DEFAULT_HISTOGRAM_BUCKETS = 30  # tf.summary.histogram's default
 
 
 @runtime_checkable
@@ -63,9 +62,6 @@ class _ContextManagerMixin:
 
     def __exit__(self, exc_type, exc_value, traceback) -> None:
         self.close()
-
-
-# Argument checks and conversions, shared with jaxloop.trackers.
 
 
 def _as_step(step: Any) -> int:
@@ -101,12 +97,9 @@ def _is_array(value: Any) -> bool:
 
 
 def _snapshot(value: ArrayLike) -> np.ndarray:
-    """A host copy of ``value`` that nothing else can change or free later: the caller may
-    reuse a numpy buffer, and a later donation may overwrite a CPU jax array's buffer."""
-    if isinstance(value, np.ndarray):
-        return value.copy()
+    """A host copy of ``value`` that a reused numpy buffer or a later donation cannot change."""
     arr = np.asarray(value)
-    return arr if arr.flags.owndata else arr.copy()
+    return arr.copy() if isinstance(value, np.ndarray) or not arr.flags.owndata else arr
 
 
 def _snapshot_tree(value: Any) -> Any:
@@ -119,20 +112,17 @@ def _flatten_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, 
     """``{'opt': {'lr': 1}}`` -> ``{'opt.lr': 1}``."""
     flat: dict[str, Any] = {}
     for key, value in hparams.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten_hparams(value, prefix=f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
+        flat.update(_flatten_hparams(value, prefix=f"{prefix}{key}.")
+                    if isinstance(value, Mapping) else {f"{prefix}{key}": value})
     return flat
 
 
 def _hparam_value(value: Any) -> bool | float | str:
-    """The value as what the hparams plugin can store: bool, number or string."""
+    """The value as a bool, float or string, the types the hparams plugin stores."""
     if _is_array(value) and np.size(value) == 1:
         value = np.asarray(value).reshape(()).item()
     if isinstance(value, bool | str):
         return value
-    # Lists, None, objects: the plugin has no type for them.
     return float(value) if isinstance(value, numbers.Real) else str(value)
 
 
@@ -140,8 +130,8 @@ _LAYOUTS = {"Image": ["HW", "HWC", "NHWC"], "Video": ["THWC", "NTHWC"]}
 
 
 def _pixels(kind: str, key: str, value: ArrayLike) -> np.ndarray:
-    """An image or video batch as uint8 [N, H, W, C] or [N, T, H, W, C]; floats are taken to
-    lie in [0, 1], integers in [0, 255]."""
+    """An image or video batch as uint8 [N, H, W, C] or [N, T, H, W, C]; floats in [0, 1],
+    integers in [0, 255]."""
     arr, layouts = np.asarray(value), _LAYOUTS[kind]
     shape = arr.shape
     if arr.ndim not in {len(layout) for layout in layouts}:
@@ -189,25 +179,9 @@ _EVENT_FILES = itertools.count()
 
 
 class SummaryWriter(_ContextManagerMixin):
-    """Writes TensorBoard event files into ``logdir`` with tensorboardX, without TensorFlow.
-
-    tensorboardX's summary encoders decide the layout (those its ``SummaryWriter.add_*``
-    call): N images or videos of a key are tiled into one PNG or GIF; N audio clips are
-    tagged ``key/0`` ... ``key/{N-1}``; texts land under ``key/text_summary``; hparams go to
-    a new sub-run named by the time of the call (the HParams tab lists each such session).
-    Videos need moviepy (``jaxloop[video]``): without it they are skipped with one warning.
-
-    Encoding and writing happen on the calling thread (see `AsyncWriter`), into one event
-    file (tensorboardX's ``EventsWriter``) per writer: `flush` makes everything written so
-    far readable, `close` closes the file.
-
-    Args:
-      logdir: directory for the event files, created if missing (a path, an ``epath.Path``,
-        or a ``gs://``/``s3://`` URL with google-cloud-storage or boto3 installed).
-      flush_secs: a write this many seconds or more after the last flush flushes the file
-        (`flush` and `close` do at once).
-      video_fps: frame rate of the GIFs written by `write_videos`.
-    """
+    """Writes TensorBoard event files into ``logdir`` (a path or a ``gs://`` URL) on the
+    calling thread (see `AsyncWriter`); N images or videos of a key are tiled into one PNG
+    or GIF (videos need moviepy). A write `flush_secs` after the last flush flushes."""
 
     def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 120.0,
                  video_fps: float = 4.0) -> None:
@@ -216,8 +190,7 @@ class SummaryWriter(_ContextManagerMixin):
         self._lock = threading.Lock()
         self._closed = False
         self._events = _events_file(self._logdir)
-        # Closes the file once: at `close`, or when the writer is collected or Python exits
-        # (what is written is then on disk even if nobody closed the writer).
+        # Closes the file once: at `close`, or when the writer is collected or Python exits.
         self._close_events = weakref.finalize(self, self._events.close)
         self._flushed_at = time.monotonic()
 
@@ -225,8 +198,7 @@ class SummaryWriter(_ContextManagerMixin):
     def logdir(self) -> str:
         return self._logdir
 
-    def _add(self, encode: str, step: int | None, values: Mapping[str, Any],
-             **kwargs: Any) -> None:
+    def _add(self, encode: str, step: int | None, values: Mapping[str, Any], **kwargs: Any) -> None:
         """Writes ``tensorboardX.summary.<encode>(tag, value, **kwargs)`` of each value."""
         import tensorboardX.summary
 
@@ -243,11 +215,9 @@ class SummaryWriter(_ContextManagerMixin):
         self._add("scalar", _as_step(step), _prepare_scalars(scalars))
 
     def write_images(self, step: int, images: Arrays) -> None:
-        """Images of shape [H, W], [H, W, C] or [N, H, W, C], C in 1/3/4: floats in [0, 1]
-        (clipped), integers in [0, 255]."""
-        step = _as_step(step)
-        batches = {key: _pixels("Image", key, value) for key, value in images.items()}
-        self._add("image", step, batches, dataformats="NHWC")
+        """Images of shape [H, W], [H, W, C] or [N, H, W, C], C in 1/3/4."""
+        self._add("image", _as_step(step), {key: _pixels("Image", key, value)
+                                            for key, value in images.items()}, dataformats="NHWC")
 
     def write_videos(self, step: int, videos: Arrays) -> None:
         """Videos of shape [T, H, W, C] or [N, T, H, W, C], as animated GIFs."""
@@ -257,8 +227,7 @@ class SummaryWriter(_ContextManagerMixin):
             self._add("video", step, batches, fps=self._video_fps, dataformats="NTHWC")
 
     def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None:
-        """Clips of shape [N, T, C], [N, T] or [T], as 16-bit WAV: floats in [-1, 1]
-        (clipped), or int16."""
+        """Clips of shape [N, T, C], [N, T] or [T], as 16-bit WAV: floats in [-1, 1] or int16."""
         step, sample_rate = _as_step(step), operator.index(sample_rate)
         if sample_rate <= 0:
             raise ValueError(f"sample_rate must be positive, got {sample_rate}.")
@@ -274,8 +243,7 @@ class SummaryWriter(_ContextManagerMixin):
 
     def write_histograms(self, step: int, arrays: Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
-        """``num_buckets[key]`` buckets (default `DEFAULT_HISTOGRAM_BUCKETS`); non-finite
-        values, which no bucket holds, are left out with a warning."""
+        """``num_buckets[key]`` buckets; non-finite values are left out with a warning."""
         step, buckets = _as_step(step), num_buckets or {}
         for key, value in arrays.items():
             flat = np.asarray(value, np.float64).reshape(-1)
@@ -288,15 +256,15 @@ class SummaryWriter(_ContextManagerMixin):
                           bins=buckets.get(key, DEFAULT_HISTOGRAM_BUCKETS))
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-        """Nested mappings become dotted names (``opt.lr``); bools, numbers (as floats) and
-        strings keep their type, anything else is written as its ``str()``."""
+        """Nested mappings become dotted names (``opt.lr``); values other than bools, numbers
+        and strings are written as their ``str()``."""
         import tensorboardX.summary
 
         flat = {key: _hparam_value(v) for key, v in _flatten_hparams(hparams).items()}
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"SummaryWriter for {self._logdir!r} is closed.")
-        # A session of its own, in a sub-run, as tensorboardX's add_hparams writes it.
+        # A sub-run of its own, as tensorboardX's add_hparams writes it.
         session = _events_file(os.path.join(self._logdir, str(time.time())))
         try:
             _write(session, tensorboardX.summary.hparams(flat, {}), None)
@@ -323,10 +291,9 @@ def _events_file(logdir: str) -> Any:
     """A new event file in `logdir` (created if missing), written synchronously."""
     from tensorboardX.event_file_writer import EventsWriter
 
-    if "://" not in logdir:  # (buckets have no directories to make)
+    if "://" not in logdir:  # buckets have no directories
         os.makedirs(logdir, exist_ok=True)
-    # Files are named by the second they are opened in; the pid and a zero-padded counter
-    # keep two of one second apart and in the order they were opened.
+    # Files are named by the second; the pid and a counter keep two of one second apart.
     suffix = f".{os.getpid()}.{next(_EVENT_FILES):06d}"
     return EventsWriter(os.path.join(logdir, "events"), suffix)
 
@@ -346,7 +313,7 @@ class _Forwarder(_ContextManagerMixin):
     """Checks and converts a call's arguments once, then hands the call to `_forward`."""
 
     _to_host: Any = staticmethod(np.asarray)  # what array values are passed on as
-    _forward: Any  # (method name, *args, **kwargs) -> None: what the subclass does with a call
+    _forward: Any  # (method name, *args, **kwargs) -> None
 
     def _arrays(self, arrays: Arrays) -> dict[str, Any]:
         return {key: self._to_host(value) for key, value in arrays.items()}
@@ -382,16 +349,9 @@ class _Forwarder(_ContextManagerMixin):
 
 
 class LoggingWriter(_Forwarder):
-    """Logs ``[prefix] step | key=value, ...`` for scalars and only the shapes of images,
-    videos, audios and histograms, to the ``jaxloop.writers`` logger at INFO unless
-    ``logger``/``level`` say otherwise.
-
-    A line per written step is for log files: in a notebook whose user configured no
-    logging these lines stay hidden (`jaxloop.notebook_logging`), as clu's logging writer's
-    do there, and the progress bar shows the latest values. To see them in a cell, give
-    it a logger of your own or set the level of ``jaxloop.writers``.
-
-    Example::
+    """Logs ``[prefix] step | key=value, ...`` for scalars, only the shapes of arrays, to
+    the ``jaxloop.writers`` logger (hidden in an unconfigured notebook:
+    `jaxloop.notebook_logging`). Example::
 
         writer = LoggingWriter('eval')   # INFO:jaxloop.writers:[eval] 400 | accuracy=0.97
         writer.write_scalars(400, {'accuracy': 0.97})
@@ -410,9 +370,8 @@ class LoggingWriter(_Forwarder):
 
     def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
         if method == "write_hparams":
-            flat = _flatten_hparams(args[0])
             plain = {k: np.asarray(v).item() if _is_array(v) and np.ndim(v) == 0 else v
-                     for k, v in flat.items()}
+                     for k, v in _flatten_hparams(args[0]).items()}
             self._log("hparams: " + ", ".join(f"{k}={v!r}" for k, v in plain.items()))
         elif method == "write_texts":
             for key, text in args[1].items():
@@ -430,10 +389,8 @@ class LoggingWriter(_Forwarder):
 
 
 class MultiWriter(_Forwarder):
-    """Forwards every call to each of ``writers``, in order. Arguments are checked and
-    converted once, before any writer is called, so a bad value never reaches one writer and
-    not another; a writer that raises does not keep the others from the call (the first
-    error is raised after)."""
+    """Forwards every call to each of ``writers``, in order, arguments checked once before
+    any writer is called; the first writer's error is raised after all were called."""
 
     def __init__(self, writers: Sequence[MetricWriter]) -> None:
         self._writers = tuple(writers)
@@ -468,8 +425,7 @@ def _call(writer: MetricWriter, method: str, args: tuple, kwargs: dict,
 
 
 def _close_abandoned(pool: ThreadPoolExecutor, close: Any) -> None:
-    # An unclosed AsyncWriter was collected (maybe on its own thread, which must not wait
-    # for itself), or the interpreter exits (the pool has then finished its queue).
+    # Collected unclosed (maybe on its own thread, which must not wait for itself), or exit.
     try:
         pool.submit(close)
     except RuntimeError:
@@ -480,11 +436,9 @@ def _close_abandoned(pool: ThreadPoolExecutor, close: Any) -> None:
 class AsyncWriter(_Forwarder):
     """Does another writer's writing on one background thread, in the order of the calls.
 
-    A call returns once its arguments are host numpy copies (buffers donated or deleted
-    afterwards are never read); encoding and file I/O happen on the thread. When
-    ``max_queue`` calls wait, the next one blocks. An error of the wrapped writer is raised
-    by the next call here, or at the next loop boundary (`jaxloop.async_action_context`).
-    An abandoned writer is closed when collected or at exit; `close` it to see errors.
+    A call returns once its arguments are host copies; when ``max_queue`` calls wait, the
+    next blocks. The wrapped writer's error is raised by the next call, or at the next loop
+    boundary (`jaxloop.async_action_context`).
     """
 
     _to_host = staticmethod(_snapshot)
@@ -495,8 +449,7 @@ class AsyncWriter(_Forwarder):
         self._room = threading.Semaphore(max_queue)
         self._failed: list[Future] = []
         self._closed = False
-        # Starts the thread now: started inside the first write, it would run that write
-        # while the caller waits for it to start.
+        # Starts the thread now, not inside the first write (which would wait for it).
         self._pool.submit(int)
         # Holds the pool and the writer, never self, so an abandoned writer is collected.
         self._abandoned = weakref.finalize(self, _close_abandoned, self._pool, writer.close)
@@ -512,8 +465,7 @@ class AsyncWriter(_Forwarder):
 
     def _raise_pending(self) -> None:
         failed = [self._failed.pop(0) for _ in range(len(self._failed))]
-        # An error a loop boundary already raised is not raised again. Of the others, the
-        # first is the likely cause; later ones were logged on the thread.
+        # Not those a loop boundary already raised; the first is the likely cause.
         context = async_action_context.get_async_action_context()
         unraised = [f for f in failed if context.discard(f)]
         if unraised:
@@ -545,13 +497,9 @@ class AsyncWriter(_Forwarder):
 def create_default_writer(logdir: str | os.PathLike[str] | None = None, *,
                           just_logging: bool = False, asynchronous: bool = True,
                           collection: str | None = None) -> MetricWriter:
-    """As clu's function of that name: ``MultiWriter([LoggingWriter, SummaryWriter])``, in
-    an `AsyncWriter` when ``asynchronous``; only a `LoggingWriter` when ``just_logging`` or
-    ``logdir`` is None.
-
-    Only process 0 of a multi-process job writes event files, so create the writer after
-    ``jax.distributed.initialize()``. ``collection`` (e.g. ``'train'``, ``'eval'``: two
-    TensorBoard runs) names the sub-directory of ``logdir`` and prefixes log lines.
+    """As clu's: ``MultiWriter([LoggingWriter, SummaryWriter])`` (the latter on process 0
+    only), in an `AsyncWriter` when ``asynchronous``; a `LoggingWriter` alone without
+    ``logdir``. ``collection`` (``'train'``) names a sub-directory and prefixes log lines.
     """
     prefix = collection or ""
     if just_logging or logdir is None:
