@@ -1,16 +1,9 @@
 """Actions: host-side work run at loop boundaries (summaries, checkpoints, early stopping).
 
-This module holds the `Action` base class and the actions that need nothing beyond the
-loops: `SummaryAction`, `EarlyStoppingAction`, `StepNumberAction`. The checkpoint actions
-(`checkpoint_actions`, which need orbax) and the progress bar (`progress`) live in their
-own modules and are reached here by name, loaded on first use, so that importing the loops
-imports no checkpointing library. The metric helpers (`scalar_metrics`, `fetch`, ...) are
-`metric_values`'.
-
 An action is any callable ``action(state, outputs, **kwargs)`` with a positive ``interval``;
-loops call it every ``interval`` loops (steps, when given to a `Step`). Keyword arguments
-from an `ActionLoop` are ``loop``, ``loop_count`` and ``first_step``; accept ``**kwargs``
-so new ones never break an action.
+loops call it every ``interval`` loops with the keywords ``loop``, ``loop_count`` and
+``first_step`` (accept ``**kwargs``). `CheckpointAction`, `BestCheckpointAction` and
+`ProgressAction` are loaded on first use, so importing the loops imports no orbax.
 
 Example, a custom action that logs the learning rate::
 
@@ -54,8 +47,7 @@ StopTrainingError = stop_handler.StopTrainingError
 
 log = logging.getLogger(__name__)
 
-# Actions in modules of their own, by the module that defines them: loaded on first use
-# (`__getattr__`), so the loops, which import this module, do not import orbax.
+# Actions in modules of their own, loaded on first use (`__getattr__`).
 _ELSEWHERE = {
     "CheckpointAction": "jaxloop.checkpoint_actions",
     "BestCheckpointAction": "jaxloop.checkpoint_actions",
@@ -83,8 +75,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """`CheckpointAction`, `BestCheckpointAction` and `ProgressAction`, imported from
-    their modules when first asked for (PEP 562)."""
+    """The actions of `_ELSEWHERE`, imported when first asked for (PEP 562)."""
     if name in _ELSEWHERE:
         value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
         globals()[name] = value  # found directly from now on
@@ -97,8 +88,8 @@ def __dir__() -> list[str]:
 
 
 class Action:
-    """Base class for actions: holds the interval (or a `triggers.Trigger`, which then
-    decides when it fires, in global train steps or seconds) and defines the call signature.
+    """Base class for actions: fires every `interval` loops, or where its
+    `triggers.Trigger` says (global train steps or seconds).
 
     Example::
 
@@ -132,37 +123,22 @@ class Action:
 
 
 class SummaryAction(Action):
-    """Writes loop outputs with a clu-style metric writer.
+    """Writes loop outputs with a clu-style metric writer (`jaxloop.writers` or clu's).
 
-    - A per-step list of scalars from a train loop is written value by value at the step
-      numbers it was produced at (``first_step + 1 ... state.step``); when the steps do
-      not line up (eval loops, whose state does not advance) its mean is written at
-      ``state.step``. An eval loop's mean weights each batch by its real examples (its
-      ``mask`` sum, else its size: `EvalLoop.example_counts`, read from the ``loop``
-      keyword the loop calls its actions with), so a smaller or padded last batch counts
-      for what it holds: the mean over examples, not the mean of batch means.
-    - Plain scalars (such as the loop's statistics) and clu metrics (computed) are written
-      at ``state.step``.
-    - `MetricWithMetadata` values go to the writer method of their type (images,
-      histograms, text, video; scalars join the plain scalars), one call per type; for a
-      per-step list the latest value is written. Another type (audio) is a ValueError,
-      raised before anything is written, as in the reference: write audio with the
-      writer's ``write_audios``.
-    - A per-step list of other arrays (per-example logits, say) is not a summary and is
-      skipped; scalars are recognised from shapes, so such lists are never copied to the
-      host. Any other bare value goes to ``write_scalars`` as it is, as in the reference
-      (a step-level action given per-example logits hands them to the writer, which
-      decides: jaxloop's writers refuse them with an error naming the key and shape).
+    - A train loop's per-step scalars are written at the steps they were produced at;
+      otherwise (eval loops) their mean, weighted by each batch's real examples
+      (`EvalLoop.example_counts`), at ``state.step``.
+    - Plain scalars and clu metrics (computed) are written at ``state.step``.
+    - `MetricWithMetadata` values go to the writer method of their type (the latest value
+      of a per-step list); an unsupported type (audio) is a ValueError before any write.
+    - Per-step lists of other arrays are skipped; any other bare value goes to
+      ``write_scalars`` as it is, as in the reference.
 
-    In a multi-process job every process runs the loops and so this action (give the
-    non-main processes a writer that drops or logs values): scalars are replicated and
-    read locally; a `MetricWithMetadata` image or histogram spread over several processes
-    is gathered whole (`multihost_utils.process_allgather`, a collective) before writing.
+    In a multi-process job every process runs this action (give the others a writer that
+    drops values); a `MetricWithMetadata` spread over processes is gathered first (a
+    collective).
 
     Args:
-      summary_writer: any writer with clu's `MetricWriter` methods (`jaxloop.writers` or
-        clu's own writers).
-      interval: write every `interval` loops.
       flush_each_call: flush the writer after each write (the file is then readable at once).
     """
 
@@ -219,8 +195,6 @@ class SummaryAction(Action):
             if isinstance(value, MetricWithMetadata) and value.type == MetricType.SCALAR:
                 value = value.value  # written with the plain scalars, as one of them
             if isinstance(value, MetricWithMetadata):
-                # Gathered whole from every process (`fetch`), so process 0's writer sees
-                # the global value a 1-process job would.
                 typed.setdefault(value.type, {})[key] = np.asarray(fetch(value.value))
                 continue
             host = metric_values.scalar_values(value)  # None for per-example arrays
@@ -248,17 +222,10 @@ class SummaryAction(Action):
 class EarlyStoppingAction(Action):
     """Stops training when a monitored metric stops improving (or becomes NaN).
 
-    Raises `StopTrainingError` (carrying the best step and metric); `OuterLoop` catches it
-    and ends training cleanly. Put it on an eval loop's end actions. The metric is the
-    mean of the loop's per-step values (or the computed clu metric); any name that
-    `scalar_metrics` reports works, e.g. ``'metrics/accuracy'`` for the ``accuracy`` member
-    of a clu Collection output ``'metrics'``. The messages are
-    google/jaxloop's: a missing metric is a warning ("... is not available in the outputs
-    dictionary ..."), a NaN raises "Metric '<name>' was NaN", and patience running out
-    raises "Early stopping triggered for metric '<name>'".
-
-    The handler's progress (best value, best step, patience left) goes into the
-    checkpoints of an `OuterLoop`'s train loop and comes back on resume (`state_dict`).
+    Raises `StopTrainingError`, which `OuterLoop` catches to end training. Put it on an
+    eval loop's end actions. The metric is any name `scalar_metrics` reports (e.g.
+    ``'metrics/accuracy'`` for a clu Collection output ``'metrics'``), averaged over the
+    loop's examples. Its progress is saved with `OuterLoop`'s checkpoints (`state_dict`).
 
     Example::
 
@@ -288,18 +255,15 @@ class EarlyStoppingAction(Action):
         step = loop_lib.host_step(state)
         name = self.monitored_metric
         if outputs is not None and name in outputs:
-            metric = scalar_summary(outputs[name], example_weights(loop))  # over examples
+            metric = scalar_summary(outputs[name], example_weights(loop))
         else:
-            # Any name `scalar_metrics` reports, such as a clu Collection's ``key/member``.
             reported = scalar_metrics(outputs, loop=loop)
             if name not in reported:
                 log.warning(
                     "Early stopping action '%s' is monitoring metric '%s' which is not "
                     "available in the outputs dictionary. Available metrics are: %s",
-                    type(self).__name__,
-                    name,
-                    sorted({*(outputs or {}), *reported}) if outputs is not None else None,
-                )
+                    type(self).__name__, name,
+                    sorted({*(outputs or {}), *reported}) if outputs is not None else None)
                 return outputs
             metric = reported[name]
         if metric is None:
@@ -308,34 +272,21 @@ class EarlyStoppingAction(Action):
                 "not a scalar (nor a list of per-step scalars)"
             )
         if math.isnan(metric):
-            log.error(
-                "[EarlyStoppingAction] Metric '%s' is NaN at step %d. Stopping training.",
-                self.monitored_metric,
-                step,
-            )
+            log.error("[EarlyStoppingAction] Metric '%s' is NaN at step %d. Stopping training.",
+                      self.monitored_metric, step)
             best, best_step = self._handler.get_best_info()
-            raise StopTrainingError(
-                f"Metric '{self.monitored_metric}' was NaN",
-                best_step=best_step,
-                best_metric=best,
-            )
+            raise StopTrainingError(f"Metric '{self.monitored_metric}' was NaN",
+                                    best_step=best_step, best_metric=best)
         self._handler.update_state(metric, step)
         if self._handler.should_stop():
             best, best_step = self._handler.get_best_info()
             log.info(
                 "[EarlyStoppingAction] Stopping training at step %d. Metric '%s' did not "
                 "improve for %d cycles. Best metric %.4f at step %d.",
-                step,
-                self.monitored_metric,
-                self._handler.wait,
-                best,
-                best_step,
-            )
+                step, self.monitored_metric, self._handler.wait, best, best_step)
             raise StopTrainingError(
                 f"Early stopping triggered for metric '{self.monitored_metric}'",
-                best_step=best_step,
-                best_metric=best,
-            )
+                best_step=best_step, best_metric=best)
         return outputs
 
 
