@@ -1,11 +1,8 @@
 """PipelineLoop: an EvalLoop whose results go through an ml_metrics pipeline.
 
-The step runs as in `EvalLoop` (compiled, sharded, ``steps_per_execution`` and actions
-included); at the end of the loop each step's outputs, fetched to the host as numpy, are fed
-one step at a time to an `ml_metrics` pipeline (``ml_metrics.chainable.Pipeline``), and the
-pipeline's aggregate result becomes the loop's outputs, which the end actions then see.
-This needs the optional extra: ``pip install 'jaxloop[pipeline]'`` (package
-``py-ml-metrics``).
+At the loop's end each step's outputs (as numpy, plus `EXAMPLE_COUNT`) are fed to an
+``ml_metrics.chainable.Pipeline``, whose aggregate result becomes the loop's outputs.
+Needs ``pip install 'jaxloop[pipeline]'``.
 
 Example: accuracy over every example (a smaller last batch weighs by its size)::
 
@@ -24,10 +21,6 @@ Example: accuracy over every example (a smaller last batch weighs by its size)::
     loop = pipeline_loop.PipelineLoop(eval_step, pipeline=pipeline)
     _, outputs = loop(state, eval_batches)
     outputs['accuracy'].mean
-
-Each pipeline input is a dict of one step's outputs (the keys the step returns, plus
-`EXAMPLE_COUNT`: the real examples of that step's batch, from `EvalLoop.example_counts`).
-With no pipeline, the loop is an `EvalLoop`.
 """
 
 from __future__ import annotations
@@ -53,8 +46,7 @@ Output = types.Output
 State = types.TrainState
 
 EXAMPLE_COUNT = "jaxloop/example_count"
-"""The pipeline input that holds the real examples of the step's batch (a pipeline input
-only: the loop's outputs never hold it)."""
+"""The pipeline input that holds the real examples of the step's batch."""
 
 
 def _is_per_step(value: Any) -> bool:
@@ -63,8 +55,7 @@ def _is_per_step(value: Any) -> bool:
 
 
 def _per_step(outputs: Mapping[str, Any], counts: list[Any]) -> list[dict[str, Any]]:
-    """The loop's per-step lists and each step's example count, as one dict per step of
-    host (numpy) values."""
+    """The loop's per-step lists and example counts, as one dict of numpy values a step."""
     columns = {k: v for k, v in outputs.items() if _is_per_step(v)}
     if counts:
         columns[EXAMPLE_COUNT] = list(counts)
@@ -80,17 +71,13 @@ def _per_step(outputs: Mapping[str, Any], counts: list[Any]) -> list[dict[str, A
 
 
 class PipelineLoop(eval_loop.EvalLoop):
-    """An `EvalLoop` whose outputs are the result of an ml_metrics pipeline over its steps.
+    """An `EvalLoop` whose outputs are the result of an ml_metrics pipeline over its steps,
+    plus the loop's clu metrics and statistics (not fed to the pipeline).
 
     Args:
-      step: the eval `Step`.
-      pipeline: an ``ml_metrics.chainable.Pipeline`` ending in an aggregate whose result is
-        a mapping (e.g. ``.aggregate(..., output_keys='accuracy')``); None: `make_pipeline`
-        decides (by default none: the outputs are `EvalLoop`'s).
-      **kwargs: `EvalLoop`'s arguments (actions, ``steps_per_execution``, ``mask_key``, ...).
-
-    The outputs are the pipeline's result, plus the loop's ``clu.metrics`` outputs (as
-    `EvalLoop` returns them; not fed to the pipeline) and its statistics.
+      pipeline: ending in an aggregate whose result is a mapping (e.g.
+        ``.aggregate(..., output_keys='accuracy')``); None: `make_pipeline` decides (by
+        default none: the loop is an `EvalLoop`).
     """
 
     def __init__(self, step: Any, pipeline: chainable.Pipeline | None = None, **kwargs: Any):
