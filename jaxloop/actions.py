@@ -55,22 +55,10 @@ _ELSEWHERE = {
 }
 
 __all__ = [
-    "Action",
-    "BestCheckpointAction",
-    "CheckpointAction",
-    "EarlyStoppingAction",
-    "MetricMonitoringStopHandler",
-    "MetricType",
-    "MetricWithMetadata",
-    "ProgressAction",
-    "StepNumberAction",
-    "StepNumberFileWriter",
-    "StopTrainingError",
-    "SummaryAction",
-    "example_weights",
-    "fetch",
-    "scalar_metrics",
-    "scalar_summary",
+    "Action", "BestCheckpointAction", "CheckpointAction", "EarlyStoppingAction",
+    "MetricMonitoringStopHandler", "MetricType", "MetricWithMetadata", "ProgressAction",
+    "StepNumberAction", "StepNumberFileWriter", "StopTrainingError", "SummaryAction",
+    "example_weights", "fetch", "scalar_metrics", "scalar_summary",
 ]
 
 
@@ -134,9 +122,8 @@ class SummaryAction(Action):
     - Per-step lists of other arrays are skipped; any other bare value goes to
       ``write_scalars`` as it is, as in the reference.
 
-    In a multi-process job every process runs this action (give the others a writer that
-    drops values); a `MetricWithMetadata` spread over processes is gathered first (a
-    collective).
+    In a multi-process job every process runs it (give the others a writer that drops
+    values).
 
     Args:
       flush_each_call: flush the writer after each write (the file is then readable at once).
@@ -168,10 +155,8 @@ class SummaryAction(Action):
             else:
                 getattr(writer, methods[metric_type])(step, values)
 
-    def __call__(
-        self, state: State, outputs: Output | None, first_step: int | None = None,
-        loop: Any = None, **kwargs: Any,
-    ) -> None:
+    def __call__(self, state: State, outputs: Output | None, first_step: int | None = None,
+                 loop: Any = None, **kwargs: Any) -> None:
         if not outputs:
             return
         step = loop_lib.host_step(state)
@@ -181,15 +166,13 @@ class SummaryAction(Action):
         typed: dict[MetricType, dict[str, Any]] = {}
         items = []
         for key, value in outputs.items():
-            if isinstance(value, list | tuple) and value and isinstance(
-                value[-1], MetricWithMetadata
-            ):
+            if isinstance(value, list | tuple) and value and isinstance(value[-1],
+                                                                        MetricWithMetadata):
                 value = value[-1]
             if isinstance(value, MetricWithMetadata) and value.type not in self.SUPPORTED_TYPES:
                 raise ValueError(
                     f"Output {key!r} has metric type {value.type}, which SummaryAction does "
-                    f"not write; supported: {[t.name for t in self.SUPPORTED_TYPES]}"
-                )
+                    f"not write; supported: {[t.name for t in self.SUPPORTED_TYPES]}")
             items.append((key, value))
         for key, value in items:
             if isinstance(value, MetricWithMetadata) and value.type == MetricType.SCALAR:
@@ -222,10 +205,9 @@ class SummaryAction(Action):
 class EarlyStoppingAction(Action):
     """Stops training when a monitored metric stops improving (or becomes NaN).
 
-    Raises `StopTrainingError`, which `OuterLoop` catches to end training. Put it on an
-    eval loop's end actions. The metric is any name `scalar_metrics` reports (e.g.
-    ``'metrics/accuracy'`` for a clu Collection output ``'metrics'``), averaged over the
-    loop's examples. Its progress is saved with `OuterLoop`'s checkpoints (`state_dict`).
+    Raises `StopTrainingError`, which `OuterLoop` catches. The metric is any name
+    `scalar_metrics` reports (e.g. ``'metrics/accuracy'`` for a clu Collection
+    ``'metrics'``); its progress is saved with `OuterLoop`'s checkpoints.
 
     Example::
 
@@ -269,8 +251,7 @@ class EarlyStoppingAction(Action):
         if metric is None:
             raise ValueError(
                 f"EarlyStoppingAction monitors {self.monitored_metric!r}, but that output is "
-                "not a scalar (nor a list of per-step scalars)"
-            )
+                "not a scalar (nor a list of per-step scalars)")
         if math.isnan(metric):
             log.error("[EarlyStoppingAction] Metric '%s' is NaN at step %d. Stopping training.",
                       self.monitored_metric, step)
@@ -307,8 +288,7 @@ class StepNumberAction(Action):
         if not callable(getattr(step_writer, "write", None)):
             raise TypeError(
                 "StepNumberAction needs a StepNumberWriter (an object with write(step_number)), "
-                f"got {step_writer!r}"
-            )
+                f"got {step_writer!r}")
         self._step_writer = step_writer
 
     @property

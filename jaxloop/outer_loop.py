@@ -79,17 +79,11 @@ class OuterLoop:
                          eval_specs=[EvalSpec(dataset=eval_ds)])  # run it again: goes on
     """
 
-    def __init__(
-        self,
-        train_loop: train_loop_lib.TrainLoop | None = None,
-        eval_loops: Sequence[eval_loop_lib.EvalLoop] | None = None,
-        checkpoint_spec: CheckpointSpec | None = None,
-        progress: bool | None = None,
-        prefetch: int | None = None,
-        disable_jit: bool | None = None,
-        post_mortem: bool | None = None,
-        resume: bool = True,
-    ):
+    def __init__(self, train_loop: train_loop_lib.TrainLoop | None = None,
+                 eval_loops: Sequence[eval_loop_lib.EvalLoop] | None = None,
+                 checkpoint_spec: CheckpointSpec | None = None, progress: bool | None = None,
+                 prefetch: int | None = None, disable_jit: bool | None = None,
+                 post_mortem: bool | None = None, resume: bool = True):
         self._debugging = (disable_jit, post_mortem)
         if not isinstance(resume, bool):
             raise TypeError(f"resume must be True or False, got {resume!r}")
@@ -133,15 +127,10 @@ class OuterLoop:
         return self._prefetch if self._prefetch is not None else prefetch_lib.default_size(
             loop.step)
 
-    def __call__(
-        self,
-        state: State,
-        train_dataset: Iterator[Any] | Iterable[Any] | None = None,
-        train_total_steps: int | None = None,
-        train_loop_steps: int | None = None,
-        eval_specs: Sequence[EvalSpec] | None = None,
-        log_train_total_steps: bool = True,
-    ) -> tuple[State, Output | None]:
+    def __call__(self, state: State, train_dataset: Iterator[Any] | Iterable[Any] | None = None,
+                 train_total_steps: int | None = None, train_loop_steps: int | None = None,
+                 eval_specs: Sequence[EvalSpec] | None = None,
+                 log_train_total_steps: bool = True) -> tuple[State, Output | None]:
         """Runs training and evaluation.
 
         Returns the final state and the outputs of the last train loop that advanced the
@@ -163,10 +152,8 @@ class OuterLoop:
                 raise ValueError(f"{name} must be positive, got {value}")
         with (self.history.recording(self._train_loop, self._eval_loops),
               debugging_lib.session(*self._debugging)):
-            return self._train(
-                state, train_dataset, train_total_steps, train_loop_steps, specs,
-                log_train_total_steps,
-            )
+            return self._train(state, train_dataset, train_total_steps, train_loop_steps, specs,
+                               log_train_total_steps)
 
     def _evaluate_only(self, state: State, specs: list[EvalSpec]) -> tuple[State, Output | None]:
         if not self._eval_loops:
@@ -186,15 +173,9 @@ class OuterLoop:
                 "recorded. Copy outer.history.as_dict() first to keep it, or continue from "
                 "outer.state.", step, later[0], later[1], ", ".join(later[2]))
 
-    def _train(
-        self,
-        state: State,
-        train_dataset: Any,
-        total_steps: int | None,
-        loop_steps: int | None,
-        specs: list[EvalSpec],
-        log_total_steps: bool,
-    ) -> tuple[State, Output | None]:
+    def _train(self, state: State, train_dataset: Any, total_steps: int | None,
+               loop_steps: int | None, specs: list[EvalSpec], log_total_steps: bool,
+               ) -> tuple[State, Output | None]:
         from jaxloop import data  # noqa: PLC0415
 
         train_loop = self._train_loop
@@ -203,8 +184,7 @@ class OuterLoop:
             # An earlier run's marker would end a continuous evaluator of this one.
             stop_marker.remove_stale(self._checkpoint_spec.checkpoint_dir)
         given = state
-        state, align, step, evals_pending = self._resumer.restore(
-            state, iterator, loop_steps)
+        state, align, step, evals_pending = self._resumer.restore(state, iterator, loop_steps)
         if not align and self._ended == (step, True) and loop_steps and step % loop_steps:
             # The last call was stopped inside a loop: finish that loop, as a resume does.
             align = True
@@ -227,8 +207,7 @@ class OuterLoop:
         progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress,
                                               history=self.history)
         outputs: Output | None = None
-        stop = False
-        self.preempted = False
+        stop = self.preempted = False
         self.stopped_state = None
         at_end = self._at_loop_end
         at_end.specs = specs
@@ -236,12 +215,9 @@ class OuterLoop:
             if isinstance(action, actions_lib.CheckpointAction):
                 action.set_resume_metadata(self._metadata)
         self._metadata.start_call()
-        with (
-            preemption.handling_preemption(),
-            train_loop.prefetching(iterator, self._ahead(train_loop)),
-            contextlib.closing(progress),
-            at_end.installed(),
-        ):
+        with (preemption.handling_preemption(),
+              train_loop.prefetching(iterator, self._ahead(train_loop)),
+              contextlib.closing(progress), at_end.installed()):
             if evals_pending:
                 # The evaluations after the restored checkpoint are not in it: run them first.
                 stop = at_end.evaluate(state, step)
@@ -266,8 +242,7 @@ class OuterLoop:
                     log.info("Training stopped by an action: %s", e)
                     # The one passed in was donated.
                     if e.state is not None:
-                        state = e.state
-                        self._state = state
+                        state = self._state = e.state
                     stop = True
                     break
                 self._state = state
@@ -307,8 +282,7 @@ class OuterLoop:
     def _stop(self, state: State, outputs: Output | None) -> None:
         """Saves, flushes the writers and raises `preemption.stopped` with the live state."""
         self.preempted = True
-        self.stopped_state = state
-        self._state = state
+        self.stopped_state = self._state = state
         step = loop_lib.host_step(state)
         self._ended = (step, self._metadata.loop_partial())
         saved = self._train_loop.save_checkpoint(state, outputs)

@@ -1,8 +1,7 @@
 """Early stopping: watch one metric and decide when training has stopped improving.
 
-`MetricMonitoringStopHandler` can be used in any loop, fed with Python floats, numpy
-scalars or 0-d jax arrays. Its state is a small JSON-serialisable dict so it can be saved
-next to a checkpoint and resumed exactly.
+`MetricMonitoringStopHandler` works in any loop; its state is a small JSON dict, saved
+beside a checkpoint to resume exactly.
 """
 
 from __future__ import annotations
@@ -15,12 +14,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-__all__ = [
-    "MAXIMIZED_METRIC_TOKENS",
-    "MetricMonitoringStopHandler",
-    "StopTrainingError",
-    "infer_mode",
-]
+__all__ = ["MAXIMIZED_METRIC_TOKENS", "MetricMonitoringStopHandler", "StopTrainingError",
+           "infer_mode"]
 
 MAXIMIZED_METRIC_TOKENS: frozenset[str] = frozenset(
     {"acc", "accuracy", "auc", "precision", "recall", "f1", "score", "iou", "map"}
@@ -42,12 +37,8 @@ class StopTrainingError(Exception):
 
     state: Any = None
 
-    def __init__(
-        self,
-        message: str,
-        best_step: int | None = None,
-        best_metric: float | None = None,
-    ) -> None:
+    def __init__(self, message: str, best_step: int | None = None,
+                 best_metric: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.best_step = best_step
@@ -58,10 +49,8 @@ class StopTrainingError(Exception):
         if self.best_step is None and self.best_metric is None:
             return self.message
         best = "None" if self.best_metric is None else f"{self.best_metric:.4f}"
-        return (
-            f"{self.message} Training stopped early. Best Step: {self.best_step}, "
-            f"Best Metric: {best}"
-        )
+        return (f"{self.message} Training stopped early. Best Step: {self.best_step}, "
+                f"Best Metric: {best}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The default pickling replays only `self.args`, dropping the best info.
@@ -80,8 +69,7 @@ def infer_mode(metric_name: str) -> str:
         infer_mode('eval/accuracy'), infer_mode('heatmap_loss')  # ('max', 'min')
     """
     name = metric_name.lower()
-    tokens = _TOKEN_SEPARATORS.split(name)
-    if any(t in MAXIMIZED_METRIC_TOKENS for t in tokens):
+    if any(t in MAXIMIZED_METRIC_TOKENS for t in _TOKEN_SEPARATORS.split(name)):
         return "max"
     return "max" if name.endswith(_REFERENCE_MAXIMIZED_SUFFIXES) else "min"
 
@@ -102,8 +90,7 @@ def _decode_float(value: Any, key: str) -> float | None:
         return float(value)
     except (TypeError, ValueError) as e:
         raise ValueError(
-            f"state_dict[{key!r}] must be a number, string or None, got {value!r}"
-        ) from e
+            f"state_dict[{key!r}] must be a number, string or None, got {value!r}") from e
 
 
 def _decode_int(value: Any, key: str) -> int:
@@ -142,19 +129,11 @@ class MetricMonitoringStopHandler:
       baseline: a value the metric must beat before anything counts as improving.
     """
 
-    def __init__(
-        self,
-        monitored_metric: str,
-        min_delta: float = 1e-8,
-        patience: int = 10,
-        mode: str = "auto",
-        baseline: float | None = None,
-    ) -> None:
+    def __init__(self, monitored_metric: str, min_delta: float = 1e-8, patience: int = 10,
+                 mode: str = "auto", baseline: float | None = None) -> None:
         if mode not in _VALID_MODES:
-            raise ValueError(
-                f"Invalid mode {mode!r} for monitored metric {monitored_metric!r}; "
-                f"expected one of {', '.join(repr(m) for m in _VALID_MODES)}."
-            )
+            raise ValueError(f"Invalid mode {mode!r} for monitored metric {monitored_metric!r}; "
+                             f"expected one of {', '.join(repr(m) for m in _VALID_MODES)}.")
         if isinstance(patience, bool):
             raise TypeError(f"patience must be an int, got {patience!r}")
         try:
@@ -255,10 +234,8 @@ class MetricMonitoringStopHandler:
             raise KeyError(f"state_dict is missing keys {missing}; got keys {sorted(state)}")
         for key, own in (("monitored_metric", self.monitored_metric), ("mode", self.mode)):
             if key in state and state[key] != own:
-                raise ValueError(
-                    f"state_dict was saved with {key}={state[key]!r}, but this handler has "
-                    f"{key}={own!r}"
-                )
+                raise ValueError(f"state_dict was saved with {key}={state[key]!r}, but this "
+                                 f"handler has {key}={own!r}")
         best = _decode_float(state["best"], "best")
         best_step = state["best_step"]
         if best_step is not None:
@@ -275,9 +252,7 @@ class MetricMonitoringStopHandler:
         self._initialized = initialized
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(monitored_metric={self.monitored_metric!r}, "
-            f"mode={self.mode!r}, min_delta={self.min_delta}, patience={self.patience}, "
-            f"baseline={self.baseline}, best={self.best}, best_step={self.best_step}, "
-            f"wait={self.wait})"
-        )
+        return (f"{type(self).__name__}(monitored_metric={self.monitored_metric!r}, "
+                f"mode={self.mode!r}, min_delta={self.min_delta}, patience={self.patience}, "
+                f"baseline={self.baseline}, best={self.best}, best_step={self.best_step}, "
+                f"wait={self.wait})")
