@@ -43,10 +43,8 @@ class AsyncActionContext:
     def add_future(self, future_name: str, future: Future[Any]) -> None:
         """Registers `future`; `future_name` says in error notes which work failed."""
         if not isinstance(future, Future):
-            raise TypeError(
-                f"add_future({future_name!r}, ...) needs a concurrent.futures.Future, got "
-                f"{type(future).__name__}"
-            )
+            raise TypeError(f"add_future({future_name!r}, ...) needs a concurrent.futures.Future, "
+                            f"got {type(future).__name__}")
         with self._mutex:
             self._futures.append((future_name, future))
 
@@ -90,9 +88,7 @@ class AsyncActionContext:
                     return True
         return False
 
-    def check_exceptions_and_raise(
-        self, raise_exception: bool = True, wait: bool = True
-    ) -> None:
+    def check_exceptions_and_raise(self, raise_exception: bool = True, wait: bool = True) -> None:
         """Raises the exception of the first failed future, then forgets the futures.
 
         Args:

@@ -57,8 +57,7 @@ class CheckpointSpec:
     def __post_init__(self) -> None:
         if not self.iterate_interval_secs >= 0:
             raise ValueError(
-                f"iterate_interval_secs must be >= 0 seconds, got {self.iterate_interval_secs}"
-            )
+                f"iterate_interval_secs must be >= 0 seconds, got {self.iterate_interval_secs}")
 
 
 class ContinuousEval:
@@ -66,12 +65,6 @@ class ContinuousEval:
 
     A checkpoint deleted before it is read (``max_to_keep``) is skipped with a warning;
     one that does not restore is a ValueError. The first eval loop's step restores them.
-
-    Example::
-
-        evaluator = ContinuousEval(CheckpointSpec('/run/checkpoints'),
-                                   evaluation.Evaluations([eval_loop], ahead=lambda lp: 0))
-        state, outputs = evaluator(state, [EvalSpec(dataset=eval_ds)])
     """
 
     def __init__(self, spec: CheckpointSpec, evaluations: evaluation_lib.Evaluations):
@@ -91,8 +84,7 @@ class ContinuousEval:
             # The marker is read before listing: a checkpoint finished before the marker
             # was written is then always in the listing.
             marker, steps = agreement.agreed(
-                lambda: (stop_marker.step(directory), checkpoint.all_steps(directory))
-            )
+                lambda: (stop_marker.step(directory), checkpoint.all_steps(directory)))
             for ckpt_step in sorted(set(steps) - seen):
                 seen.add(ckpt_step)
                 restored = self._restore(state, directory, ckpt_step)
@@ -100,8 +92,7 @@ class ContinuousEval:
                     continue
                 loop_count += 1
                 results, _ = self._evaluations.run(
-                    restored, specs, evaluation_lib.EvalContext(True, ckpt_step, loop_count)
-                )
+                    restored, specs, evaluation_lib.EvalContext(True, ckpt_step, loop_count))
                 outputs = evaluation_lib.last(results) or outputs
                 state = restored
             if spec.iterate_stop_fn is not None:
@@ -118,8 +109,7 @@ class ContinuousEval:
         restored, error = None, None
         try:
             restored = self._evaluations.loops[0].step.restore_model(
-                state, directory, step=step, transforms=self._spec.transforms
-            )
+                state, directory, step=step, transforms=self._spec.transforms)
         except Exception as e:  # every process must learn of it before deciding anything
             error = e
         failures = agreement.gathered(None if error is None else f"{type(error).__name__}: {error}")

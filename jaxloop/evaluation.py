@@ -67,8 +67,7 @@ class EvalSpec:
             raise ValueError(f"EvalSpec.num_steps must be positive, got {self.num_steps}")
         if self.eval_loop_interval is not None and self.eval_loop_interval <= 0:
             raise ValueError(
-                f"EvalSpec.eval_loop_interval must be positive, got {self.eval_loop_interval}"
-            )
+                f"EvalSpec.eval_loop_interval must be positive, got {self.eval_loop_interval}")
 
     def iterator(self) -> Iterator[Any]:
         """The batches for one evaluation."""
@@ -108,10 +107,8 @@ class Evaluations:
         """The specs as a list, one per eval loop; a TypeError or ValueError otherwise."""
         specs = list(eval_specs or [])
         if len(specs) != len(self.loops):
-            raise ValueError(
-                f"OuterLoop has {len(self.loops)} eval loops but was given "
-                f"{len(specs)} eval specs; pass one EvalSpec per eval loop"
-            )
+            raise ValueError(f"OuterLoop has {len(self.loops)} eval loops but was given "
+                             f"{len(specs)} eval specs; pass one EvalSpec per eval loop")
         for i, spec in enumerate(specs):
             if not isinstance(spec, EvalSpec):
                 raise TypeError(f"eval_specs[{i}] must be an EvalSpec, got {type(spec)}")
@@ -119,8 +116,7 @@ class Evaluations:
 
     def run(self, state: State, specs: Sequence[EvalSpec], context: EvalContext
             ) -> tuple[list[Output | None], bool]:
-        """Each due evaluation's outputs (None where not due), and whether one asked to
-        stop (a truthy ``STOP_LOOP``)."""
+        """Each due evaluation's outputs (None where not due), and whether one asked to stop."""
         results: list[Output | None] = []
         stop = False
         for index, (loop, spec) in enumerate(zip(self.loops, specs, strict=True)):
@@ -162,14 +158,6 @@ class LoopEndEvaluations:
 
     `result` is None until the evaluations of the current train loop ran, then whether
     they asked to stop (reset it at each loop's start).
-
-    Example::
-
-        at_end = LoopEndEvaluations(train_loop, Evaluations([eval_loop], lambda lp: 0))
-        at_end.specs = [EvalSpec(dataset=eval_ds)]
-        with at_end.installed():
-            state, outputs = train_loop(state, iterator, num_steps=100)
-        stop = at_end.result
     """
 
     def __init__(self, train_loop: Any, evaluations: Evaluations):
@@ -179,8 +167,7 @@ class LoopEndEvaluations:
         self.result: bool | None = None
 
     def evaluate(self, state: State, step: int) -> bool:
-        """Runs the evaluations due after the train loop at `step`; whether to stop (an
-        eval loop's ``STOP_LOOP``, or an eval action's `StopTrainingError`)."""
+        """Runs the evaluations due after the train loop at `step`; whether to stop."""
         try:
             _, stop = self._evaluations.run(
                 state, self.specs, EvalContext(False, step, self._train_loop.loop_count))
@@ -189,8 +176,7 @@ class LoopEndEvaluations:
             stop = True
         return stop
 
-    def at_loop_end(self, state: State, outputs: Output | None,
-                    first_step: int | None) -> None:
+    def at_loop_end(self, state: State, outputs: Output | None, first_step: int | None) -> None:
         """The evaluations of the train loop that is ending."""
         loop = self._train_loop
         if (loop.preempted or preemption.requested() or not loop.num_steps_run

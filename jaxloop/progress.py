@@ -37,15 +37,8 @@ class ProgressAction(actions.Action):
     _BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
     _COUNTER_FORMAT = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"  # no total_steps
 
-    def __init__(
-        self,
-        total_steps: int | None = None,
-        metric: str = "loss",
-        interval: int = 1,
-        enabled: bool | None = None,
-        desc: str = "train",
-        history: Any = None,
-    ):
+    def __init__(self, total_steps: int | None = None, metric: str = "loss", interval: int = 1,
+                 enabled: bool | None = None, desc: str = "train", history: Any = None):
         super().__init__(interval)
         self._total = total_steps
         self._metric = metric
@@ -121,7 +114,6 @@ class ProgressAction(actions.Action):
             self._postfix["steps/s"] = f"{(step - self._last[0]) / (now - self._last[1]):.1f}"
         self._last = (step, now)
         self._postfix.update(postfix)
-        # The step and what belongs to it shown together: the text first, then the step.
         self._show(refresh=False)
         bar.update(max(step - bar.n, 0))
         bar.refresh()

@@ -66,10 +66,8 @@ def token_count(batch: Any, key: str | Sequence[str]) -> Any:
     for part in (key,) if isinstance(key, str) else tuple(key):
         if not isinstance(value, Mapping) or part not in value:
             keys = sorted(map(str, value)) if isinstance(value, Mapping) else type(value).__name__
-            raise ValueError(
-                f"tokens_key {key!r}: the batch has no entry {part!r} (a token mask or "
-                f"count); there it holds {keys}"
-            )
+            raise ValueError(f"tokens_key {key!r}: the batch has no entry {part!r} (a token "
+                             f"mask or count); there it holds {keys}")
         value = value[part]
     if isinstance(value, jax.Array):
         return jnp.sum(value, dtype=jnp.float32)
@@ -100,21 +98,13 @@ class StatLoop(loop_lib.Loop):
         outputs[STAT_TOKENS_PER_SEC], outputs[STAT_MODEL_TFLOPS], outputs[STAT_MFU]
     """
 
-    def __init__(
-        self,
-        step: Any,
-        stat_names: Sequence[str] | None = None,
-        global_batch_size: int | None = None,
-        max_steps_in_flight: int | None = None,
-        steps_per_execution: int = 1,
-        unroll: bool = False,
-        model_flops_per_example: float | str | None = None,
-        recorder: Any = None,
-        donate_input_state: bool = False,
-        model_flops_per_token: float | None = None,
-        tokens_key: str | Sequence[str] | None = None,
-        peak_flops_per_device: float | None = None,
-    ):
+    def __init__(self, step: Any, stat_names: Sequence[str] | None = None,
+                 global_batch_size: int | None = None, max_steps_in_flight: int | None = None,
+                 steps_per_execution: int = 1, unroll: bool = False,
+                 model_flops_per_example: float | str | None = None, recorder: Any = None,
+                 donate_input_state: bool = False, model_flops_per_token: float | None = None,
+                 tokens_key: str | Sequence[str] | None = None,
+                 peak_flops_per_device: float | None = None):
         super().__init__(step, max_steps_in_flight=max_steps_in_flight,
                          steps_per_execution=steps_per_execution, unroll=unroll,
                          donate_input_state=donate_input_state)
@@ -195,13 +185,9 @@ class StatLoop(loop_lib.Loop):
         self.compile_secs = goodput.compile_seconds() - self._compile_mark
         elapsed = loop_secs - self.compile_secs
         steps_per_sec = num_steps / elapsed if elapsed > 0 else 0.0
-        stats = {
-            STAT_STEPS_PER_SEC: steps_per_sec,
-            STAT_LOOP_TIME_SECS: loop_secs,
-            STAT_COMPILE_SECS: self.compile_secs,
-            STAT_NUM_STEPS: float(num_steps),
-            STAT_LIFE_TIME_SECS: time.perf_counter() - self._created,
-        }
+        stats = {STAT_STEPS_PER_SEC: steps_per_sec, STAT_LOOP_TIME_SECS: loop_secs,
+                 STAT_COMPILE_SECS: self.compile_secs, STAT_NUM_STEPS: float(num_steps),
+                 STAT_LIFE_TIME_SECS: time.perf_counter() - self._created}
         if self._global_batch_size is not None:
             stats[STAT_EXAMPLES_PER_SEC] = steps_per_sec * self._global_batch_size
         # A plain callable step has neither.
