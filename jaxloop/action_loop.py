@@ -25,13 +25,8 @@ class ActionLoop(stat_loop.StatLoop):
     """Runs `begin_actions` before and `end_actions` after the loops their interval picks,
     with the keywords ``loop=self``, ``loop_count`` and ``first_step``."""
 
-    def __init__(
-        self,
-        step: Any,
-        begin_actions: Sequence[actions_lib.Action] | None = None,
-        end_actions: Sequence[actions_lib.Action] | None = None,
-        **kwargs: Any,
-    ):
+    def __init__(self, step: Any, begin_actions: Sequence[actions_lib.Action] | None = None,
+                 end_actions: Sequence[actions_lib.Action] | None = None, **kwargs: Any):
         super().__init__(step, **kwargs)
         self._begin_actions = list(begin_actions or [])
         self._end_actions = list(end_actions or [])
@@ -79,8 +74,7 @@ class ActionLoop(stat_loop.StatLoop):
         for action in actions:
             trigger = getattr(action, "trigger", None)
             if trigger is None and self._loop_count % action.interval == 0 or (
-                trigger is not None and self._triggered(trigger, state, outputs is None)
-            ):
+                    trigger is not None and self._triggered(trigger, state, outputs is None)):
                 try:
                     action(state, outputs, loop=self, loop_count=self._loop_count,
                            first_step=self._first_step)

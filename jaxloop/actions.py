@@ -8,13 +8,8 @@ loops call it every ``interval`` loops with the keywords ``loop``, ``loop_count`
 Example, a custom action that logs the learning rate::
 
     class LogLearningRate(actions.Action):
-        def __init__(self, schedule, writer, interval=1):
-            super().__init__(interval)
-            self._schedule, self._writer = schedule, writer
-
         def __call__(self, state, outputs, **kwargs):
-            step = int(state.step)
-            self._writer.write_scalars(step, {'lr': self._schedule(step)})
+            writer.write_scalars(int(state.step), {'lr': schedule(int(state.step))})
 """
 
 from __future__ import annotations
@@ -276,12 +271,7 @@ StepNumberFileWriter = LocalFileStepNumberWriter
 
 
 class StepNumberAction(Action):
-    """Reports the state's step to a `StepNumberWriter` (anything with ``write(step)``).
-
-    Example::
-
-        StepNumberAction(LocalFileStepNumberWriter(workdir / 'steps.txt'))
-    """
+    """Reports the state's step to a `StepNumberWriter` (anything with ``write(step)``)."""
 
     def __init__(self, step_writer: StepNumberWriter, interval: int = 1):
         super().__init__(interval)

@@ -57,12 +57,7 @@ class AsyncActionContext:
 
     def submit(self, future_name: str, fn: Callable[..., Any], *args: Any,
                **kwargs: Any) -> Future[Any]:
-        """Runs ``fn(*args, **kwargs)`` on a daemon thread and registers its future.
-
-        Example::
-
-            context.submit('upload step 100', upload, workdir, 100)
-        """
+        """Runs ``fn(*args, **kwargs)`` on a daemon thread and registers its future."""
         future: Future[Any] = Future()
 
         def work() -> None:

@@ -58,17 +58,14 @@ class EvalLoop(action_loop.ActionLoop):
       use_ema: evaluate the state's EMA parameters (`jaxloop.ema`).
     """
 
-    def __init__(
-        self, step: Any, *args: Any, mask_key: str = "mask", use_ema: bool = False,
-        **kwargs: Any,
-    ):
+    def __init__(self, step: Any, *args: Any, mask_key: str = "mask", use_ema: bool = False,
+                 **kwargs: Any):
         if getattr(step, "train", False):
             raise ValueError(
                 f"EvalLoop needs an evaluation step, got {type(step).__name__} built with "
                 "train=True (it would update the state at every batch). Build a second step "
                 "for evaluation with train=False, e.g. MyStep(key, model, "
-                "partitioner=partitioner), and pass that to EvalLoop."
-            )
+                "partitioner=partitioner), and pass that to EvalLoop.")
         super().__init__(step, *args, **kwargs)
         self._mask_key = mask_key
         self.use_ema = use_ema
@@ -80,14 +77,7 @@ class EvalLoop(action_loop.ActionLoop):
     @property
     def example_counts(self) -> list[Any]:
         """The real examples of each step's batch in the last run, over all processes
-        (set before the loop's `end`).
-
-        Example::
-
-            _, outputs = eval_loop(state, eval_batches)
-            eval_loop.example_counts                        # e.g. [16, 16, 8]
-            actions.scalar_metrics(outputs, loop=eval_loop)  # means over examples
-        """
+        (set before the loop's `end`), e.g. ``[16, 16, 8]``."""
         return self._example_counts
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:

@@ -45,38 +45,25 @@ log = logging.getLogger(__name__)
 
 
 class OuterLoop:
-    """Runs train loops and eval loops.
-
-    The schedule is a function of the step: train loops end at multiples of
-    ``train_loop_steps``, and a resumed run keeps them, so evaluations, checkpoints and
-    actions fall on the steps of an uninterrupted run.
+    """Runs train loops and eval loops. Train loops end at multiples of
+    ``train_loop_steps``, also in a resumed run.
 
     Args:
       eval_loops: one EvalLoop per EvalSpec passed at call time.
       checkpoint_spec: restore from / evaluate the checkpoints in this directory.
       progress: show a progress bar (None: only when interactive).
       prefetch: batches read ahead in a background thread (`Loop.prefetching`); None:
-        `prefetch.default_size`. The loops still receive the iterator you pass, and its
-        saved position counts only the batches trained on.
+        `prefetch.default_size`.
       disable_jit / post_mortem: `jaxloop.debugging` switches; None: from
         ``JAXLOOP_DISABLE_JIT`` / ``JAXLOOP_POST_MORTEM``.
       resume: resume from the latest checkpoint of `checkpoint_spec`'s directory, else of
         the train loop's `CheckpointAction`'s, when it is at or after the given state's
         step (`resume.Resumer`).
 
-    Stopping: Ctrl-C ends training at the next step boundary, SIGTERM or
-    `preemption.request()` at the next step (the same on every process). The run saves
-    with the train loop's checkpoint action, then raises `preemption.Interrupted` or
-    `preemption.Preempted` carrying the live state; `preempted` is then True and
-    `stopped_state` holds that state.
-
-    Example, a notebook's cells::
-
-        outer = OuterLoop(TrainLoop(train_step), [EvalLoop(eval_step)])
-        state, _ = outer(state, train_dataset=it, train_total_steps=500,
-                         eval_specs=[EvalSpec(dataset=eval_ds)])  # Stop, or it finishes
-        state, _ = outer(outer.state, train_dataset=it, train_total_steps=1000,
-                         eval_specs=[EvalSpec(dataset=eval_ds)])  # run it again: goes on
+    Ctrl-C, SIGTERM or `preemption.request()` stop training at a step boundary: the run
+    saves with the train loop's checkpoint action, then raises `preemption.Interrupted` or
+    `preemption.Preempted` carrying the live state (also `stopped_state`). A notebook
+    continues with ``outer(outer.state, ...)``, however the previous call ended.
     """
 
     def __init__(self, train_loop: train_loop_lib.TrainLoop | None = None,

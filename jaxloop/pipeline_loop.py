@@ -4,12 +4,7 @@ At the loop's end each step's outputs (as numpy, plus `EXAMPLE_COUNT`) are fed t
 ``ml_metrics.chainable.Pipeline``, whose aggregate result becomes the loop's outputs.
 Needs ``pip install 'jaxloop[pipeline]'``.
 
-Example: accuracy over every example (a smaller last batch weighs by its size)::
-
-    import numpy as np
-    from ml_metrics import chainable
-    from ml_metrics.metrics import rolling_stats
-    from jaxloop import pipeline_loop
+Example, accuracy over every example (``from ml_metrics.metrics import rolling_stats``)::
 
     pipeline = (
         chainable.Pipeline.new()
@@ -62,8 +57,7 @@ def _per_step(outputs: Mapping[str, Any], counts: list[Any]) -> list[dict[str, A
     lengths = {k: len(v) for k, v in columns.items()}
     if len(set(lengths.values())) > 1:
         raise ValueError(
-            f"Every step must return the same output keys; per-step lengths were {lengths}."
-        )
+            f"Every step must return the same output keys; per-step lengths were {lengths}.")
     # Fetched whole: an array that spans other processes is gathered (a collective).
     columns = jax.tree.map(lambda x: np.asarray(metric_values.fetch(x)), columns)
     rows = zip(*columns.values(), strict=True)
@@ -82,10 +76,8 @@ class PipelineLoop(eval_loop.EvalLoop):
 
     def __init__(self, step: Any, pipeline: chainable.Pipeline | None = None, **kwargs: Any):
         if pipeline is not None and not isinstance(pipeline, chainable.Pipeline):
-            raise TypeError(
-                "pipeline must be an ml_metrics.chainable.Pipeline, got "
-                f"{type(pipeline).__name__}."
-            )
+            raise TypeError("pipeline must be an ml_metrics.chainable.Pipeline, got "
+                            f"{type(pipeline).__name__}.")
         super().__init__(step, **kwargs)
         self._pipeline = pipeline
 
@@ -98,18 +90,15 @@ class PipelineLoop(eval_loop.EvalLoop):
         del state
         return self._pipeline
 
-    def run(
-        self, state: State, dataset: Iterator[Any], num_steps: int | None = None, **kwargs: Any
-    ) -> tuple[State, Output | None]:
+    def run(self, state: State, dataset: Iterator[Any], num_steps: int | None = None,
+            **kwargs: Any) -> tuple[State, Output | None]:
         state, outputs = super().run(state, dataset, num_steps, **kwargs)
         pipeline = self.make_pipeline(state)
         if pipeline is None or outputs is None:
             return state, outputs
         result = pipeline.make()(input_iterator=_per_step(outputs, self.example_counts))
         if not isinstance(result, Mapping):
-            raise TypeError(
-                "The pipeline's result must be a mapping (end it with .aggregate(..., "
-                f"output_keys=...)), got {type(result).__name__}."
-            )
+            raise TypeError("The pipeline's result must be a mapping (end it with .aggregate(..., "
+                            f"output_keys=...)), got {type(result).__name__}.")
         kept = {k: v for k, v in outputs.items() if not _is_per_step(v)}
         return state, {**kept, **result}

@@ -4,13 +4,6 @@
 the early-stopping progress, whether the checkpoint's loop ended before its boundary, and
 whether its loop's evaluations are still to run. `Resumer` restores the latest checkpoint
 and refuses a run whose checkpoint action could save nothing.
-
-Example::
-
-    metadata = ResumeMetadata(train_loop, [train_loop, eval_loop], history, loop_end_evals)
-    resumer = Resumer(train_loop, metadata, resume=True, checkpoint_spec=None)
-    state, restored, step, evals_pending = resumer.restore(state, iterator, loop_steps=100)
-    resumer.check_saves(step)
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ Statistics are taken on the host without waiting for the device (the steps in fl
 bounded, so host time is device time); compilation time is left out of the rates. Opt-in:
 tokens/s, model TFLOP/s per device and MFU, and a goodput split.
 
-Example::
+Example, a language model whose batches hold a ``'mask'`` of real tokens::
 
-    loop = StatLoop(step, global_batch_size=256, stat_names=[STAT_EXAMPLES_PER_SEC])
+    loop = StatLoop(step, tokens_key='mask', model_flops_per_token=6 * num_params)
     state, outputs = loop(state, batches, num_steps=100)
-    outputs[STAT_EXAMPLES_PER_SEC], loop.stats[STAT_STEPS_PER_SEC]
+    outputs[STAT_TOKENS_PER_SEC], outputs[STAT_MFU], loop.stats[STAT_STEPS_PER_SEC]
 """
 
 from __future__ import annotations
@@ -91,11 +91,6 @@ class StatLoop(loop_lib.Loop):
         (`token_count`), to report ``jaxloop/tokens_per_sec`` over all processes.
       recorder: a `goodput.Recorder`, to report the wall-time split since the previous
         loop (``jaxloop/time/*_secs``, ``jaxloop/goodput``).
-
-    Example, a language model whose batches hold a ``'mask'`` of real tokens::
-
-        loop = StatLoop(step, tokens_key='mask', model_flops_per_token=6 * num_params)
-        outputs[STAT_TOKENS_PER_SEC], outputs[STAT_MODEL_TFLOPS], outputs[STAT_MFU]
     """
 
     def __init__(self, step: Any, stat_names: Sequence[str] | None = None,

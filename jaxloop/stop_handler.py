@@ -28,12 +28,8 @@ _TOKEN_SEPARATORS = re.compile(r"[/_.\-]+")
 
 
 class StopTrainingError(Exception):
-    """Raised to end training early, carrying the best value seen so far.
-
-    Attributes:
-      state: the live state the stopping action was given, set by the loop that ran it
-        (`OuterLoop` returns it).
-    """
+    """Raised to end training early, carrying the best value seen so far. Its `state` is
+    the live state the stopping action was given (set by the loop that ran it)."""
 
     state: Any = None
 
@@ -62,11 +58,8 @@ def infer_mode(metric_name: str) -> str:
 
     The lower-cased name is split on ``/``, ``_``, ``.`` and ``-``; it is maximised when a
     whole token is in `MAXIMIZED_METRIC_TOKENS` or, as in google/jaxloop, when it ends with
-    ``acc``, ``accuracy`` or ``auc``.
-
-    Example::
-
-        infer_mode('eval/accuracy'), infer_mode('heatmap_loss')  # ('max', 'min')
+    ``acc``, ``accuracy`` or ``auc``: ``'eval/accuracy'`` is maximised, ``'heatmap_loss'``
+    minimised.
     """
     name = metric_name.lower()
     if any(t in MAXIMIZED_METRIC_TOKENS for t in _TOKEN_SEPARATORS.split(name)):

@@ -26,12 +26,7 @@ log = logging.getLogger("jaxloop.outer_loop")
 
 def path(checkpoint_dir: Any) -> epath.Path:
     """Where a finished training run marks its checkpoint directory as complete: beside
-    it, so the directory holds only checkpoints (inside it for a root, as ``STOPPED``).
-
-    Example::
-
-        stop_marker.path('/run/checkpoints')  # epath.Path('/run/checkpoints.STOPPED')
-    """
+    it, so the directory holds only checkpoints (inside it for a root, as ``STOPPED``)."""
     directory = epath.Path(checkpoint_dir)
     parent = directory.parent
     if (not directory.name or parent == directory
