@@ -108,17 +108,11 @@ class Action:
 class SummaryAction(Action):
     """Writes loop outputs with a clu-style metric writer (`jaxloop.writers` or clu's).
 
-    - A train loop's per-step scalars are written at the steps they were produced at;
-      otherwise (eval loops) their mean, weighted by each batch's real examples
-      (`EvalLoop.example_counts`), at ``state.step``.
-    - Plain scalars and clu metrics (computed) are written at ``state.step``.
-    - `MetricWithMetadata` values go to the writer method of their type (the latest value
-      of a per-step list); an unsupported type (audio) is a ValueError before any write.
-    - Per-step lists of other arrays are skipped; any other bare value goes to
-      ``write_scalars`` as it is, as in the reference.
-
-    In a multi-process job every process runs it (give the others a writer that drops
-    values).
+    A train loop's per-step scalars are written at their own steps; otherwise (eval loops)
+    their mean over examples, like plain scalars and clu metrics, at ``state.step``.
+    `MetricWithMetadata` values go to the writer method of their type (audio is a
+    ValueError). Per-step lists of other arrays are skipped. Every process runs it: give
+    the others a writer that drops values.
 
     Args:
       flush_each_call: flush the writer after each write (the file is then readable at once).

@@ -1,9 +1,7 @@
-"""Errors of background work, surfaced at the next loop boundary.
+"""Errors of background work, re-raised on the training thread at the next loop boundary.
 
-Work done off the training thread (an `AsyncWriter`'s writes, a user's upload) registers a
-`concurrent.futures.Future` with the process-wide `AsyncActionContext`; every loop boundary
-re-raises the first failed future's exception on the training thread, and `OuterLoop` waits
-for all of it when training ends.
+Work done off the training thread registers a future with the process-wide
+`AsyncActionContext`; `OuterLoop` waits for all of it when training ends.
 
 Example, an action that uploads files in the background::
 
@@ -84,13 +82,9 @@ class AsyncActionContext:
         return False
 
     def check_exceptions_and_raise(self, raise_exception: bool = True, wait: bool = True) -> None:
-        """Raises the exception of the first failed future, then forgets the futures.
-
-        Args:
-          raise_exception: False: only log the exception.
-          wait: wait for every registered future (as the reference does); False: look only
-            at the futures already done, so a loop boundary never waits.
-        """
+        """Raises the exception of the first failed future (only logs it with
+        ``raise_exception=False``), then forgets the futures. ``wait=False`` looks only at
+        the futures already done, so a loop boundary never waits."""
         with self._mutex:
             pending = list(self._futures)
         if wait:

@@ -1,8 +1,7 @@
 """Continuous evaluation: every checkpoint of a directory evaluated once, as training writes them.
 
-Runs until the training job writes its STOPPED marker (`stop_marker`) or
-``iterate_stop_fn()`` says stop. With several processes every decision is process 0's,
-taken by all (`agreement`), so every process evaluates the same steps.
+Runs until the training job's STOPPED marker (`stop_marker`) or ``iterate_stop_fn()``
+ends it; every decision is process 0's, so every process evaluates the same steps.
 
 Example, an evaluation job (`OuterLoop` delegates to `ContinuousEval`)::
 
@@ -41,12 +40,9 @@ class CheckpointSpec:
     """Where checkpoints live, for resuming training and for continuous evaluation.
 
     Args:
-      iterate_interval_secs: how often continuous eval looks for new checkpoints.
-      iterate_stop_fn: asked (on process 0) whenever every checkpoint there is has been
-        evaluated; True ends it. By default the training job's ``STOPPED`` marker ends it;
-        ``lambda: True`` evaluates the checkpoints present once.
-      transforms: orbax restore transforms for `Step.restore_model`, e.g.
-        ``{r'params/head/.*': ocp.Transform(use_fallback=True)}``.
+      iterate_stop_fn: asked (on process 0) once every checkpoint there is was evaluated;
+        True ends it. None: the training job's ``STOPPED`` marker ends it.
+      transforms: orbax restore transforms for `Step.restore_model`.
     """
 
     checkpoint_dir: Any

@@ -48,14 +48,9 @@ class EvalLoop(action_loop.ActionLoop):
     The outputs hold the step's own keys (and any statistics asked for). Beside them,
     `example_counts` holds the real examples of each batch (the sum of ``batch[mask_key]``,
     else the batch size), by which `SummaryAction`, the history and `scalar_metrics`
-    weight per-step means: a padded last batch gives the mean over examples.
-
-    The steps run where the step's partitioner places the state: a state trained
-    elsewhere is copied there once per evaluation (counted by `state_moves`).
-
-    Args:
-      mask_key: the batch entry that marks real examples.
-      use_ema: evaluate the state's EMA parameters (`jaxloop.ema`).
+    weight per-step means. ``use_ema=True`` evaluates the state's EMA parameters
+    (`jaxloop.ema`). The steps run where the step's partitioner places the state: a state
+    trained elsewhere is copied there once per evaluation (counted by `state_moves`).
     """
 
     def __init__(self, step: Any, *args: Any, mask_key: str = "mask", use_ema: bool = False,

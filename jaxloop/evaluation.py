@@ -8,8 +8,7 @@ Example::
 
     evals = Evaluations([eval_loop], ahead=lambda loop: 0)
     results, stop = evals.run(state, [EvalSpec(dataset=eval_ds, num_steps=50)],
-                              EvalContext(is_continuous_eval=False, step_num=100,
-                                          loop_count=1))
+                              EvalContext(False, step_num=100, loop_count=1))
 """
 
 from __future__ import annotations
@@ -49,9 +48,7 @@ class EvalSpec:
     Args:
       dataset: an iterable iterated afresh for every evaluation.
       dataset_iterator: alternatively, one iterator that successive evaluations continue.
-      num_steps: steps per evaluation (None: until the dataset ends).
-      eval_loop_interval: evaluate every this many train loops (default every loop).
-      should_eval_fn: overrides `eval_loop_interval`.
+      should_eval_fn: overrides `eval_loop_interval` (default: every train loop).
     """
 
     dataset: Iterable[Any] | None = None
@@ -91,11 +88,8 @@ def last(results: Sequence[Output | None]) -> Output | None:
 
 
 class Evaluations:
-    """Runs a round of evaluations: each eval loop on its `EvalSpec`'s data, when due.
-
-    Args:
-      ahead: how many batches a loop reads ahead (`Loop.prefetching`).
-    """
+    """Runs a round of evaluations: each eval loop on its `EvalSpec`'s data, when due;
+    ``ahead(loop)`` says how many batches a loop reads ahead (`Loop.prefetching`)."""
 
     def __init__(self, loops: list[Any], ahead: Callable[[Any], int]):
         self.loops = loops

@@ -118,12 +118,9 @@ class OuterLoop:
                  train_total_steps: int | None = None, train_loop_steps: int | None = None,
                  eval_specs: Sequence[EvalSpec] | None = None,
                  log_train_total_steps: bool = True) -> tuple[State, Output | None]:
-        """Runs training and evaluation.
-
-        Returns the final state and the outputs of the last train loop that advanced the
-        step, with ``outputs[STOP_LOOP]`` set to whether a loop asked to stop; when only
-        evaluating, the last eval loop's state and outputs.
-        """
+        """Runs training and evaluation; returns the final state and the outputs of the last
+        train loop that advanced the step, with ``outputs[STOP_LOOP]`` set to whether a loop
+        asked to stop (when only evaluating, the last eval loop's state and outputs)."""
         specs = self._evals.check_specs(eval_specs)
         if self._train_loop is None:
             with (self.history.recording(None, self._eval_loops),

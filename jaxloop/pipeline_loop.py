@@ -6,15 +6,11 @@ Needs ``pip install 'jaxloop[pipeline]'``.
 
 Example, accuracy over every example (``from ml_metrics.metrics import rolling_stats``)::
 
-    pipeline = (
-        chainable.Pipeline.new()
-        .assign('correct', fn=lambda logits, y: np.argmax(logits, -1) == y,
-                input_keys=('logits', 'labels'))
-        .aggregate(input_keys='correct', fn=rolling_stats.MeanAndVarianceAggFn(),
-                   output_keys='accuracy')
-    )
-    loop = pipeline_loop.PipelineLoop(eval_step, pipeline=pipeline)
-    _, outputs = loop(state, eval_batches)
+    pipeline = chainable.Pipeline.new().assign(
+        'correct', fn=lambda logits, y: np.argmax(logits, -1) == y,
+        input_keys=('logits', 'labels')).aggregate(
+        input_keys='correct', fn=rolling_stats.MeanAndVarianceAggFn(), output_keys='accuracy')
+    _, outputs = PipelineLoop(eval_step, pipeline=pipeline)(state, eval_batches)
     outputs['accuracy'].mean
 """
 

@@ -4,8 +4,6 @@
 
 Example::
 
-    from jaxloop import actions
-
     TrainLoop(step, end_actions=[actions.ProgressAction(total_steps=1000)])
 """
 

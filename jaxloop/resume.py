@@ -36,15 +36,9 @@ log = logging.getLogger("jaxloop.outer_loop")
 
 def resumed_loop_count(meta: dict[str, Any], step: int,
                        loop_steps: int | None) -> tuple[int | None, bool]:
-    """(the loop count to resume with, whether the checkpoint is inside a loop).
-
-    The saved count less a loop the checkpoint cut short, else ``step // loop_steps``, or
-    None when neither is known.
-
-    Example::
-
-        resumed_loop_count({}, step=250, loop_steps=100)  # (2, True): finish loop 3
-    """
+    """(the loop count to resume with, whether the checkpoint is inside a loop): the saved
+    count less a loop the checkpoint cut short, else ``step // loop_steps``, else None.
+    ``resumed_loop_count({}, step=250, loop_steps=100)`` is ``(2, True)``."""
     saved = meta.get("loop_count")
     if saved is None:
         count = step // loop_steps if loop_steps else None
@@ -58,14 +52,9 @@ def resumed_loop_count(meta: dict[str, Any], step: int,
 
 
 class ResumeMetadata:
-    """What a checkpoint of an `OuterLoop`'s train loop saves beside the state.
-
-    The outer loop says where the train loop stands (`start_call`, `start_loop`); the
-    checkpoint actions call `save`, a resumed run calls `restore`.
-
-    Args:
-      loops: the loops whose `EarlyStoppingAction`s' progress is saved (in this order).
-    """
+    """What a checkpoint of an `OuterLoop`'s train loop saves beside the state, with the
+    progress of the `EarlyStoppingAction`s of `loops`. The outer loop says where the train
+    loop stands (`start_call`, `start_loop`); checkpoint actions call `save`."""
 
     def __init__(self, train_loop: Any, loops: Sequence[Any], history: history_lib.History,
                  evaluations: evaluation_lib.LoopEndEvaluations):

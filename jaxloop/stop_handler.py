@@ -99,15 +99,10 @@ def _decode_int(value: Any, key: str) -> int:
 class MetricMonitoringStopHandler:
     """Tracks one metric and signals when it has stopped improving (early stopping).
 
-    Call `update_state` once per evaluation, then `should_stop`. The public attributes
-    are google/jaxloop's: ``monitored_metric``, ``min_delta`` (its absolute value),
-    ``patience``, ``baseline``, ``monitored_op`` (``jnp.less`` or ``jnp.greater``),
-    ``best`` and ``best_step``.
-
-    A value improves when it beats ``best`` by more than ``min_delta`` (without a baseline
-    the first value always does); NaN never improves. `should_stop` is True after
-    ``patience`` consecutive non-improving updates (at least one). Save `state_dict` with
-    a checkpoint to resume exactly.
+    Its public attributes are google/jaxloop's. A value improves when it beats ``best`` by
+    more than ``min_delta`` (and the ``baseline``, if any; else the first value always
+    does); NaN never improves. `should_stop` is True after ``patience`` consecutive
+    non-improving updates (at least one). ``mode='auto'``: see `infer_mode`.
 
     Example::
 
@@ -116,10 +111,6 @@ class MetricMonitoringStopHandler:
       if handler.should_stop():
         best_loss, best_step = handler.get_best_info()
         raise StopTrainingError('eval/loss stopped improving', best_step, best_loss)
-
-    Args:
-      mode: ``'min'``, ``'max'`` or ``'auto'`` (`infer_mode`).
-      baseline: a value the metric must beat before anything counts as improving.
     """
 
     def __init__(self, monitored_metric: str, min_delta: float = 1e-8, patience: int = 10,
@@ -210,14 +201,9 @@ class MetricMonitoringStopHandler:
     def state_dict(self) -> dict[str, Any]:
         """The progress as a JSON-serialisable dict, for checkpointing (not the
         configuration, which comes from the constructor)."""
-        return {
-            "monitored_metric": self.monitored_metric,
-            "mode": self.mode,
-            "best": _encode_float(self.best),
-            "best_step": self.best_step,
-            "wait": self.wait,
-            "initialized": self._initialized,
-        }
+        return {"monitored_metric": self.monitored_metric, "mode": self.mode,
+                "best": _encode_float(self.best), "best_step": self.best_step,
+                "wait": self.wait, "initialized": self._initialized}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores progress saved by `state_dict`; a ValueError where its

@@ -1,8 +1,7 @@
 """The STOPPED marker: how a training job tells its continuous evaluators it is done.
 
-A finished run writes ``<dir>.STOPPED`` beside its checkpoint directory, naming its last
-step; a starting run removes a stale one. The place inside the directory (``STOPPED``,
-google/jaxloop's) is read and cleared too. Only process 0 writes or removes it.
+A finished run writes ``<dir>.STOPPED`` naming its last step (google/jaxloop's
+``<dir>/STOPPED`` is read too); a starting run removes a stale one. Only process 0 writes.
 
 Example::
 
