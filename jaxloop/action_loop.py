@@ -1,9 +1,7 @@
 """ActionLoop: a StatLoop that runs actions at the beginning and end of every loop.
 
-An action with interval k fires on loops k, 2k, 3k, ... (counted by `loop_count`, which
-starts at 1 for the first loop and is saved with checkpoints so a resumed run keeps the
-rhythm). An action holding a `triggers.Trigger` fires where the trigger says, in global
-train steps (or seconds).
+An action with interval k fires on loops k, 2k, 3k, ... (`loop_count`, saved with
+checkpoints); one holding a `triggers.Trigger` fires where the trigger says.
 
 Example::
 
@@ -24,20 +22,11 @@ State = types.TrainState
 
 
 class ActionLoop(stat_loop.StatLoop):
-    """Runs `begin_actions` before and `end_actions` after the loops their interval picks.
+    """Runs `begin_actions` before and `end_actions` after the loops their interval picks,
+    with the keywords ``loop=self``, ``loop_count`` and ``first_step``."""
 
-    End actions receive the loop outputs (with statistics), and the keyword arguments
-    ``loop=self``, ``loop_count`` and ``first_step`` (the state's step when the loop
-    began), which lets a summary write per-step values at their own step numbers.
-    """
-
-    def __init__(
-        self,
-        step: Any,
-        begin_actions: Sequence[actions_lib.Action] | None = None,
-        end_actions: Sequence[actions_lib.Action] | None = None,
-        **kwargs: Any,
-    ):
+    def __init__(self, step: Any, begin_actions: Sequence[actions_lib.Action] | None = None,
+                 end_actions: Sequence[actions_lib.Action] | None = None, **kwargs: Any):
         super().__init__(step, **kwargs)
         self._begin_actions = list(begin_actions or [])
         self._end_actions = list(end_actions or [])
@@ -45,8 +34,7 @@ class ActionLoop(stat_loop.StatLoop):
             interval = getattr(action, "interval", None)
             if not isinstance(interval, int) or interval <= 0:
                 raise ValueError(
-                    f"Action {action!r} must have a positive integer `interval`, got {interval!r}"
-                )
+                    f"Action {action!r} must have a positive integer `interval`, got {interval!r}")
         self._loop_count = 0
         self._first_step: int | None = None
         self._dataset: Any = None
@@ -86,19 +74,12 @@ class ActionLoop(stat_loop.StatLoop):
         for action in actions:
             trigger = getattr(action, "trigger", None)
             if trigger is None and self._loop_count % action.interval == 0 or (
-                trigger is not None and self._triggered(trigger, state, outputs is None)
-            ):
+                    trigger is not None and self._triggered(trigger, state, outputs is None)):
                 try:
-                    action(
-                        state,
-                        outputs,
-                        loop=self,
-                        loop_count=self._loop_count,
-                        first_step=self._first_step,
-                    )
+                    action(state, outputs, loop=self, loop_count=self._loop_count,
+                           first_step=self._first_step)
                 except stop_handler.StopTrainingError as e:
-                    # The loop's own state is live here; the one its caller passed in may
-                    # have been donated.
+                    # Live here; the one the caller passed in may have been donated.
                     e.state = state
                     raise
 
@@ -113,7 +94,6 @@ class ActionLoop(stat_loop.StatLoop):
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         self._loop_count += 1
-        # The host's count for a state a loop returned (no device read; `loop.host_step`).
         self._first_step = (loop_lib.host_step(state) if state is not None
                             and hasattr(state, "step") else None)
         # A train step's triggered actions count global steps from where this loop starts.

@@ -1,27 +1,15 @@
 """Actions: host-side work run at loop boundaries (summaries, checkpoints, early stopping).
 
-This module holds the `Action` base class and the actions that need nothing beyond the
-loops: `SummaryAction`, `EarlyStoppingAction`, `StepNumberAction`. The checkpoint actions
-(`checkpoint_actions`, which need orbax) and the progress bar (`progress`) live in their
-own modules and are reached here by name, loaded on first use, so that importing the loops
-imports no checkpointing library. The metric helpers (`scalar_metrics`, `fetch`, ...) are
-`metric_values`'.
-
 An action is any callable ``action(state, outputs, **kwargs)`` with a positive ``interval``;
-loops call it every ``interval`` loops (steps, when given to a `Step`). Keyword arguments
-from an `ActionLoop` are ``loop``, ``loop_count`` and ``first_step``; accept ``**kwargs``
-so new ones never break an action.
+loops call it every ``interval`` loops with the keywords ``loop``, ``loop_count`` and
+``first_step`` (accept ``**kwargs``). `CheckpointAction`, `BestCheckpointAction` and
+`ProgressAction` are loaded on first use, so importing the loops imports no orbax.
 
 Example, a custom action that logs the learning rate::
 
     class LogLearningRate(actions.Action):
-        def __init__(self, schedule, writer, interval=1):
-            super().__init__(interval)
-            self._schedule, self._writer = schedule, writer
-
         def __call__(self, state, outputs, **kwargs):
-            step = int(state.step)
-            self._writer.write_scalars(step, {'lr': self._schedule(step)})
+            writer.write_scalars(int(state.step), {'lr': schedule(int(state.step))})
 """
 
 from __future__ import annotations
@@ -54,8 +42,7 @@ StopTrainingError = stop_handler.StopTrainingError
 
 log = logging.getLogger(__name__)
 
-# Actions in modules of their own, by the module that defines them: loaded on first use
-# (`__getattr__`), so the loops, which import this module, do not import orbax.
+# Actions in modules of their own, loaded on first use (`__getattr__`).
 _ELSEWHERE = {
     "CheckpointAction": "jaxloop.checkpoint_actions",
     "BestCheckpointAction": "jaxloop.checkpoint_actions",
@@ -63,28 +50,15 @@ _ELSEWHERE = {
 }
 
 __all__ = [
-    "Action",
-    "BestCheckpointAction",
-    "CheckpointAction",
-    "EarlyStoppingAction",
-    "MetricMonitoringStopHandler",
-    "MetricType",
-    "MetricWithMetadata",
-    "ProgressAction",
-    "StepNumberAction",
-    "StepNumberFileWriter",
-    "StopTrainingError",
-    "SummaryAction",
-    "example_weights",
-    "fetch",
-    "scalar_metrics",
-    "scalar_summary",
+    "Action", "BestCheckpointAction", "CheckpointAction", "EarlyStoppingAction",
+    "MetricMonitoringStopHandler", "MetricType", "MetricWithMetadata", "ProgressAction",
+    "StepNumberAction", "StepNumberFileWriter", "StopTrainingError", "SummaryAction",
+    "example_weights", "fetch", "scalar_metrics", "scalar_summary",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    """`CheckpointAction`, `BestCheckpointAction` and `ProgressAction`, imported from
-    their modules when first asked for (PEP 562)."""
+    """The actions of `_ELSEWHERE`, imported when first asked for (PEP 562)."""
     if name in _ELSEWHERE:
         value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
         globals()[name] = value  # found directly from now on
@@ -97,8 +71,8 @@ def __dir__() -> list[str]:
 
 
 class Action:
-    """Base class for actions: holds the interval (or a `triggers.Trigger`, which then
-    decides when it fires, in global train steps or seconds) and defines the call signature.
+    """Base class for actions: fires every `interval` loops, or where its
+    `triggers.Trigger` says (global train steps or seconds).
 
     Example::
 
@@ -132,37 +106,15 @@ class Action:
 
 
 class SummaryAction(Action):
-    """Writes loop outputs with a clu-style metric writer.
+    """Writes loop outputs with a clu-style metric writer (`jaxloop.writers` or clu's).
 
-    - A per-step list of scalars from a train loop is written value by value at the step
-      numbers it was produced at (``first_step + 1 ... state.step``); when the steps do
-      not line up (eval loops, whose state does not advance) its mean is written at
-      ``state.step``. An eval loop's mean weights each batch by its real examples (its
-      ``mask`` sum, else its size: `EvalLoop.example_counts`, read from the ``loop``
-      keyword the loop calls its actions with), so a smaller or padded last batch counts
-      for what it holds: the mean over examples, not the mean of batch means.
-    - Plain scalars (such as the loop's statistics) and clu metrics (computed) are written
-      at ``state.step``.
-    - `MetricWithMetadata` values go to the writer method of their type (images,
-      histograms, text, video; scalars join the plain scalars), one call per type; for a
-      per-step list the latest value is written. Another type (audio) is a ValueError,
-      raised before anything is written, as in the reference: write audio with the
-      writer's ``write_audios``.
-    - A per-step list of other arrays (per-example logits, say) is not a summary and is
-      skipped; scalars are recognised from shapes, so such lists are never copied to the
-      host. Any other bare value goes to ``write_scalars`` as it is, as in the reference
-      (a step-level action given per-example logits hands them to the writer, which
-      decides: jaxloop's writers refuse them with an error naming the key and shape).
-
-    In a multi-process job every process runs the loops and so this action (give the
-    non-main processes a writer that drops or logs values): scalars are replicated and
-    read locally; a `MetricWithMetadata` image or histogram spread over several processes
-    is gathered whole (`multihost_utils.process_allgather`, a collective) before writing.
+    A train loop's per-step scalars are written at their own steps; otherwise (eval loops)
+    their mean over examples, like plain scalars and clu metrics, at ``state.step``.
+    `MetricWithMetadata` values go to the writer method of their type (audio is a
+    ValueError). Per-step lists of other arrays are skipped. Every process runs it: give
+    the others a writer that drops values.
 
     Args:
-      summary_writer: any writer with clu's `MetricWriter` methods (`jaxloop.writers` or
-        clu's own writers).
-      interval: write every `interval` loops.
       flush_each_call: flush the writer after each write (the file is then readable at once).
     """
 
@@ -192,10 +144,8 @@ class SummaryAction(Action):
             else:
                 getattr(writer, methods[metric_type])(step, values)
 
-    def __call__(
-        self, state: State, outputs: Output | None, first_step: int | None = None,
-        loop: Any = None, **kwargs: Any,
-    ) -> None:
+    def __call__(self, state: State, outputs: Output | None, first_step: int | None = None,
+                 loop: Any = None, **kwargs: Any) -> None:
         if not outputs:
             return
         step = loop_lib.host_step(state)
@@ -205,22 +155,18 @@ class SummaryAction(Action):
         typed: dict[MetricType, dict[str, Any]] = {}
         items = []
         for key, value in outputs.items():
-            if isinstance(value, list | tuple) and value and isinstance(
-                value[-1], MetricWithMetadata
-            ):
+            if isinstance(value, list | tuple) and value and isinstance(value[-1],
+                                                                        MetricWithMetadata):
                 value = value[-1]
             if isinstance(value, MetricWithMetadata) and value.type not in self.SUPPORTED_TYPES:
                 raise ValueError(
                     f"Output {key!r} has metric type {value.type}, which SummaryAction does "
-                    f"not write; supported: {[t.name for t in self.SUPPORTED_TYPES]}"
-                )
+                    f"not write; supported: {[t.name for t in self.SUPPORTED_TYPES]}")
             items.append((key, value))
         for key, value in items:
             if isinstance(value, MetricWithMetadata) and value.type == MetricType.SCALAR:
                 value = value.value  # written with the plain scalars, as one of them
             if isinstance(value, MetricWithMetadata):
-                # Gathered whole from every process (`fetch`), so process 0's writer sees
-                # the global value a 1-process job would.
                 typed.setdefault(value.type, {})[key] = np.asarray(fetch(value.value))
                 continue
             host = metric_values.scalar_values(value)  # None for per-example arrays
@@ -248,17 +194,9 @@ class SummaryAction(Action):
 class EarlyStoppingAction(Action):
     """Stops training when a monitored metric stops improving (or becomes NaN).
 
-    Raises `StopTrainingError` (carrying the best step and metric); `OuterLoop` catches it
-    and ends training cleanly. Put it on an eval loop's end actions. The metric is the
-    mean of the loop's per-step values (or the computed clu metric); any name that
-    `scalar_metrics` reports works, e.g. ``'metrics/accuracy'`` for the ``accuracy`` member
-    of a clu Collection output ``'metrics'``. The messages are
-    google/jaxloop's: a missing metric is a warning ("... is not available in the outputs
-    dictionary ..."), a NaN raises "Metric '<name>' was NaN", and patience running out
-    raises "Early stopping triggered for metric '<name>'".
-
-    The handler's progress (best value, best step, patience left) goes into the
-    checkpoints of an `OuterLoop`'s train loop and comes back on resume (`state_dict`).
+    Raises `StopTrainingError`, which `OuterLoop` catches. The metric is any name
+    `scalar_metrics` reports (e.g. ``'metrics/accuracy'`` for a clu Collection
+    ``'metrics'``); its progress is saved with `OuterLoop`'s checkpoints.
 
     Example::
 
@@ -288,54 +226,37 @@ class EarlyStoppingAction(Action):
         step = loop_lib.host_step(state)
         name = self.monitored_metric
         if outputs is not None and name in outputs:
-            metric = scalar_summary(outputs[name], example_weights(loop))  # over examples
+            metric = scalar_summary(outputs[name], example_weights(loop))
         else:
-            # Any name `scalar_metrics` reports, such as a clu Collection's ``key/member``.
             reported = scalar_metrics(outputs, loop=loop)
             if name not in reported:
                 log.warning(
                     "Early stopping action '%s' is monitoring metric '%s' which is not "
                     "available in the outputs dictionary. Available metrics are: %s",
-                    type(self).__name__,
-                    name,
-                    sorted({*(outputs or {}), *reported}) if outputs is not None else None,
-                )
+                    type(self).__name__, name,
+                    sorted({*(outputs or {}), *reported}) if outputs is not None else None)
                 return outputs
             metric = reported[name]
         if metric is None:
             raise ValueError(
                 f"EarlyStoppingAction monitors {self.monitored_metric!r}, but that output is "
-                "not a scalar (nor a list of per-step scalars)"
-            )
+                "not a scalar (nor a list of per-step scalars)")
         if math.isnan(metric):
-            log.error(
-                "[EarlyStoppingAction] Metric '%s' is NaN at step %d. Stopping training.",
-                self.monitored_metric,
-                step,
-            )
+            log.error("[EarlyStoppingAction] Metric '%s' is NaN at step %d. Stopping training.",
+                      self.monitored_metric, step)
             best, best_step = self._handler.get_best_info()
-            raise StopTrainingError(
-                f"Metric '{self.monitored_metric}' was NaN",
-                best_step=best_step,
-                best_metric=best,
-            )
+            raise StopTrainingError(f"Metric '{self.monitored_metric}' was NaN",
+                                    best_step=best_step, best_metric=best)
         self._handler.update_state(metric, step)
         if self._handler.should_stop():
             best, best_step = self._handler.get_best_info()
             log.info(
                 "[EarlyStoppingAction] Stopping training at step %d. Metric '%s' did not "
                 "improve for %d cycles. Best metric %.4f at step %d.",
-                step,
-                self.monitored_metric,
-                self._handler.wait,
-                best,
-                best_step,
-            )
+                step, self.monitored_metric, self._handler.wait, best, best_step)
             raise StopTrainingError(
                 f"Early stopping triggered for metric '{self.monitored_metric}'",
-                best_step=best_step,
-                best_metric=best,
-            )
+                best_step=best_step, best_metric=best)
         return outputs
 
 
@@ -344,20 +265,14 @@ StepNumberFileWriter = LocalFileStepNumberWriter
 
 
 class StepNumberAction(Action):
-    """Reports the state's step to a `StepNumberWriter` (anything with ``write(step)``).
-
-    Example::
-
-        StepNumberAction(LocalFileStepNumberWriter(workdir / 'steps.txt'))
-    """
+    """Reports the state's step to a `StepNumberWriter` (anything with ``write(step)``)."""
 
     def __init__(self, step_writer: StepNumberWriter, interval: int = 1):
         super().__init__(interval)
         if not callable(getattr(step_writer, "write", None)):
             raise TypeError(
                 "StepNumberAction needs a StepNumberWriter (an object with write(step_number)), "
-                f"got {step_writer!r}"
-            )
+                f"got {step_writer!r}")
         self._step_writer = step_writer
 
     @property

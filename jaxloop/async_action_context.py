@@ -1,26 +1,14 @@
-"""Errors of background work, surfaced at the next loop boundary.
+"""Errors of background work, re-raised on the training thread at the next loop boundary.
 
-Work that jaxloop (or an action) does off the training thread -- an `AsyncWriter`'s file
-writes, a user's upload -- would otherwise fail silently: the thread logs the exception and
-training carries on. Such work registers a `concurrent.futures.Future` with the
-process-wide `AsyncActionContext`; every loop boundary (an `ActionLoop` firing its actions)
-calls `check_exceptions_and_raise(wait=False)`, which re-raises the exception of the first
-failed future, with a note naming the work, on the training thread. `OuterLoop` waits for
-all of it when training ends. (Asynchronous orbax checkpoint saves need no future: orbax
-re-raises their errors from the manager's `save` and `wait_until_finished`, which
-`CheckpointAction` and `OuterLoop` call on the training thread.)
+Work done off the training thread registers a future with the process-wide
+`AsyncActionContext`; `OuterLoop` waits for all of it when training ends.
 
 Example, an action that uploads files in the background::
 
-    from concurrent import futures
-    from jaxloop import async_action_context
-
-    pool = futures.ThreadPoolExecutor(1)
-
     class UploadAction(actions.Action):
         def __call__(self, state, outputs, **kwargs):
-            future = pool.submit(upload, workdir, int(state.step))
-            async_action_context.get_async_action_context().add_future('upload', future)
+            async_action_context.get_async_action_context().submit(
+                'upload', upload, workdir, int(state.step))
 """
 
 from __future__ import annotations
@@ -38,10 +26,7 @@ log = logging.getLogger(__name__)
 
 class AsyncActionContext:
     """The futures of background work whose errors must reach the training thread.
-
-    Futures are kept in the order they were added. Checking forgets every future it has
-    looked at, so each error is raised (or logged) once.
-    """
+    Checking forgets every future it looked at, so each error is raised (or logged) once."""
 
     def __init__(self) -> None:
         self._futures: list[tuple[str, Future[Any]]] = []
@@ -54,17 +39,10 @@ class AsyncActionContext:
             return list(self._futures)
 
     def add_future(self, future_name: str, future: Future[Any]) -> None:
-        """Registers `future`; `future_name` says in error notes which work failed.
-
-        Example::
-
-            context.add_future('CheckpointAction(step 100)', future)
-        """
+        """Registers `future`; `future_name` says in error notes which work failed."""
         if not isinstance(future, Future):
-            raise TypeError(
-                f"add_future({future_name!r}, ...) needs a concurrent.futures.Future, got "
-                f"{type(future).__name__}"
-            )
+            raise TypeError(f"add_future({future_name!r}, ...) needs a concurrent.futures.Future, "
+                            f"got {type(future).__name__}")
         with self._mutex:
             self._futures.append((future_name, future))
 
@@ -77,15 +55,7 @@ class AsyncActionContext:
 
     def submit(self, future_name: str, fn: Callable[..., Any], *args: Any,
                **kwargs: Any) -> Future[Any]:
-        """Runs ``fn(*args, **kwargs)`` on a background thread and registers its future.
-
-        The thread is a daemon: work that never finishes cannot keep the process from
-        exiting.
-
-        Example::
-
-            context.submit('upload step 100', upload, workdir, 100)
-        """
+        """Runs ``fn(*args, **kwargs)`` on a daemon thread and registers its future."""
         future: Future[Any] = Future()
 
         def work() -> None:
@@ -111,23 +81,10 @@ class AsyncActionContext:
                     return True
         return False
 
-    def check_exceptions_and_raise(
-        self, raise_exception: bool = True, wait: bool = True
-    ) -> None:
-        """Raises the exception of the first failed future, then forgets the futures.
-
-        Args:
-          raise_exception: re-raise the exception (with a note naming the failed work);
-            when False, only log it and let training go on.
-          wait: wait for every registered future (the reference's behaviour, used when
-            training ends). With False, only futures already done are looked at and
-            forgotten; work still running stays registered for a later check, so a loop
-            boundary never waits for background work.
-
-        Example::
-
-            get_async_action_context().check_exceptions_and_raise()
-        """
+    def check_exceptions_and_raise(self, raise_exception: bool = True, wait: bool = True) -> None:
+        """Raises the exception of the first failed future (only logs it with
+        ``raise_exception=False``), then forgets the futures. ``wait=False`` looks only at
+        the futures already done, so a loop boundary never waits."""
         with self._mutex:
             pending = list(self._futures)
         if wait:

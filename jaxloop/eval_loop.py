@@ -1,18 +1,11 @@
 """EvalLoop: the loop that measures the model without changing it.
 
-Every step sees the same state (the state returned by the step is dropped), and the loop
-runs until `num_steps` or the end of the dataset.
+Every step sees the same state, and the loop runs until `num_steps` or the data ends.
 
 Example::
 
-    eval_loop = EvalLoop(eval_step, end_actions=[summary_action])
+    eval_loop = EvalLoop(eval_step, end_actions=[summary_action], steps_per_execution=8)
     _, outputs = eval_loop(state, eval_batches)
-
-    # 8 batches per compiled call (a last partial group through the same program).
-    eval_loop = EvalLoop(eval_step, steps_per_execution=8)
-
-    # Evaluate the moving average of the parameters (see `jaxloop.ema`).
-    eval_loop = EvalLoop(eval_step, use_ema=True)
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ State = types.TrainState
 
 
 def _example_count(batch: Any, mask_key: str) -> Any:
-    """The real examples in a batch: its mask's sum (on the device for a placed batch, no
-    transfer), else the leading size of its first leaf (metadata)."""
+    """The real examples in a batch: its mask's sum, else its leading size."""
     if isinstance(batch, step_lib.PreparedBatch):  # prefetched: preprocessed and placed
         batch = batch.batch
     if isinstance(batch, Mapping) and mask_key in batch:
@@ -53,45 +45,22 @@ def _is_local(batch: Any) -> bool:
 class EvalLoop(action_loop.ActionLoop):
     """An ActionLoop that keeps the state fixed across its steps.
 
-    Arguments are those of `ActionLoop`, including ``steps_per_execution`` (default 1):
-    with k > 1, k batches run in one compiled call, each on the same state.
-
-    The outputs hold the step's own keys (and the statistics `StatLoop` reports), nothing
-    of the loop's bookkeeping: a subclass whose `end` merges every output as clu metrics,
-    as google/jaxloop's examples do, sees only its own metrics. Beside them, the loop
-    keeps `example_counts`: the real examples of each step's batch in its last run (the
-    sum of ``batch[mask_key]`` when the batch has one, as `data.pad_to_global_batches`
-    batches do, else the batch size). `SummaryAction`, the `OuterLoop` history and
-    ``actions.scalar_metrics(outputs, loop=eval_loop)`` weight per-step means by them, so
-    a smaller or padded last batch gives the mean over examples. Step outputs that are
-    already means over the real examples of their batch (a masked mean) then average
-    exactly.
-
-    With ``use_ema=True`` the steps see the state's ``ema_params`` as ``params``
-    (`jaxloop.ema`); the loop still returns the state it was given.
-
-    The steps run where the step's partitioner places the state
-    (`Partitioner.placement`): a state trained on another mesh or with another partitioner
-    (FSDP training, a replicated eval on one host's devices) is copied there once per
-    evaluation, at the start of `run`, and never per step; the state passed in stays where
-    it is. ``state_moves`` counts these copies.
-
-    Args:
-      mask_key: the batch entry that marks real examples.
-      use_ema: evaluate the state's EMA parameters (`jaxloop.ema`).
+    The outputs hold the step's own keys (and any statistics asked for). Beside them,
+    `example_counts` holds the real examples of each batch (the sum of ``batch[mask_key]``,
+    else the batch size), by which `SummaryAction`, the history and `scalar_metrics`
+    weight per-step means. ``use_ema=True`` evaluates the state's EMA parameters
+    (`jaxloop.ema`). The steps run where the step's partitioner places the state: a state
+    trained elsewhere is copied there once per evaluation (counted by `state_moves`).
     """
 
-    def __init__(
-        self, step: Any, *args: Any, mask_key: str = "mask", use_ema: bool = False,
-        **kwargs: Any,
-    ):
+    def __init__(self, step: Any, *args: Any, mask_key: str = "mask", use_ema: bool = False,
+                 **kwargs: Any):
         if getattr(step, "train", False):
             raise ValueError(
                 f"EvalLoop needs an evaluation step, got {type(step).__name__} built with "
                 "train=True (it would update the state at every batch). Build a second step "
                 "for evaluation with train=False, e.g. MyStep(key, model, "
-                "partitioner=partitioner), and pass that to EvalLoop."
-            )
+                "partitioner=partitioner), and pass that to EvalLoop.")
         super().__init__(step, *args, **kwargs)
         self._mask_key = mask_key
         self.use_ema = use_ema
@@ -102,16 +71,8 @@ class EvalLoop(action_loop.ActionLoop):
 
     @property
     def example_counts(self) -> list[Any]:
-        """The real examples of each step's batch in the last run, summed over processes
-        (host ints, or device scalars for batches placed on the devices); set before the
-        loop's `end`, so its end actions read the run they end.
-
-        Example::
-
-            _, outputs = eval_loop(state, eval_batches)
-            eval_loop.example_counts                        # e.g. [16, 16, 8]
-            actions.scalar_metrics(outputs, loop=eval_loop)  # means over examples
-        """
+        """The real examples of each step's batch in the last run, over all processes
+        (set before the loop's `end`), e.g. ``[16, 16, 8]``."""
         return self._example_counts
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
@@ -124,8 +85,7 @@ class EvalLoop(action_loop.ActionLoop):
     """How many evaluations copied the state to the eval step's placement."""
 
     def _placed(self, state: State) -> State:
-        """`state` where the step's partitioner runs it: itself when it is there already,
-        else a copy made in one `jax.device_put`."""
+        """`state` where the step's partitioner runs it (a copy only when elsewhere)."""
         partitioner = getattr(self.step, "partitioner", None)
         leaves = jax.tree.leaves(state)
         if partitioner is None or not leaves or not all(isinstance(x, jax.Array)
@@ -139,8 +99,7 @@ class EvalLoop(action_loop.ActionLoop):
         return jax.device_put(state, target)
 
     def _global_counts(self) -> list[Any]:
-        """Counts over all processes: host batches' local counts are summed across
-        processes (one small collective per loop, only in a multi-process job)."""
+        """Counts over all processes (host batches' counts summed: a collective)."""
         if jax.process_count() == 1 or not any(self._local):
             return self._counts
         local = [c if lo else 0 for c, lo in zip(self._counts, self._local, strict=True)]
@@ -148,14 +107,8 @@ class EvalLoop(action_loop.ActionLoop):
         return [int(s) if lo else c for s, c, lo in zip(summed, self._counts, self._local,
                                                         strict=True)]
 
-    def run(
-        self,
-        state: State,
-        dataset: Iterator[Any],
-        num_steps: int | None = None,
-        log_num_flops: bool = False,
-        **kwargs: Any,
-    ) -> tuple[State, Output | None]:
+    def run(self, state: State, dataset: Iterator[Any], num_steps: int | None = None,
+            log_num_flops: bool = False, **kwargs: Any) -> tuple[State, Output | None]:
         kwargs.setdefault("return_state_from_step", False)
         self._counts, self._local, self._example_counts = [], [], []
         evaluated = state
@@ -164,9 +117,7 @@ class EvalLoop(action_loop.ActionLoop):
 
             evaluated = ema.swap_in(state)
         evaluated = self._placed(evaluated)
-        _, outputs = super().run(
-            evaluated, dataset, num_steps, log_num_flops=log_num_flops, **kwargs
-        )
-        # Beside the outputs, never in them: users' `end` and actions see their own keys.
+        _, outputs = super().run(evaluated, dataset, num_steps, log_num_flops=log_num_flops,
+                                 **kwargs)
         self._example_counts = self._global_counts() if self._counts else []
         return state, outputs

@@ -1,23 +1,14 @@
 """Evaluations: what to evaluate (`EvalSpec`), one round of them, and when in training.
 
-An `OuterLoop` runs one `EvalLoop` per `EvalSpec`. `Evaluations` runs one round of them on
-a state (each spec decides from an `EvalContext` whether it is due) and says whether one
-asked to stop (a truthy ``STOP_LOOP`` in its outputs). `LoopEndEvaluations` runs a round
-after each train loop, as the first of the train loop's end actions (after the history's
-recorder): the checkpoint saved at that loop's end then holds the loop's evaluation (its
-history and early-stopping progress), so a resumed run neither repeats nor loses it.
-Continuous evaluation over a checkpoint directory (`continuous_eval`) runs its rounds
-through an `Evaluations` too.
-
-The names users import (`EvalSpec`, `EvalContext`, `STOP_LOOP`) are google/jaxloop's and
-stay importable from `jaxloop.outer_loop`.
+`Evaluations` runs a round on a state (each spec decides from an `EvalContext` whether it
+is due); `LoopEndEvaluations` runs one at each train loop's end, before its checkpoint,
+so the checkpoint holds that evaluation and a resumed run neither repeats nor loses it.
 
 Example::
 
     evals = Evaluations([eval_loop], ahead=lambda loop: 0)
     results, stop = evals.run(state, [EvalSpec(dataset=eval_ds, num_steps=50)],
-                              EvalContext(is_continuous_eval=False, step_num=100,
-                                          loop_count=1))
+                              EvalContext(False, step_num=100, loop_count=1))
 """
 
 from __future__ import annotations
@@ -55,12 +46,9 @@ class EvalSpec:
     """One evaluation: its data and when to run it.
 
     Args:
-      dataset: an iterable (list, tf.data/grain/tfds dataset, ...) iterated afresh for
-        every evaluation.
+      dataset: an iterable iterated afresh for every evaluation.
       dataset_iterator: alternatively, one iterator that successive evaluations continue.
-      num_steps: steps per evaluation (None: until the dataset ends).
-      eval_loop_interval: evaluate every this many train loops (default every loop).
-      should_eval_fn: ``fn(EvalContext) -> bool``; overrides `eval_loop_interval`.
+      should_eval_fn: overrides `eval_loop_interval` (default: every train loop).
     """
 
     dataset: Iterable[Any] | None = None
@@ -76,8 +64,7 @@ class EvalSpec:
             raise ValueError(f"EvalSpec.num_steps must be positive, got {self.num_steps}")
         if self.eval_loop_interval is not None and self.eval_loop_interval <= 0:
             raise ValueError(
-                f"EvalSpec.eval_loop_interval must be positive, got {self.eval_loop_interval}"
-            )
+                f"EvalSpec.eval_loop_interval must be positive, got {self.eval_loop_interval}")
 
     def iterator(self) -> Iterator[Any]:
         """The batches for one evaluation."""
@@ -101,18 +88,8 @@ def last(results: Sequence[Output | None]) -> Output | None:
 
 
 class Evaluations:
-    """Runs a round of evaluations: each eval loop on its `EvalSpec`'s data, when due.
-
-    Args:
-      loops: the eval loops, one per spec of each round.
-      ahead: ``fn(loop) -> int``, how many batches a loop reads ahead (`Loop.prefetching`).
-
-    Example::
-
-        evals = Evaluations([eval_loop], ahead=lambda loop: 2)
-        results, stop = evals.run(state, [EvalSpec(dataset=eval_ds)],
-                                  EvalContext(False, step_num=100, loop_count=1))
-    """
+    """Runs a round of evaluations: each eval loop on its `EvalSpec`'s data, when due;
+    ``ahead(loop)`` says how many batches a loop reads ahead (`Loop.prefetching`)."""
 
     def __init__(self, loops: list[Any], ahead: Callable[[Any], int]):
         self.loops = loops
@@ -124,10 +101,8 @@ class Evaluations:
         """The specs as a list, one per eval loop; a TypeError or ValueError otherwise."""
         specs = list(eval_specs or [])
         if len(specs) != len(self.loops):
-            raise ValueError(
-                f"OuterLoop has {len(self.loops)} eval loops but was given "
-                f"{len(specs)} eval specs; pass one EvalSpec per eval loop"
-            )
+            raise ValueError(f"OuterLoop has {len(self.loops)} eval loops but was given "
+                             f"{len(specs)} eval specs; pass one EvalSpec per eval loop")
         for i, spec in enumerate(specs):
             if not isinstance(spec, EvalSpec):
                 raise TypeError(f"eval_specs[{i}] must be an EvalSpec, got {type(spec)}")
@@ -135,8 +110,7 @@ class Evaluations:
 
     def run(self, state: State, specs: Sequence[EvalSpec], context: EvalContext
             ) -> tuple[list[Output | None], bool]:
-        """Each due evaluation's outputs (None where not due), and whether one asked to
-        stop (a truthy ``STOP_LOOP``)."""
+        """Each due evaluation's outputs (None where not due), and whether one asked to stop."""
         results: list[Output | None] = []
         stop = False
         for index, (loop, spec) in enumerate(zip(self.loops, specs, strict=True)):
@@ -155,9 +129,7 @@ class Evaluations:
         return results, stop
 
     def _report_empty(self, index: int, spec: EvalSpec, step: int) -> None:
-        """Says, once per spec, that an evaluation read no batch, and why: an iterator
-        given as `EvalSpec.dataset` is used up by the first evaluation, and every later
-        one would silently report nothing new."""
+        """Says, once per spec, that an evaluation read no batch, and why."""
         if index in self._warned_empty:
             return
         self._warned_empty.add(index)
@@ -178,18 +150,8 @@ class Evaluations:
 class LoopEndEvaluations:
     """The evaluations after each train loop, run first among its end actions.
 
-    `specs` is set for each training call. `result` is None until the evaluations of the
-    current train loop ran, then whether they asked to stop (reset it at each loop's
-    start); a checkpoint saved at the loop's end records whether they ran
-    (`resume.ResumeMetadata`).
-
-    Example::
-
-        at_end = LoopEndEvaluations(train_loop, Evaluations([eval_loop], lambda lp: 0))
-        at_end.specs = [EvalSpec(dataset=eval_ds)]
-        with at_end.installed():
-            state, outputs = train_loop(state, iterator, num_steps=100)
-        stop = at_end.result
+    `result` is None until the evaluations of the current train loop ran, then whether
+    they asked to stop (reset it at each loop's start).
     """
 
     def __init__(self, train_loop: Any, evaluations: Evaluations):
@@ -199,8 +161,7 @@ class LoopEndEvaluations:
         self.result: bool | None = None
 
     def evaluate(self, state: State, step: int) -> bool:
-        """Runs the evaluations due after the train loop at `step`; whether to stop (an
-        eval loop's ``STOP_LOOP``, or an eval action's `StopTrainingError`)."""
+        """Runs the evaluations due after the train loop at `step`; whether to stop."""
         try:
             _, stop = self._evaluations.run(
                 state, self.specs, EvalContext(False, step, self._train_loop.loop_count))
@@ -209,9 +170,8 @@ class LoopEndEvaluations:
             stop = True
         return stop
 
-    def at_loop_end(self, state: State, outputs: Output | None,
-                    first_step: int | None) -> None:
-        """The evaluations of the train loop that is ending (`_EvalsAtLoopEnd`)."""
+    def at_loop_end(self, state: State, outputs: Output | None, first_step: int | None) -> None:
+        """The evaluations of the train loop that is ending."""
         loop = self._train_loop
         if (loop.preempted or preemption.requested() or not loop.num_steps_run
                 or (outputs or {}).get(STOP_LOOP)):
@@ -224,11 +184,7 @@ class LoopEndEvaluations:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Puts the evaluations first among the train loop's end actions (after the
-        history's recorder): the checkpoint of a loop's end then holds that loop's
-        evaluation (history, early-stopping progress), so a resumed run neither loses the
-        evaluation at its last step nor writes it twice. (Before the user's own actions,
-        so that none of them, e.g. a timing span around the checkpoint action, encloses
-        the evaluations.)"""
+        history's recorder), so the checkpoint holds them and no user action encloses them."""
         end_actions = self._train_loop.end_actions
         runner = _EvalsAtLoopEnd(self)
         first = next((i for i, a in enumerate(end_actions)

@@ -1,33 +1,17 @@
 """PipelineLoop: an EvalLoop whose results go through an ml_metrics pipeline.
 
-The step runs as in `EvalLoop` (compiled, sharded, ``steps_per_execution`` and actions
-included); at the end of the loop each step's outputs, fetched to the host as numpy, are fed
-one step at a time to an `ml_metrics` pipeline (``ml_metrics.chainable.Pipeline``), and the
-pipeline's aggregate result becomes the loop's outputs, which the end actions then see.
-This needs the optional extra: ``pip install 'jaxloop[pipeline]'`` (package
-``py-ml-metrics``).
+At the loop's end each step's outputs (as numpy, plus `EXAMPLE_COUNT`) are fed to an
+``ml_metrics.chainable.Pipeline``, whose aggregate result becomes the loop's outputs.
+Needs ``pip install 'jaxloop[pipeline]'``.
 
-Example: accuracy over every example (a smaller last batch weighs by its size)::
+Example, accuracy over every example (``from ml_metrics.metrics import rolling_stats``)::
 
-    import numpy as np
-    from ml_metrics import chainable
-    from ml_metrics.metrics import rolling_stats
-    from jaxloop import pipeline_loop
-
-    pipeline = (
-        chainable.Pipeline.new()
-        .assign('correct', fn=lambda logits, y: np.argmax(logits, -1) == y,
-                input_keys=('logits', 'labels'))
-        .aggregate(input_keys='correct', fn=rolling_stats.MeanAndVarianceAggFn(),
-                   output_keys='accuracy')
-    )
-    loop = pipeline_loop.PipelineLoop(eval_step, pipeline=pipeline)
-    _, outputs = loop(state, eval_batches)
+    pipeline = chainable.Pipeline.new().assign(
+        'correct', fn=lambda logits, y: np.argmax(logits, -1) == y,
+        input_keys=('logits', 'labels')).aggregate(
+        input_keys='correct', fn=rolling_stats.MeanAndVarianceAggFn(), output_keys='accuracy')
+    _, outputs = PipelineLoop(eval_step, pipeline=pipeline)(state, eval_batches)
     outputs['accuracy'].mean
-
-Each pipeline input is a dict of one step's outputs (the keys the step returns, plus
-`EXAMPLE_COUNT`: the real examples of that step's batch, from `EvalLoop.example_counts`).
-With no pipeline, the loop is an `EvalLoop`.
 """
 
 from __future__ import annotations
@@ -53,8 +37,7 @@ Output = types.Output
 State = types.TrainState
 
 EXAMPLE_COUNT = "jaxloop/example_count"
-"""The pipeline input that holds the real examples of the step's batch (a pipeline input
-only: the loop's outputs never hold it)."""
+"""The pipeline input that holds the real examples of the step's batch."""
 
 
 def _is_per_step(value: Any) -> bool:
@@ -63,16 +46,14 @@ def _is_per_step(value: Any) -> bool:
 
 
 def _per_step(outputs: Mapping[str, Any], counts: list[Any]) -> list[dict[str, Any]]:
-    """The loop's per-step lists and each step's example count, as one dict per step of
-    host (numpy) values."""
+    """The loop's per-step lists and example counts, as one dict of numpy values a step."""
     columns = {k: v for k, v in outputs.items() if _is_per_step(v)}
     if counts:
         columns[EXAMPLE_COUNT] = list(counts)
     lengths = {k: len(v) for k, v in columns.items()}
     if len(set(lengths.values())) > 1:
         raise ValueError(
-            f"Every step must return the same output keys; per-step lengths were {lengths}."
-        )
+            f"Every step must return the same output keys; per-step lengths were {lengths}.")
     # Fetched whole: an array that spans other processes is gathered (a collective).
     columns = jax.tree.map(lambda x: np.asarray(metric_values.fetch(x)), columns)
     rows = zip(*columns.values(), strict=True)
@@ -80,25 +61,19 @@ def _per_step(outputs: Mapping[str, Any], counts: list[Any]) -> list[dict[str, A
 
 
 class PipelineLoop(eval_loop.EvalLoop):
-    """An `EvalLoop` whose outputs are the result of an ml_metrics pipeline over its steps.
+    """An `EvalLoop` whose outputs are the result of an ml_metrics pipeline over its steps,
+    plus the loop's clu metrics and statistics (not fed to the pipeline).
 
     Args:
-      step: the eval `Step`.
-      pipeline: an ``ml_metrics.chainable.Pipeline`` ending in an aggregate whose result is
-        a mapping (e.g. ``.aggregate(..., output_keys='accuracy')``); None: `make_pipeline`
-        decides (by default none: the outputs are `EvalLoop`'s).
-      **kwargs: `EvalLoop`'s arguments (actions, ``steps_per_execution``, ``mask_key``, ...).
-
-    The outputs are the pipeline's result, plus the loop's ``clu.metrics`` outputs (as
-    `EvalLoop` returns them; not fed to the pipeline) and its statistics.
+      pipeline: ending in an aggregate whose result is a mapping (e.g.
+        ``.aggregate(..., output_keys='accuracy')``); None: `make_pipeline` decides (by
+        default none: the loop is an `EvalLoop`).
     """
 
     def __init__(self, step: Any, pipeline: chainable.Pipeline | None = None, **kwargs: Any):
         if pipeline is not None and not isinstance(pipeline, chainable.Pipeline):
-            raise TypeError(
-                "pipeline must be an ml_metrics.chainable.Pipeline, got "
-                f"{type(pipeline).__name__}."
-            )
+            raise TypeError("pipeline must be an ml_metrics.chainable.Pipeline, got "
+                            f"{type(pipeline).__name__}.")
         super().__init__(step, **kwargs)
         self._pipeline = pipeline
 
@@ -111,18 +86,15 @@ class PipelineLoop(eval_loop.EvalLoop):
         del state
         return self._pipeline
 
-    def run(
-        self, state: State, dataset: Iterator[Any], num_steps: int | None = None, **kwargs: Any
-    ) -> tuple[State, Output | None]:
+    def run(self, state: State, dataset: Iterator[Any], num_steps: int | None = None,
+            **kwargs: Any) -> tuple[State, Output | None]:
         state, outputs = super().run(state, dataset, num_steps, **kwargs)
         pipeline = self.make_pipeline(state)
         if pipeline is None or outputs is None:
             return state, outputs
         result = pipeline.make()(input_iterator=_per_step(outputs, self.example_counts))
         if not isinstance(result, Mapping):
-            raise TypeError(
-                "The pipeline's result must be a mapping (end it with .aggregate(..., "
-                f"output_keys=...)), got {type(result).__name__}."
-            )
+            raise TypeError("The pipeline's result must be a mapping (end it with .aggregate(..., "
+                            f"output_keys=...)), got {type(result).__name__}.")
         kept = {k: v for k, v in outputs.items() if not _is_per_step(v)}
         return state, {**kept, **result}

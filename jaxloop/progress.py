@@ -1,13 +1,8 @@
 """The progress bar: `ProgressAction`, a tqdm bar updated at each loop's end.
 
-A user interface, kept apart from the actions that write or save results: it decides
-whether the output is interactive, which tqdm bar a notebook can show, and what the bar
-says. tqdm is imported only when a bar is shown. `OuterLoop` shows one by default when the
-output is interactive; users reach it as ``actions.ProgressAction``.
+`OuterLoop` shows one when the output is interactive; tqdm is imported only then.
 
 Example::
-
-    from jaxloop import actions
 
     TrainLoop(step, end_actions=[actions.ProgressAction(total_steps=1000)])
 """
@@ -28,36 +23,20 @@ State = types.TrainState
 
 
 class ProgressAction(actions.Action):
-    """A progress bar: a text bar in terminals and in notebooks without ipywidgets (no
-    warning about the widget), tqdm's widget in notebooks that have it.
+    """A progress bar: tqdm's widget in notebooks with ipywidgets, else a text bar.
 
-    Shows step/total, one rate, the latest train `metric` and, given a `history` (as
-    `OuterLoop` gives its own), the latest evaluation's results with the step they were
-    evaluated at (``eval at step 400: accuracy=0.98, loss=0.07``: an evaluation runs
-    after the train loop that reached its step, so the bar may be further on); updated at
-    each loop end (never per step, which would need a host sync). The rate is steps per
-    second of wall-clock time between two updates, each taken once the loop's values are on
-    the host: the first loop (which compiles) shows none. `enabled=None` shows the bar only
-    when the output is interactive.
-
-    Example::
-
-        TrainLoop(step, end_actions=[ProgressAction(total_steps=1000)])
+    Shows step/total, steps/s between two updates (none after the first loop, which
+    compiles), the latest train `metric` and, given a `history`, the latest evaluation's
+    results with their step (``eval at step 400: accuracy=0.98, loss=0.07``). Updated at
+    each loop end, never per step. `enabled=None`: only when the output is interactive.
     """
 
     # tqdm's own rate and estimate would count the compilation and dispatch: left out.
     _BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
     _COUNTER_FORMAT = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"  # no total_steps
 
-    def __init__(
-        self,
-        total_steps: int | None = None,
-        metric: str = "loss",
-        interval: int = 1,
-        enabled: bool | None = None,
-        desc: str = "train",
-        history: Any = None,
-    ):
+    def __init__(self, total_steps: int | None = None, metric: str = "loss", interval: int = 1,
+                 enabled: bool | None = None, desc: str = "train", history: Any = None):
         super().__init__(interval)
         self._total = total_steps
         self._metric = metric
@@ -70,16 +49,12 @@ class ProgressAction(actions.Action):
 
     @staticmethod
     def _interactive() -> bool:
-        # A notebook kernel or a terminal; never a log file or a test run, and no tqdm
-        # object (nor its monitor thread) is created when not shown.
         return "ipykernel" in sys.modules or sys.stderr.isatty()
 
     @staticmethod
     def _bar_class() -> Any:
-        """tqdm's widget bar in a notebook that has ipywidgets, else its text bar (which a
-        notebook shows as one line updated in place). `tqdm.auto` would warn, in every
-        cell that trains, that ipywidgets is missing, before falling back to the same
-        text bar."""
+        """tqdm's widget bar where a notebook has ipywidgets, else its text bar (`tqdm.auto`
+        would warn in every cell that ipywidgets is missing)."""
         import importlib.util  # noqa: PLC0415
 
         if "ipykernel" in sys.modules and importlib.util.find_spec("ipywidgets") is not None:
@@ -100,7 +75,7 @@ class ProgressAction(actions.Action):
         return {f"eval at step {step}": values}
 
     def _latest(self, outputs: Output | None) -> dict[str, str]:
-        """The latest train metric and evaluation results, as the bar shows them."""
+        """The latest train metric, as the bar shows it."""
         shown = {}
         if self._history is not None:
             train = self._history.latest("train")
@@ -137,14 +112,12 @@ class ProgressAction(actions.Action):
             self._postfix["steps/s"] = f"{(step - self._last[0]) / (now - self._last[1]):.1f}"
         self._last = (step, now)
         self._postfix.update(postfix)
-        # The step and what belongs to it shown together: the text first, then the step.
         self._show(refresh=False)
         bar.update(max(step - bar.n, 0))
         bar.refresh()
 
     def close(self) -> None:
-        """Closes the bar (OuterLoop does this when training ends), showing the last
-        evaluation's results first."""
+        """Closes the bar, showing the last evaluation's results first."""
         if self._bar is not None:
             self._show()
             self._bar.close()

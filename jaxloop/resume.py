@@ -1,30 +1,9 @@
 """Resuming training: what a checkpoint holds beside the state, and where a run resumes from.
 
-`ResumeMetadata` is what an `OuterLoop`'s checkpoints save beside the state and its train
-loop's own record (the data position and the loop count, which `CheckpointAction` saves
-for any train loop): the history of the run's scalars, the early-stopping progress, whether
-the checkpoint's loop ended before its boundary (a preemption inside a loop), and whether
-the evaluations of its loop are still to run. The train loop's checkpoint actions are
-given it (`CheckpointAction.set_resume_metadata`) and call its `save`; a resumed run calls
-its `restore` with the metadata read back.
-
-`Resumer` decides where a run resumes from (the `CheckpointSpec`'s directory, else the
-directory the train loop's checkpoint action saves to), restores the latest checkpoint
-there when it is not behind the given state, and refuses before training a run whose
-checkpoint action could save nothing (its directory holds a later checkpoint, and orbax
-saves only steps after the latest).
-
-The schedule is a function of the step: with ``train_loop_steps=n`` a resumed run takes
-its loop count back from the checkpoint (``step // n`` for one without jaxloop's metadata),
-and from a checkpoint saved inside a loop it finishes that loop first, to the next multiple
-of n (`resumed_loop_count`).
-
-Example::
-
-    metadata = ResumeMetadata(train_loop, [train_loop, eval_loop], history, loop_end_evals)
-    resumer = Resumer(train_loop, metadata, resume=True, checkpoint_spec=None)
-    state, restored, step, evals_pending = resumer.restore(state, iterator, loop_steps=100)
-    resumer.check_saves(step)
+`ResumeMetadata` is what an `OuterLoop`'s checkpoints save beside the state: the history,
+the early-stopping progress, whether the checkpoint's loop ended before its boundary, and
+whether its loop's evaluations are still to run. `Resumer` restores the latest checkpoint
+and refuses a run whose checkpoint action could save nothing.
 """
 
 from __future__ import annotations
@@ -48,9 +27,7 @@ State = types.TrainState
 EARLY_STOPPING_META = "early_stopping"
 EVALS_PENDING_META = "evals_pending"
 HISTORY_META = "history"
-# Whether the checkpoint's loop ended before its boundary (a preemption inside a loop, or
-# ``train_total_steps`` off a multiple of ``train_loop_steps``): its saved loop count then
-# includes a loop that the resumed run finishes.
+# Whether the checkpoint's loop ended before its boundary: the resumed run finishes it.
 LOOP_PARTIAL_META = "loop_partial"
 
 # OuterLoop's messages keep its logger's name, which users filter on.
@@ -59,16 +36,9 @@ log = logging.getLogger("jaxloop.outer_loop")
 
 def resumed_loop_count(meta: dict[str, Any], step: int,
                        loop_steps: int | None) -> tuple[int | None, bool]:
-    """(the loop count to resume with, whether the checkpoint is inside a loop).
-
-    The count is jaxloop's saved one where the metadata has it, less the loop the
-    checkpoint cut short (the resumed run finishes that loop); else ``step // loop_steps``
-    (checkpoints saved without jaxloop's metadata), or None when neither is known.
-
-    Example::
-
-        resumed_loop_count({}, step=250, loop_steps=100)  # (2, True): finish loop 3
-    """
+    """(the loop count to resume with, whether the checkpoint is inside a loop): the saved
+    count less a loop the checkpoint cut short, else ``step // loop_steps``, else None.
+    ``resumed_loop_count({}, step=250, loop_steps=100)`` is ``(2, True)``."""
     saved = meta.get("loop_count")
     if saved is None:
         count = step // loop_steps if loop_steps else None
@@ -82,24 +52,9 @@ def resumed_loop_count(meta: dict[str, Any], step: int,
 
 
 class ResumeMetadata:
-    """What a checkpoint of an `OuterLoop`'s train loop saves beside the state.
-
-    The outer loop says where the current train loop stands (`start_call`, `start_loop`);
-    the checkpoint actions call `save` at each checkpoint, a resumed run calls `restore`.
-
-    Args:
-      train_loop: the train loop whose checkpoints these are.
-      loops: the loops whose `EarlyStoppingAction`s' progress is saved (in this order).
-      history: the run's scalars (`jaxloop.history.History`).
-      evaluations: the evaluations run at each train loop's end (whether they ran).
-
-    Example::
-
-        metadata = ResumeMetadata(train_loop, [train_loop, eval_loop], history, at_end)
-        checkpoint_action.set_resume_metadata(metadata)
-        ...
-        evals_pending = metadata.restore(meta, step=200, loop_steps=100)
-    """
+    """What a checkpoint of an `OuterLoop`'s train loop saves beside the state, with the
+    progress of the `EarlyStoppingAction`s of `loops`. The outer loop says where the train
+    loop stands (`start_call`, `start_loop`); checkpoint actions call `save`."""
 
     def __init__(self, train_loop: Any, loops: Sequence[Any], history: history_lib.History,
                  evaluations: evaluation_lib.LoopEndEvaluations):
@@ -120,9 +75,8 @@ class ResumeMetadata:
         self._planned_steps, self._cut_by_total = planned_steps, cut_by_total
 
     def loop_partial(self) -> bool:
-        """Whether the train loop that just ran ended before its boundary: cut short (by a
-        preemption) or by ``train_total_steps``. Read while the loop's end actions run,
-        and by a preemption's save right after."""
+        """Whether the train loop that just ran ended before its boundary (a preemption,
+        or ``train_total_steps``)."""
         loop = self._train_loop
         planned = self._planned_steps
         short = bool(loop.preempted) if planned is None else loop.num_steps_run < planned
@@ -139,9 +93,7 @@ class ResumeMetadata:
             EARLY_STOPPING_META: [a.state_dict() for a in self.early_stopping_actions()],
             HISTORY_META: self._history.state_dict(),
             LOOP_PARTIAL_META: partial,
-            # A checkpoint at a loop's end is written after that loop's evaluations; one
-            # inside a loop (a preemption's) has none after it; a preemption's right after
-            # a loop's end is written before them (they did not run).
+            # Pending only for a save at a loop's end before its evaluations ran.
             EVALS_PENDING_META: not partial and self._evaluations.result is None,
         }
 
@@ -155,8 +107,7 @@ class ResumeMetadata:
         for action, progress in zip(self.early_stopping_actions(), saved, strict=False):
             action.load_state_dict(progress)
         self._history.load_state_dict(meta.get(HISTORY_META))
-        # A checkpoint inside a loop has no evaluations after it (earlier releases said so
-        # at a preemption inside a loop).
+        # A checkpoint inside a loop has no evaluations after it.
         return bool(meta.get(EVALS_PENDING_META)) and not partial
 
 
@@ -169,8 +120,6 @@ def train_checkpoint_actions(train_loop: Any) -> list[actions_lib.CheckpointActi
 
 def latest_step(directory: Any) -> int | None:
     """The latest checkpoint's step in `directory` (None: none), as process 0 lists it."""
-    # Process 0's listing decides for every process (a shared directory may show
-    # processes different contents at the same moment).
     steps = agreement.agreed(lambda: checkpoint.all_steps(directory))
     return max(steps) if steps else None
 
@@ -179,16 +128,9 @@ class Resumer:
     """Where a train loop's run resumes from, the restore, and the check that it saves.
 
     Args:
-      train_loop: the train loop.
-      metadata: what its checkpoints hold beside the state (restored here).
-      resume: False: train from the given state (`OuterLoop(resume=False)`).
+      resume: False: train from the given state.
       checkpoint_spec: resume from its directory, with its transforms (None: from the
         directory the train loop's checkpoint action saves to).
-
-    Example::
-
-        resumer = Resumer(train_loop, metadata, resume=True, checkpoint_spec=None)
-        state, restored, step, evals_pending = resumer.restore(state, it, loop_steps=100)
     """
 
     def __init__(self, train_loop: Any, metadata: ResumeMetadata, resume: bool,
@@ -214,18 +156,12 @@ class Resumer:
     def restore(self, state: State, iterator: Iterator[Any], loop_steps: int | None
                 ) -> tuple[State, bool, int, bool]:
         """The state to train from, whether it came from a checkpoint, its step, and
-        whether the evaluations after that checkpoint are still to run.
-
-        The latest checkpoint is read when it is at or after the given state's step: a
-        live state ahead of the directory (one whose save is still being written) is kept.
-        """
+        whether the evaluations after that checkpoint are still to run. A given state
+        ahead of the latest checkpoint is kept."""
         step = self._train_loop.step
         for action in train_checkpoint_actions(self._train_loop):
-            # A save still being written (a Stop's) is listed once it is finished.
             action.ckpt_manager.wait_until_finished()
-        # The call's one read of the state's step (a loop boundary); an abstract state
-        # (`Step.abstract_state`) has none: it is restored straight into place, or
-        # initialised by the step when there is nothing to restore.
+        # An abstract state has no step: it is restored into place, or initialised.
         given = None if step_lib.is_abstract(state) else loop_lib.host_step(state)
         directory = self.directory()
         latest = None if directory is None else latest_step(directory)
@@ -235,8 +171,6 @@ class Resumer:
                          "checkpoint in %s (step %d).", given, directory, latest)
             state = step.materialize(state)
             return state, False, loop_lib.host_step(state) if given is None else given, False
-        # One read: the arrays, and the host data that lives beside them (the iterator
-        # takes its position here, the loop its count and early stopping its progress below).
         restored, meta = checkpoint.restore(
             state, directory, step=latest, partitioner=step.partitioner,
             skip_optimizer=not step.train,
@@ -249,9 +183,8 @@ class Resumer:
         return restored, True, latest, evals_pending
 
     def check_saves(self, step: int) -> None:
-        """Fails before training where the train loop's checkpoint action would save
-        nothing: its directory holds a checkpoint after `step` (orbax saves only steps
-        after the latest), so the run would train and keep none of it."""
+        """A ValueError before training where the train loop's checkpoint action would save
+        nothing: its directory holds a checkpoint after `step`."""
         for action in train_checkpoint_actions(self._train_loop):
             directory = getattr(action.ckpt_manager, "directory", None)
             latest = None if directory is None else latest_step(directory)

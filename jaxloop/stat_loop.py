@@ -1,26 +1,14 @@
 """StatLoop: a Loop that also reports timing and size statistics in its outputs.
 
-Statistics are taken on the host, without waiting for the device: with the steps in flight
-bounded (`jaxloop.in_flight`), the host dispatches at the device's pace, so a loop's
-host time is its device time, give or take the steps in flight at its two ends. Time spent
-compiling is left out of the rates and reported apart (`STAT_COMPILE_SECS`,
-`StatLoop.compile_secs`).
+Statistics are taken on the host without waiting for the device (the steps in flight are
+bounded, so host time is device time); compilation time is left out of the rates. Opt-in:
+tokens/s, model TFLOP/s per device and MFU, and a goodput split.
 
-Throughput as large-model teams read it, each opt-in: tokens/s from the batches' token
-mask or count (``tokens_key``), model TFLOP/s per device and MFU from the model's flops
-(``model_flops_per_example`` or ``model_flops_per_token``) over the device's peak (the table
-in `jaxloop.goodput`, or ``peak_flops_per_device``).
+Example, a language model whose batches hold a ``'mask'`` of real tokens::
 
-Example::
-
-    loop = StatLoop(step, global_batch_size=256)
+    loop = StatLoop(step, tokens_key='mask', model_flops_per_token=6 * num_params)
     state, outputs = loop(state, batches, num_steps=100)
-    outputs[STAT_STEPS_PER_SEC], outputs[STAT_EXAMPLES_PER_SEC]
-
-    # A language model: batches hold a 'mask' of real tokens; 6 flops per parameter-token.
-    loop = StatLoop(step, tokens_key='mask', model_flops_per_token=6 * num_params,
-                    peak_flops_per_device=197e12)
-    outputs[STAT_TOKENS_PER_SEC], outputs[STAT_MODEL_TFLOPS], outputs[STAT_MFU]
+    outputs[STAT_TOKENS_PER_SEC], outputs[STAT_MFU], loop.stats[STAT_STEPS_PER_SEC]
 """
 
 from __future__ import annotations
@@ -49,43 +37,28 @@ STAT_NUM_FLOPS = "jaxloop/num_flops"
 STAT_LIFE_TIME_SECS = "jaxloop/life_time_secs"
 STAT_COMPILE_SECS = "jaxloop/compile_secs"
 
-ALL_STATS = (
-    STAT_STEPS_PER_SEC,
-    STAT_EXAMPLES_PER_SEC,
-    STAT_LOOP_TIME_SECS,
-    STAT_NUM_STEPS,
-    STAT_NUM_PARAMS,
-    STAT_NUM_FLOPS,
-    STAT_LIFE_TIME_SECS,
-    STAT_COMPILE_SECS,
-)
-# As google/jaxloop: the outputs hold the statistics named, none unless asked (a user's
-# `end` may merge every output as a metric); `StatLoop.stats` holds them all.
+ALL_STATS = (STAT_STEPS_PER_SEC, STAT_EXAMPLES_PER_SEC, STAT_LOOP_TIME_SECS, STAT_NUM_STEPS,
+             STAT_NUM_PARAMS, STAT_NUM_FLOPS, STAT_LIFE_TIME_SECS, STAT_COMPILE_SECS)
+# As google/jaxloop: the outputs hold no statistics unless asked; `StatLoop.stats` has all.
 DEFAULT_STATS: tuple[str, ...] = ()
 
-# Opt-in (see `jaxloop.goodput`): reported when StatLoop is given model flops / a recorder.
+# Opt-in: reported when StatLoop is given model flops, a recorder or `tokens_key`.
 STAT_MFU = "jaxloop/mfu"
 STAT_MFU_XLA = "jaxloop/mfu_xla_cost_analysis"
 STAT_GOODPUT = "jaxloop/goodput"
 STAT_TIME_PREFIX = "jaxloop/time/"
-# Opt-in: reported when StatLoop is given `tokens_key` / model flops.
 STAT_TOKENS_PER_SEC = "jaxloop/tokens_per_sec"
 STAT_MODEL_TFLOPS = "jaxloop/model_tflops_per_sec_per_device"
 
 
 def token_count(batch: Any, key: str | Sequence[str]) -> Any:
-    """The tokens a batch holds: the sum of ``batch[key]``, a mask of real tokens (any
-    shape) or a count (a scalar); `key` may be a path into nested mappings, such as
-    ``('input_features', 'attention_mask')``. On the devices for a placed batch (no
-    transfer), else a float; a host batch's count is this process's rows only.
+    """The tokens a batch holds: the sum of ``batch[key]`` (a token mask or a count);
+    `key` may be a path into nested mappings. A device scalar for a placed batch (no
+    transfer), else a float of this process's rows.
 
     Example::
 
         token_count({'ids': ids, 'mask': np.array([[1, 1, 0], [1, 0, 0]])}, 'mask')  # 3.0
-
-    Raises:
-      ValueError: the batch has no entry at `key` (the message names the missing key and
-        the keys there are).
     """
     if isinstance(batch, staging.PreparedBatch):  # prefetched: preprocessed and placed
         batch = batch.batch
@@ -93,10 +66,8 @@ def token_count(batch: Any, key: str | Sequence[str]) -> Any:
     for part in (key,) if isinstance(key, str) else tuple(key):
         if not isinstance(value, Mapping) or part not in value:
             keys = sorted(map(str, value)) if isinstance(value, Mapping) else type(value).__name__
-            raise ValueError(
-                f"tokens_key {key!r}: the batch has no entry {part!r} (a token mask or "
-                f"count); there it holds {keys}"
-            )
+            raise ValueError(f"tokens_key {key!r}: the batch has no entry {part!r} (a token "
+                             f"mask or count); there it holds {keys}")
         value = value[part]
     if isinstance(value, jax.Array):
         return jnp.sum(value, dtype=jnp.float32)
@@ -105,55 +76,33 @@ def token_count(batch: Any, key: str | Sequence[str]) -> Any:
 
 class StatLoop(loop_lib.Loop):
     """Measures each loop: `stats` holds its `jaxloop/...` statistics (plain floats), and
-    the loop outputs those named in `stat_names` (and the opt-in ones asked for below).
+    the outputs hold those named in `stat_names` and the opt-in ones asked for.
 
     Args:
-      step: the Step to run.
-      stat_names: which statistics to add to the outputs (see `ALL_STATS`); none by
-        default, as in google/jaxloop.
+      stat_names: which of `ALL_STATS` to add to the outputs (none by default).
       global_batch_size: examples per step across all processes, for examples/s.
-      max_steps_in_flight: see `Loop`.
-      steps_per_execution / unroll: steps per compiled call and how they compile, see
-        `Loop`.
-      model_flops_per_example: training flops per example (forward and backward) to report
-        ``jaxloop/mfu`` and ``jaxloop/model_tflops_per_sec_per_device`` (needs
-        `global_batch_size`), or ``'xla'`` for ``jaxloop/mfu_xla_cost_analysis`` (and the
-        TFLOP/s) from XLA's cost analysis of the compiled step. MFU is left out, with a
-        notice logged once, where the device's peak is unknown (see `jaxloop.goodput`).
+      model_flops_per_example: training flops per example, for ``jaxloop/mfu`` and
+        ``jaxloop/model_tflops_per_sec_per_device`` (needs `global_batch_size`), or
+        ``'xla'`` for ``jaxloop/mfu_xla_cost_analysis`` from the compiled step. MFU needs
+        the device's peak (`jaxloop.goodput`, or `peak_flops_per_device`).
       model_flops_per_token: training flops per token (``6 * num_params`` for a
         transformer), instead of per example; needs `tokens_key`.
-      tokens_key: the batch entry that holds its token mask or token count, or a path to
-        it in nested batches (`token_count`), to report ``jaxloop/tokens_per_sec`` over all
-        processes.
-      peak_flops_per_device: the device's peak flop/s for MFU, where the table in
-        `jaxloop.goodput` does not know it (or to use another figure, e.g. fp8).
-      recorder: a `goodput.Recorder`: the loop times its input waits and its steps and
-        reports the wall-time split since the previous loop (``jaxloop/time/*_secs``,
-        ``jaxloop/goodput``).
+      tokens_key: the batch entry (or path) holding a token mask or count
+        (`token_count`), to report ``jaxloop/tokens_per_sec`` over all processes.
+      recorder: a `goodput.Recorder`, to report the wall-time split since the previous
+        loop (``jaxloop/time/*_secs``, ``jaxloop/goodput``).
     """
 
-    def __init__(
-        self,
-        step: Any,
-        stat_names: Sequence[str] | None = None,
-        global_batch_size: int | None = None,
-        max_steps_in_flight: int | None = None,
-        steps_per_execution: int = 1,
-        unroll: bool = False,
-        model_flops_per_example: float | str | None = None,
-        recorder: Any = None,
-        donate_input_state: bool = False,
-        model_flops_per_token: float | None = None,
-        tokens_key: str | Sequence[str] | None = None,
-        peak_flops_per_device: float | None = None,
-    ):
-        super().__init__(
-            step,
-            max_steps_in_flight=max_steps_in_flight,
-            steps_per_execution=steps_per_execution,
-            unroll=unroll,
-            donate_input_state=donate_input_state,
-        )
+    def __init__(self, step: Any, stat_names: Sequence[str] | None = None,
+                 global_batch_size: int | None = None, max_steps_in_flight: int | None = None,
+                 steps_per_execution: int = 1, unroll: bool = False,
+                 model_flops_per_example: float | str | None = None, recorder: Any = None,
+                 donate_input_state: bool = False, model_flops_per_token: float | None = None,
+                 tokens_key: str | Sequence[str] | None = None,
+                 peak_flops_per_device: float | None = None):
+        super().__init__(step, max_steps_in_flight=max_steps_in_flight,
+                         steps_per_execution=steps_per_execution, unroll=unroll,
+                         donate_input_state=donate_input_state)
         stat_names = DEFAULT_STATS if stat_names is None else tuple(stat_names)
         unknown = sorted(set(stat_names) - set(ALL_STATS))
         if unknown:
@@ -163,17 +112,13 @@ class StatLoop(loop_lib.Loop):
         self._stat_names = stat_names
         self._global_batch_size = global_batch_size
         if isinstance(model_flops_per_example, str) and model_flops_per_example != "xla":
-            raise ValueError(
-                f"model_flops_per_example must be a number or 'xla', got "
-                f"{model_flops_per_example!r}"
-            )
+            raise ValueError(f"model_flops_per_example must be a number or 'xla', got "
+                             f"{model_flops_per_example!r}")
         if model_flops_per_token is not None and (
             model_flops_per_example is not None or tokens_key is None
         ):
-            raise ValueError(
-                "model_flops_per_token needs tokens_key (the batch entry that counts tokens) "
-                "and excludes model_flops_per_example"
-            )
+            raise ValueError("model_flops_per_token needs tokens_key (the batch entry that "
+                             "counts tokens) and excludes model_flops_per_example")
         if peak_flops_per_device is not None and not peak_flops_per_device > 0:
             raise ValueError(
                 f"peak_flops_per_device must be positive, got {peak_flops_per_device}")
@@ -184,13 +129,11 @@ class StatLoop(loop_lib.Loop):
         self._tokens: list[Any] = []
         self._recorder = recorder
         self._created = time.perf_counter()
-        self._loop_start = 0.0
-        self._input_secs = 0.0
-        self._compile_mark = 0.0
+        self._loop_start = self._input_secs = self._compile_mark = 0.0
         self.compile_secs = 0.0
         """Seconds the last loop spent tracing and compiling (left out of its rates)."""
         self.stats: dict[str, float] = {}
-        """Every statistic of the last loop, named or not (`ALL_STATS` and the opt-in ones)."""
+        """Every statistic of the last loop, named or not."""
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         self._loop_start = time.perf_counter()
@@ -214,8 +157,7 @@ class StatLoop(loop_lib.Loop):
         return batch
 
     def _total_tokens(self) -> float:
-        """The tokens of the batches read, over all processes: host batches' counts are
-        summed across processes (one small collective, only in a multi-process job)."""
+        """The tokens of the batches read, over all processes."""
         on_device = [c for c in self._tokens if isinstance(c, jax.Array)]
         host = sum(c for c in self._tokens if not isinstance(c, jax.Array))
         if len(on_device) < len(self._tokens):
@@ -226,36 +168,24 @@ class StatLoop(loop_lib.Loop):
         partitioner = getattr(self.step, "partitioner", None)
         return partitioner.mesh.devices.size if partitioner is not None else jax.device_count()
 
-    def run(
-        self,
-        state: State,
-        dataset: Iterator[Any],
-        num_steps: int | None = None,
-        log_num_flops: bool = False,
-        **kwargs: Any,
-    ) -> tuple[State, Output | None]:
-        wants_flops = (
-            STAT_NUM_FLOPS in self._stat_names or self._model_flops == "xla"
-        ) and getattr(self.step, "num_flops", None) is None
-        return super().run(
-            state, dataset, num_steps, log_num_flops=log_num_flops or wants_flops, **kwargs
-        )
+    def run(self, state: State, dataset: Iterator[Any], num_steps: int | None = None,
+            log_num_flops: bool = False, **kwargs: Any) -> tuple[State, Output | None]:
+        wants_flops = (STAT_NUM_FLOPS in self._stat_names or self._model_flops == "xla"
+                       ) and getattr(self.step, "num_flops", None) is None
+        return super().run(state, dataset, num_steps,
+                           log_num_flops=log_num_flops or wants_flops, **kwargs)
 
     def _stats(self, num_steps: int) -> dict[str, float]:
         loop_secs = time.perf_counter() - self._loop_start
         self.compile_secs = goodput.compile_seconds() - self._compile_mark
         elapsed = loop_secs - self.compile_secs
         steps_per_sec = num_steps / elapsed if elapsed > 0 else 0.0
-        stats = {
-            STAT_STEPS_PER_SEC: steps_per_sec,
-            STAT_LOOP_TIME_SECS: loop_secs,
-            STAT_COMPILE_SECS: self.compile_secs,
-            STAT_NUM_STEPS: float(num_steps),
-            STAT_LIFE_TIME_SECS: time.perf_counter() - self._created,
-        }
+        stats = {STAT_STEPS_PER_SEC: steps_per_sec, STAT_LOOP_TIME_SECS: loop_secs,
+                 STAT_COMPILE_SECS: self.compile_secs, STAT_NUM_STEPS: float(num_steps),
+                 STAT_LIFE_TIME_SECS: time.perf_counter() - self._created}
         if self._global_batch_size is not None:
             stats[STAT_EXAMPLES_PER_SEC] = steps_per_sec * self._global_batch_size
-        # A plain step object (the reference's loops accept any callable) has neither.
+        # A plain callable step has neither.
         num_params = getattr(self.step, "num_params", None)
         num_flops = getattr(self.step, "num_flops", None)
         if num_params is not None:
@@ -273,9 +203,8 @@ class StatLoop(loop_lib.Loop):
 
     def _flops_per_sec_per_device(self, steps_per_sec: float,
                                   tokens_per_sec: float | None) -> tuple[str, float] | None:
-        """The MFU stat name and the model flop/s per device, where the flops are known."""
         if self._model_flops == "xla":
-            # `num_flops` is per device (the compiled program's).
+            # `num_flops` is per device.
             if self.step.num_flops:
                 return STAT_MFU_XLA, self.step.num_flops * steps_per_sec
             return None

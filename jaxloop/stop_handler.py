@@ -1,8 +1,7 @@
 """Early stopping: watch one metric and decide when training has stopped improving.
 
-`MetricMonitoringStopHandler` can be used in any loop, fed with Python floats, numpy
-scalars or 0-d jax arrays. Its state is a small JSON-serialisable dict so it can be saved
-next to a checkpoint and resumed exactly.
+`MetricMonitoringStopHandler` works in any loop; its state is a small JSON dict, saved
+beside a checkpoint to resume exactly.
 """
 
 from __future__ import annotations
@@ -15,12 +14,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-__all__ = [
-    "MAXIMIZED_METRIC_TOKENS",
-    "MetricMonitoringStopHandler",
-    "StopTrainingError",
-    "infer_mode",
-]
+__all__ = ["MAXIMIZED_METRIC_TOKENS", "MetricMonitoringStopHandler", "StopTrainingError",
+           "infer_mode"]
 
 MAXIMIZED_METRIC_TOKENS: frozenset[str] = frozenset(
     {"acc", "accuracy", "auc", "precision", "recall", "f1", "score", "iou", "map"}
@@ -33,74 +28,47 @@ _TOKEN_SEPARATORS = re.compile(r"[/_.\-]+")
 
 
 class StopTrainingError(Exception):
-    """Raised to end training early, carrying the best value seen so far.
-
-    Args:
-      message: Why training stopped; always part of ``str(err)``.
-      best_step: Step at which the best metric was observed, if known.
-      best_metric: Best value of the monitored metric, if known.
-
-    Attributes:
-      state: the state the stopping action was given, set by the loop that ran it: a live
-        state at the step where training stopped (`OuterLoop` returns it).
-    """
+    """Raised to end training early, carrying the best value seen so far. Its `state` is
+    the live state the stopping action was given (set by the loop that ran it)."""
 
     state: Any = None
 
-    def __init__(
-        self,
-        message: str,
-        best_step: int | None = None,
-        best_metric: float | None = None,
-    ) -> None:
+    def __init__(self, message: str, best_step: int | None = None,
+                 best_metric: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.best_step = best_step
         self.best_metric = best_metric
 
     def __str__(self) -> str:
-        # The reference's wording; it formats `best_metric` with :.4f and so raises when
-        # there is none. Here a missing value is simply left out.
+        # The reference's wording, without its failure on a missing `best_metric`.
         if self.best_step is None and self.best_metric is None:
             return self.message
         best = "None" if self.best_metric is None else f"{self.best_metric:.4f}"
-        return (
-            f"{self.message} Training stopped early. Best Step: {self.best_step}, "
-            f"Best Metric: {best}"
-        )
+        return (f"{self.message} Training stopped early. Best Step: {self.best_step}, "
+                f"Best Metric: {best}")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Exception's default pickling replays only `self.args`, which would drop the best
-        # info when the error crosses a process boundary (e.g. multiprocessing workers).
+        # The default pickling replays only `self.args`, dropping the best info.
         return (type(self), (self.message, self.best_step, self.best_metric))
 
 
 def infer_mode(metric_name: str) -> str:
     """Returns ``'max'`` or ``'min'`` for a metric name, as ``mode='auto'`` does.
 
-    Rule: the name is lower-cased and split on runs of ``/``, ``_``, ``.`` and ``-``. If any
-    resulting token is exactly one of ``acc``, ``accuracy``, ``auc``, ``precision``,
-    ``recall``, ``f1``, ``score``, ``iou``, ``map``, the metric is maximised (``'max'``);
-    otherwise it is minimised (``'min'``: loss, error, perplexity, ...).
-
-    Whole tokens are matched, not substrings, so ``'eval/accuracy'``, ``'val_acc'``,
-    ``'top-1.acc'`` and ``'mAP'`` are maximised while ``'top_5_error'``, ``'loss'``,
-    ``'accumulated_loss'`` and ``'heatmap_loss'`` are minimised. A name with both kinds of
-    token (``'acc_loss'``) is maximised because any maximised token wins. As in
-    google/jaxloop, a name that ends with ``acc``, ``accuracy`` or ``auc`` (``'top1acc'``)
-    is maximised too.
+    The lower-cased name is split on ``/``, ``_``, ``.`` and ``-``; it is maximised when a
+    whole token is in `MAXIMIZED_METRIC_TOKENS` or, as in google/jaxloop, when it ends with
+    ``acc``, ``accuracy`` or ``auc``: ``'eval/accuracy'`` is maximised, ``'heatmap_loss'``
+    minimised.
     """
     name = metric_name.lower()
-    tokens = _TOKEN_SEPARATORS.split(name)
-    if any(t in MAXIMIZED_METRIC_TOKENS for t in tokens):
+    if any(t in MAXIMIZED_METRIC_TOKENS for t in _TOKEN_SEPARATORS.split(name)):
         return "max"
-    # The reference's rule, kept so that names it maximises are maximised here too.
     return "max" if name.endswith(_REFERENCE_MAXIMIZED_SUFFIXES) else "min"
 
 
 def _encode_float(value: float | None) -> float | str | None:
-    # JSON has no NaN/Infinity (json.dumps emits non-standard tokens that strict parsers
-    # reject), so non-finite values are stored as the strings float() reads back.
+    # JSON has no NaN/Infinity: stored as the strings float() reads back.
     if value is None or math.isfinite(value):
         return value
     return repr(value)  # 'nan', 'inf' or '-inf'
@@ -115,14 +83,11 @@ def _decode_float(value: Any, key: str) -> float | None:
         return float(value)
     except (TypeError, ValueError) as e:
         raise ValueError(
-            f"state_dict[{key!r}] must be a number, string or None, got {value!r}"
-        ) from e
+            f"state_dict[{key!r}] must be a number, string or None, got {value!r}") from e
 
 
 def _decode_int(value: Any, key: str) -> int:
-    # operator.index accepts numpy/jax integer scalars but refuses floats and strings, so a
-    # corrupted state cannot silently truncate; bool is refused because it is almost surely
-    # a mix-up of keys.
+    # operator.index accepts numpy/jax integers but refuses floats and strings.
     if isinstance(value, bool):
         raise ValueError(f"state_dict[{key!r}] must be an int, got {value!r}")
     try:
@@ -134,72 +99,25 @@ def _decode_int(value: Any, key: str) -> int:
 class MetricMonitoringStopHandler:
     """Tracks one metric and signals when it has stopped improving (early stopping).
 
-    Call `update_state` once per evaluation with the current value of the monitored metric,
-    then `should_stop`. The public attributes and their meaning are those of
-    google/jaxloop's handler, so code that reads them keeps working:
-
-    - ``monitored_metric``, ``min_delta`` (stored as its absolute value), ``patience``,
-      ``baseline``: the configuration.
-    - ``monitored_op``: ``jnp.less`` (``'min'`` mode) or ``jnp.greater`` (``'max'``);
-      ``monitored_op(a, b)`` says whether ``a`` is better than ``b``.
-    - ``best``: the best value so far; before any improvement the baseline, or ``+inf``
-      (``'min'``) / ``-inf`` (``'max'``) without one.
-    - ``best_step``: the step of ``best`` (0 before any improvement).
-
-    Improvement: without a baseline the first value always improves (it initialises
-    ``best``). After that -- or from the start, with a baseline -- a value improves when it
-    is better than ``best`` by *more than* ``min_delta``: ``metric < best - min_delta`` in
-    ``'min'`` mode, ``metric > best + min_delta`` in ``'max'`` mode. NaN never improves
-    (the reference would take a first NaN as its best and then never improve again).
-
-    Stopping: ``_patience_left`` is the reference's countdown (code written for it reads
-    and sets it): ``patience`` after each improvement, one less after each non-improving
-    update; ``wait = patience - _patience_left`` counts those updates. `should_stop` is
-    True once ``wait >= patience``: with ``patience=3`` the third consecutive
-    non-improving update stops. ``patience=0`` stops at the first non-improving update
-    (the reference stops after the first update, improving or not).
+    Its public attributes are google/jaxloop's. A value improves when it beats ``best`` by
+    more than ``min_delta`` (and the ``baseline``, if any; else the first value always
+    does); NaN never improves. `should_stop` is True after ``patience`` consecutive
+    non-improving updates (at least one). ``mode='auto'``: see `infer_mode`.
 
     Example::
 
       handler = MetricMonitoringStopHandler('eval/loss', min_delta=1e-3, patience=2)
-      for step in range(eval_every, num_steps + 1, eval_every):
-        state = train_for(state, eval_every)     # your training code
-        eval_loss = evaluate(state)              # your evaluation code
-        handler.update_state(eval_loss, step)
-        if handler.should_stop():
-          best_loss, best_step = handler.get_best_info()
-          raise StopTrainingError('eval/loss stopped improving', best_step, best_loss)
-
-    To resume, save `state_dict` with the checkpoint and pass it to `load_state_dict`
-    (`OuterLoop` does this for the handlers of its `EarlyStoppingAction`s).
-
-    Args:
-      monitored_metric: Name of the metric watched (used for ``mode='auto'`` and messages).
-      min_delta: Margin a value must beat the best by to count as improving (its absolute
-        value is used, as in the reference).
-      patience: Non-negative number of consecutive non-improving updates that stop.
-      mode: ``'min'``, ``'max'`` or ``'auto'`` (inferred from the name, see `infer_mode`).
-      baseline: Optional value the metric must beat before anything counts as improving.
-
-    Raises:
-      ValueError: On an unknown ``mode``, a NaN ``min_delta``, a negative ``patience`` or
-        a NaN ``baseline``.
-      TypeError: When ``patience`` is not an integer.
+      handler.update_state(eval_loss, step)
+      if handler.should_stop():
+        best_loss, best_step = handler.get_best_info()
+        raise StopTrainingError('eval/loss stopped improving', best_step, best_loss)
     """
 
-    def __init__(
-        self,
-        monitored_metric: str,
-        min_delta: float = 1e-8,
-        patience: int = 10,
-        mode: str = "auto",
-        baseline: float | None = None,
-    ) -> None:
+    def __init__(self, monitored_metric: str, min_delta: float = 1e-8, patience: int = 10,
+                 mode: str = "auto", baseline: float | None = None) -> None:
         if mode not in _VALID_MODES:
-            raise ValueError(
-                f"Invalid mode {mode!r} for monitored metric {monitored_metric!r}; "
-                f"expected one of {', '.join(repr(m) for m in _VALID_MODES)}."
-            )
+            raise ValueError(f"Invalid mode {mode!r} for monitored metric {monitored_metric!r}; "
+                             f"expected one of {', '.join(repr(m) for m in _VALID_MODES)}.")
         if isinstance(patience, bool):
             raise TypeError(f"patience must be an int, got {patience!r}")
         try:
@@ -226,12 +144,12 @@ class MetricMonitoringStopHandler:
 
     @property
     def mode(self) -> str:
-        """Resolved direction: ``'min'`` or ``'max'`` (never ``'auto'``)."""
+        """``'min'`` or ``'max'``."""
         return "min" if self.monitored_op is jnp.less else "max"
 
     @property
     def wait(self) -> int:
-        """Number of consecutive non-improving updates since the last improvement."""
+        """Consecutive non-improving updates since the last improvement."""
         return self.patience - self._patience_left
 
     @property
@@ -249,7 +167,6 @@ class MetricMonitoringStopHandler:
         self.best: float = self._initial_best()
         self.best_step: int = 0
         self._patience_left = self.patience
-        # Without a baseline the first value initialises `best` whatever it is.
         self._initialized = self.baseline is not None
 
     def _is_improvement(self, metric: float) -> bool:
@@ -262,16 +179,7 @@ class MetricMonitoringStopHandler:
         return metric > self.best + self.min_delta
 
     def update_state(self, metric: float, step: int) -> bool:
-        """Records one value of the metric, observed at ``step``.
-
-        Args:
-          metric: Current value (a float, numpy scalar or 0-d array).
-          step: Training step the value belongs to.
-
-        Returns:
-          True when the value improved on the best so far (then it becomes the best and
-          ``wait`` resets to 0); False otherwise (then ``wait`` grows by one).
-        """
+        """Records one value of the metric at `step`; whether it improved on the best."""
         metric = float(metric)
         if self._is_improvement(metric):
             self.best = metric
@@ -287,50 +195,26 @@ class MetricMonitoringStopHandler:
         return self.wait >= max(self.patience, 1)
 
     def get_best_info(self) -> tuple[float, int]:
-        """Returns ``(best, best_step)``: before any improvement the initial ``best``
-        (the baseline, or an infinity) and step 0, as the reference does."""
+        """Returns ``(best, best_step)`` (the initial best and 0 before any improvement)."""
         return self.best, self.best_step
 
     def state_dict(self) -> dict[str, Any]:
-        """Returns the progress as a JSON-serialisable dict, for checkpointing.
-
-        Keys: ``best`` (float), ``best_step`` (int), ``wait`` (int), ``initialized``
-        (whether a first value was seen or a baseline set), plus ``monitored_metric`` and
-        ``mode`` so that loading into a handler watching something else is caught.
-        Non-finite ``best`` values are stored as the strings ``'inf'``, ``'-inf'`` or
-        ``'nan'`` because JSON has no such numbers; `load_state_dict` reads them back.
-        Configuration (patience, min_delta, baseline) is not included: it comes from the
-        constructor.
-        """
-        return {
-            "monitored_metric": self.monitored_metric,
-            "mode": self.mode,
-            "best": _encode_float(self.best),
-            "best_step": self.best_step,
-            "wait": self.wait,
-            "initialized": self._initialized,
-        }
+        """The progress as a JSON-serialisable dict, for checkpointing (not the
+        configuration, which comes from the constructor)."""
+        return {"monitored_metric": self.monitored_metric, "mode": self.mode,
+                "best": _encode_float(self.best), "best_step": self.best_step,
+                "wait": self.wait, "initialized": self._initialized}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores progress saved by `state_dict`.
-
-        ``monitored_metric`` and ``mode`` are optional in ``state``; when present they must
-        match this handler. A None ``best`` / ``best_step`` means "nothing seen yet".
-
-        Raises:
-          KeyError: When ``best``, ``best_step`` or ``wait`` is missing.
-          ValueError: When a value has the wrong type, or ``monitored_metric``/``mode``
-            differ from this handler's.
-        """
+        """Restores progress saved by `state_dict`; a ValueError where its
+        ``monitored_metric`` or ``mode`` differ from this handler's."""
         missing = [k for k in ("best", "best_step", "wait") if k not in state]
         if missing:
             raise KeyError(f"state_dict is missing keys {missing}; got keys {sorted(state)}")
         for key, own in (("monitored_metric", self.monitored_metric), ("mode", self.mode)):
             if key in state and state[key] != own:
-                raise ValueError(
-                    f"state_dict was saved with {key}={state[key]!r}, but this handler has "
-                    f"{key}={own!r}"
-                )
+                raise ValueError(f"state_dict was saved with {key}={state[key]!r}, but this "
+                                 f"handler has {key}={own!r}")
         best = _decode_float(state["best"], "best")
         best_step = state["best_step"]
         if best_step is not None:
@@ -347,9 +231,7 @@ class MetricMonitoringStopHandler:
         self._initialized = initialized
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(monitored_metric={self.monitored_metric!r}, "
-            f"mode={self.mode!r}, min_delta={self.min_delta}, patience={self.patience}, "
-            f"baseline={self.baseline}, best={self.best}, best_step={self.best_step}, "
-            f"wait={self.wait})"
-        )
+        return (f"{type(self).__name__}(monitored_metric={self.monitored_metric!r}, "
+                f"mode={self.mode!r}, min_delta={self.min_delta}, patience={self.patience}, "
+                f"baseline={self.baseline}, best={self.best}, best_step={self.best_step}, "
+                f"wait={self.wait})")

@@ -1,20 +1,12 @@
 """The STOPPED marker: how a training job tells its continuous evaluators it is done.
 
-A training run that finishes writes a small text file beside its checkpoint directory
-(``<dir>.STOPPED``), naming the step it finished at; a continuous evaluator reading that
-directory stops once it has evaluated every checkpoint up to that step. A starting training
-run removes a marker an earlier run left, so its evaluators do not stop early. Earlier
-jaxloop releases and google/jaxloop put the marker inside the directory, as ``STOPPED``:
-both places are read and cleared.
-
-Only process 0 writes or removes the marker; readers agree on what process 0 read
-(`agreement`), so this module does no collective of its own.
+A finished run writes ``<dir>.STOPPED`` naming its last step (google/jaxloop's
+``<dir>/STOPPED`` is read too); a starting run removes a stale one. Only process 0 writes.
 
 Example::
 
     stop_marker.write('/run/checkpoints', 1000)        # /run/checkpoints.STOPPED
     stop_marker.step('/run/checkpoints')               # 1000
-    stop_marker.remove_stale('/run/checkpoints')       # a new run starts
 """
 
 from __future__ import annotations
@@ -32,17 +24,8 @@ log = logging.getLogger("jaxloop.outer_loop")
 
 
 def path(checkpoint_dir: Any) -> epath.Path:
-    """Where a finished training run marks its checkpoint directory as complete.
-
-    The marker is a sibling of the directory (``<dir>.STOPPED``: ``/run/checkpoints`` gives
-    ``/run/checkpoints.STOPPED``), so the directory itself holds only what orbax writes
-    (its step folders) and code that lists it counts checkpoints only. A directory with no
-    parent to put it in (a file-system or bucket root) keeps it inside, as ``STOPPED``.
-
-    Example::
-
-        stop_marker.path('/run/checkpoints')  # epath.Path('/run/checkpoints.STOPPED')
-    """
+    """Where a finished training run marks its checkpoint directory as complete: beside
+    it, so the directory holds only checkpoints (inside it for a root, as ``STOPPED``)."""
     directory = epath.Path(checkpoint_dir)
     parent = directory.parent
     if (not directory.name or parent == directory
@@ -52,8 +35,7 @@ def path(checkpoint_dir: Any) -> epath.Path:
 
 
 def _places(checkpoint_dir: Any) -> list[epath.Path]:
-    """The marker's place, then its place inside the directory (earlier jaxloop releases
-    and google/jaxloop write it there)."""
+    """The marker's place, then its place inside the directory (google/jaxloop's)."""
     return list(dict.fromkeys([path(checkpoint_dir), epath.Path(checkpoint_dir) / FILE_NAME]))
 
 
@@ -71,19 +53,16 @@ def step(checkpoint_dir: Any) -> int | None:
 
 
 def write(checkpoint_dir: Any, finished_step: int) -> None:
-    """Marks `checkpoint_dir` as complete at `finished_step` (call on process 0 only).
-
-    The step lets an evaluator tell this marker from a stale one: a checkpoint newer than
-    the marker's step belongs to a later run.
-    """
+    """Marks `checkpoint_dir` as complete at `finished_step` (call on process 0 only);
+    the step tells an evaluator this marker from a stale one."""
     marker = path(checkpoint_dir)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(f"training finished at step {finished_step}\n")
 
 
 def remove_stale(checkpoint_dir: Any) -> None:
-    """Removes a marker an earlier run left (beside or inside the directory): it would end
-    a continuous evaluator of the run that is starting (call on process 0 only)."""
+    """Removes a marker an earlier run left, which would end a continuous evaluator of the
+    run that is starting (call on process 0 only)."""
     for marker in _places(checkpoint_dir):
         if marker.exists():
             log.info("Removing the STOPPED marker of an earlier run: %s", marker)
