@@ -7,8 +7,7 @@ time) and returns the average loss and gradients, so one step stays one optimize
 Example::
 
     grad_fn = accumulate.value_and_grad(loss_fn, num_microbatches=4)
-    loss, grads = grad_fn(state.params, batch)
-    state = state.apply_gradients(grads=grads)
+    loss, grads = grad_fn(state.params, batch, rngs=self.prng_key(state.step))
 """
 
 from __future__ import annotations
@@ -62,24 +61,18 @@ def _reject_positional_keys(args: tuple) -> None:
             raise TypeError(
                 f"A PRNG key was passed positionally (argument {jax.tree_util.keystr(path)}): "
                 "every microbatch would reuse it, drawing the same dropout masks. Pass "
-                "keys as rngs=..., which gives each microbatch its own."
-            )
+                "keys as rngs=..., which gives each microbatch its own.")
 
 
-def value_and_grad(
-    loss_fn: Callable[..., Any],
-    num_microbatches: int,
-    has_aux: bool = False,
-    aux: Literal["mean", "stack"] = "mean",
-    sharding: Any = None,
-) -> Callable[..., Any]:
+def value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int, has_aux: bool = False,
+                   aux: Literal["mean", "stack"] = "mean",
+                   sharding: Any = None) -> Callable[..., Any]:
     """`jax.value_and_grad` of ``loss_fn(params, microbatch, *args)`` over k microbatches.
 
     Args:
       loss_fn: ``(params, microbatch, *args) -> loss`` (or ``(loss, aux)``), a mean over
         the microbatch's examples; also given ``rngs=`` when the caller passes keys.
-      num_microbatches: k, which must divide the batch size; 1 is plain
-        `jax.value_and_grad`.
+      num_microbatches: k, a divisor of the batch size; 1 is plain `jax.value_and_grad`.
       aux: ``'mean'`` averages the floating aux leaves (others keep the last
         microbatch's); ``'stack'`` returns all k along a leading axis.
       sharding: the parameters' shardings (a tree or one sharding or `PartitionSpec`),
@@ -92,11 +85,6 @@ def value_and_grad(
       grads)`` with `has_aux`): averages over the microbatches, summed in float32. `rngs`
       (a key or a tree of keys) is split into one per microbatch; a typed key among `args`
       is a TypeError, as every microbatch would reuse it.
-
-    Example::
-
-        grad_fn = accumulate.value_and_grad(loss_fn, num_microbatches=4)
-        loss, grads = grad_fn(state.params, batch, rngs=self.prng_key(state.step))
     """
     if aux not in ("mean", "stack"):
         raise ValueError(f"aux must be 'mean' or 'stack', got {aux!r}")
@@ -112,10 +100,8 @@ def value_and_grad(
             return single(params, batch, *args, **keyword)
         micro = split_microbatches(batch, num_microbatches)
         keys = jax.tree.map(lambda k: jax.random.split(k, num_microbatches), keyword)
-        zeros = constrain(jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(jnp.result_type(p), "float32")),
-            params,
-        ))
+        zeros = constrain(jax.tree.map(lambda p: jnp.zeros(
+            jnp.shape(p), jnp.promote_types(jnp.result_type(p), "float32")), params))
 
         def body(carry: tuple, xs: tuple) -> tuple:
             loss_sum, grad_sum = carry
@@ -125,12 +111,10 @@ def value_and_grad(
                 jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads))
             return (loss_sum + loss.astype(jnp.float32), grad_sum), extra
 
-        (loss_sum, grad_sum), extras = jax.lax.scan(
-            body, (jnp.float32(0.0), zeros), (micro, keys))
+        (loss_sum, grad_sum), extras = jax.lax.scan(body, (jnp.float32(0.0), zeros), (micro, keys))
         loss = loss_sum / num_microbatches
         grads = jax.tree.map(
-            lambda s, p: (s / num_microbatches).astype(jnp.result_type(p)), grad_sum, params
-        )
+            lambda s, p: (s / num_microbatches).astype(jnp.result_type(p)), grad_sum, params)
         if has_aux:
             return (loss, _mean_or_last(extras, aux)), grads
         return loss, grads

@@ -47,11 +47,8 @@ def _start(x: Any) -> Any:
 
 
 def init(state: types.TrainState) -> EmaState:
-    """`state` as an `EmaState` whose average starts at the current parameters.
-
-    An `EmaState` is returned unchanged. The average is float32 for narrower floating
-    parameters. An abstract state (`Step.abstract_state`) gives an abstract `EmaState` to
-    restore into.
+    """`state` as an `EmaState` whose average starts at the current parameters (an
+    `EmaState` is returned unchanged; an abstract state gives one to restore into).
 
     Example::
 

@@ -1,12 +1,9 @@
 """MFU and goodput: how much of the hardware and of the wall time went into training.
 
-* **MFU**: achieved model flop/s per device over the device's dense bf16 peak (`PEAK_FLOPS`,
-  or the ``peak_flops_per_device`` given). `StatLoop(model_flops_per_example=...)` reports
-  ``jaxloop/mfu`` (or, with ``'xla'``, ``jaxloop/mfu_xla_cost_analysis``) and the model
-  TFLOP/s per device; where the peak is unknown MFU is left out, with one notice.
-* **Goodput**: a `Recorder` splits the wall time into compile, input, compute, checkpoint
-  and evaluation (the rest is ``other``); `StatLoop(recorder=...)` reports each window as
-  ``jaxloop/time/*_secs`` and ``jaxloop/goodput`` (compute / wall).
+* **MFU**: model flop/s per device over the device's dense bf16 peak (`PEAK_FLOPS`), which
+  `StatLoop(model_flops_per_example=...)` reports as ``jaxloop/mfu`` where the peak is known.
+* **Goodput**: a `Recorder` splits the wall time into `CATEGORIES` (the rest is ``other``);
+  `StatLoop(recorder=...)` reports them and ``jaxloop/goodput`` (compute / wall).
 
 Example::
 
@@ -37,17 +34,10 @@ log = logging.getLogger(__name__)
 # Dense bf16 peak flop/s per chip from the vendors' data sheets; the first substring of
 # `jax.Device.device_kind` found wins.
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
-    ("h100 pcie", 756e12),
-    ("h100", 989e12),      # SXM, e.g. 'NVIDIA H100 80GB HBM3'
-    ("h200", 989e12),
-    ("a100", 312e12),
-    ("tpu v6 lite", 918e12),  # v6e
-    ("tpu v6e", 918e12),
-    ("tpu v5 lite", 197e12),  # v5e
-    ("tpu v5e", 197e12),
-    ("tpu v5p", 459e12),
-    ("tpu v5", 459e12),       # v5p reports 'TPU v5'
-    ("tpu v4", 275e12),
+    ("h100 pcie", 756e12), ("h100", 989e12), ("h200", 989e12), ("a100", 312e12),
+    # v6e and v5e may report 'TPU v6 lite' / 'TPU v5 lite'; v5p reports 'TPU v5'.
+    ("tpu v6 lite", 918e12), ("tpu v6e", 918e12), ("tpu v5 lite", 197e12), ("tpu v5e", 197e12),
+    ("tpu v5p", 459e12), ("tpu v5", 459e12), ("tpu v4", 275e12),
 )
 
 CATEGORIES = ("compile", "input", "compute", "checkpoint", "evaluation")
@@ -117,12 +107,7 @@ def resolved_peak(peak: float | None = None,
 
 def mfu(flops_per_sec_per_device: float, device: jax.Device | str | None = None,
         peak: float | None = None) -> float | None:
-    """Achieved flop/s per device over `peak` or the device's peak (None when unknown).
-
-    Example::
-
-        mfu(2e12, peak=4e12)  # 0.5
-    """
+    """Achieved flop/s per device over `peak` or the device's peak (None when unknown)."""
     peak = peak if peak is not None else peak_flops(device)
     return None if peak is None else flops_per_sec_per_device / peak
 
@@ -134,12 +119,8 @@ def _with_rest(measured: dict[str, float], compile_secs: float, wall: float) -> 
 
 
 class Recorder:
-    """Accumulates where the wall time goes, on the host.
-
-    Compile time comes from JAX's monitoring events, input waits and compute from the
-    train loop, checkpoints and evaluation from `span` actions; compilation inside any of
-    them counts as compile time only.
-    """
+    """Accumulates where the wall time goes: compile time from JAX's events, input and
+    compute from the train loop, the rest from `span` actions (less their compile time)."""
 
     def __init__(self) -> None:
         self._started = time.perf_counter()
@@ -210,6 +191,5 @@ class Recorder:
                           time.perf_counter() - self._started)
 
     def train_loop(self, seconds: float, input_seconds: float, compile_secs: float) -> None:
-        """Records a train loop that took `seconds`, of which `input_seconds` were spent
-        waiting for batches (already added) and `compile_secs` compiling."""
+        """Records a train loop's compute: `seconds` less input waits and compiling."""
         self.add("compute", max(0.0, seconds - input_seconds - compile_secs))

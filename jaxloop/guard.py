@@ -42,17 +42,13 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, step: int, leaf: str):
         super().__init__(
             f"Non-finite value at training step {step}: {leaf} is NaN or Inf. The update was "
-            "not applied and no checkpoint was written after it."
-        )
-        self.step = step
-        self.leaf = leaf
+            "not applied and no checkpoint was written after it.")
+        self.step, self.leaf = step, leaf
 
 
 def _finite(x: Any) -> jax.Array:
     x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.bool_(True)
-    return jnp.all(jnp.isfinite(x))
+    return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
 
 
 def all_finite(*trees: Any) -> jax.Array:
@@ -72,17 +68,14 @@ class NonFiniteGuard:
         self.mode = mode
         self._leaf_names: list[str] = []
 
-    def apply_gradients(
-        self, state: types.TrainState, grads: Any, loss: Any = None, **updates: Any
-    ) -> tuple[types.TrainState, dict[str, jax.Array]]:
+    def apply_gradients(self, state: types.TrainState, grads: Any, loss: Any = None,
+                        **updates: Any) -> tuple[types.TrainState, dict[str, jax.Array]]:
         """``state.apply_gradients(grads=grads, **updates)`` when `loss` and `grads` are
         finite, else `state` with only its step advanced (`updates` dropped too); plus the
         guard's outputs."""
         named = [("loss", loss)] if loss is not None else []
-        named += [
-            ("grads" + jax.tree_util.keystr(path), leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(grads)
-        ]
+        named += [("grads" + jax.tree_util.keystr(path), leaf)
+                  for path, leaf in jax.tree_util.tree_leaves_with_path(grads)]
         self._leaf_names = [name for name, _ in named]
         flags = jnp.stack([_finite(x) for _, x in named])
         ok = jnp.all(flags)
@@ -112,8 +105,7 @@ class NonFiniteGuard:
         if bad.size:
             i = int(bad[0])
             # Skipped steps advance the counter too: step i of n ended at last_step - n + i + 1.
-            raise NonFiniteError(last_step - first.size + i + 1,
-                                 self.leaf_name(int(first[i])))
+            raise NonFiniteError(last_step - first.size + i + 1, self.leaf_name(int(first[i])))
 
     def action(self, interval: int = 1) -> Any:
         """An end action for a train loop that calls `check`; list it before checkpoints."""

@@ -37,8 +37,7 @@ def _floating_dtype(value: DTypeLike, field: str) -> np.dtype:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
             f"Policy {field}={dtype.name} is not a floating dtype (expected e.g. float32, "
-            "bfloat16 or float16)"
-        )
+            "bfloat16 or float16)")
     return dtype
 
 
@@ -73,11 +72,6 @@ class Policy:
 
     The default is full float32; `get_policy` builds one from a string. A field that is
     not a floating dtype is a ValueError.
-
-    Example::
-
-        step = MyStep(key, model, optimizer, train=True,
-                      dtype_policy=Policy(compute_dtype=jnp.bfloat16))
     """
 
     param_dtype: DTypeLike = jnp.float32
@@ -140,8 +134,7 @@ def get_policy(spec: str | Policy | None) -> Policy | None:
         if field is None or not value.strip():
             raise ValueError(
                 f"dtype policy {spec!r}: part {part!r} is not one of params=DTYPE, "
-                "compute=DTYPE, output=DTYPE"
-            )
+                "compute=DTYPE, output=DTYPE")
         fields[field] = value.strip()
     return Policy(**fields)
 
@@ -151,8 +144,7 @@ def _like(new: Any, old: Any) -> Any:
     if jax.tree.structure(new) != jax.tree.structure(old):
         return new
     return jax.tree.map(
-        lambda n, o: n.astype(o.dtype) if _is_float(n) and _is_float(o) else n, new, old
-    )
+        lambda n, o: n.astype(o.dtype) if _is_float(n) and _is_float(o) else n, new, old)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +173,6 @@ class _PolicyApply:
             return policy.cast_to_output(out)
         out, mutated = out
         # Mutated collections keep their stored dtypes (donated buffers, one program).
-        mutated = type(mutated)({
-            name: _like(value, given[name]) if name in given else value
-            for name, value in mutated.items()
-        })
+        mutated = type(mutated)({name: _like(value, given[name]) if name in given else value
+                                 for name, value in mutated.items()})
         return policy.cast_to_output(out), mutated

@@ -62,12 +62,9 @@ def injected_hyperparam(opt_state: Any, name: str = "learning_rate") -> jax.Arra
     return jnp.asarray(found[0][1]) if found else None
 
 
-def train_metrics(
-    state: types.TrainState,
-    grads: Any,
-    new_state: types.TrainState | None = None,
-    learning_rate: float | Callable[[jax.Array], Any] | None = None,
-) -> dict[str, jax.Array]:
+def train_metrics(state: types.TrainState, grads: Any, new_state: types.TrainState | None = None,
+                  learning_rate: float | Callable[[jax.Array], Any] | None = None,
+                  ) -> dict[str, jax.Array]:
     """Per-step telemetry outputs; call inside `Step.run`.
 
     Args:
