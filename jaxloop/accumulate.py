@@ -24,12 +24,9 @@ __all__ = ["split_microbatches", "value_and_grad"]
 def split_microbatches(batch: Any, num_microbatches: int) -> Any:
     """Reshapes every leaf ``[B, ...]`` into ``[k, B // k, ...]`` (k = `num_microbatches`).
 
-    Microbatch ``i`` holds examples ``i, i + k, ...``: strided, so a batch sharded along its
-    first axis stays sharded alike and no data moves between devices.
-
-    Example::
-
-        split_microbatches({'x': np.arange(8)}, 4)['x'][1]  # [1, 5]
+    Microbatch ``i`` holds examples ``i, i + k, ...`` (``split_microbatches(np.arange(8),
+    4)[1]`` is ``[1, 5]``): strided, so a batch sharded along its first axis stays sharded
+    alike and no data moves between devices.
     """
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")

@@ -31,15 +31,10 @@ class EmaState(types.TrainState):
     ema_params: Any = None
 
 
-def _average_dtype(dtype: Any) -> Any:
-    # A 0.999 update (0.1% of the gap) rounds away in bfloat16: average in float32.
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return jnp.promote_types(dtype, jnp.float32)
-    return dtype
-
-
 def _start(x: Any) -> Any:
-    dtype = _average_dtype(x.dtype)
+    # A 0.999 update (0.1% of the gap) rounds away in bfloat16: average in float32.
+    inexact = jnp.issubdtype(x.dtype, jnp.inexact)
+    dtype = jnp.promote_types(x.dtype, jnp.float32) if inexact else x.dtype
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
     # A separate buffer: the train step donates the state, and no buffer is donated twice.
@@ -78,12 +73,8 @@ def update(state: EmaState, decay: float | Callable[[jax.Array], Any]) -> EmaSta
 
 def swap_in(state: types.TrainState) -> types.TrainState:
     """The state with ``params`` replaced by ``ema_params`` (in the parameters' dtypes),
-    to evaluate the average; TypeError when the state holds none.
-
-    Example::
-
-        _, outputs = eval_loop(ema.swap_in(state), eval_batches)
-    """
+    to evaluate the average (``eval_loop(ema.swap_in(state), batches)``); TypeError when
+    the state holds none."""
     if getattr(state, "ema_params", None) is None:
         raise TypeError(
             f"Cannot evaluate EMA weights: the state ({type(state).__name__}) has no "

@@ -102,11 +102,8 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
     """Checks that every copy of each (partly) replicated leaf of `tree` equals the first
     copy of its slice within ``atol + rtol * |first copy|`` (NaN equals NaN), else raises
     `ReplicaMismatchError`. Leaves without a `NamedSharding`, unreplicated ones and PRNG
-    keys are skipped. Returns the largest difference per checked leaf path.
-
-    Example::
-
-        integrity.check_replicas(state.params)  # {'params/Dense_0/kernel': 0.0, ...}
+    keys are skipped. Returns the largest difference per checked leaf path, e.g.
+    ``{'params/Dense_0/kernel': 0.0, ...}``.
     """
     if atol < 0 or rtol < 0:
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")

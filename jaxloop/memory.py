@@ -22,12 +22,7 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 def format_bytes(num: int | float) -> str:
-    """Bytes in binary units.
-
-    Example::
-
-        format_bytes(3 * 2**20)  # '3.00 MiB'
-    """
+    """Bytes in binary units: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
     value = float(num)
     for unit in _UNITS[:-1]:
         if abs(value) < 1024:
@@ -109,14 +104,10 @@ class MemoryEstimate:
         return cls(
             argument_bytes=int(stats.argument_size_in_bytes),
             output_bytes=int(stats.output_size_in_bytes),
-            alias_bytes=int(stats.alias_size_in_bytes),
-            temp_bytes=int(stats.temp_size_in_bytes),
+            alias_bytes=int(stats.alias_size_in_bytes), temp_bytes=int(stats.temp_size_in_bytes),
             generated_code_bytes=int(stats.generated_code_size_in_bytes),
-            peak_bytes=int(peak) if peak else None,
-            num_devices=len(devices),
-            device_kind=local[0].device_kind,
-            bytes_limit=int(limit) if limit else None,
-        )
+            peak_bytes=int(peak) if peak else None, num_devices=len(devices),
+            device_kind=local[0].device_kind, bytes_limit=int(limit) if limit else None)
 
     def __str__(self) -> str:
         rows = [

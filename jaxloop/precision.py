@@ -114,12 +114,9 @@ class Policy:
 def get_policy(spec: str | Policy | None) -> Policy | None:
     """A `Policy` from a short name or a jmp-style string; a Policy or None pass through.
 
-    One dtype (``'bfloat16'``) is the compute dtype, the rest float32; the long form names
-    each part: ``'params=float32,compute=bfloat16,output=float32'``.
-
-    Example::
-
-        get_policy('bfloat16') == Policy(compute_dtype=jnp.bfloat16)  # True
+    One dtype is the compute dtype, the rest float32 (``get_policy('bfloat16') ==
+    Policy(compute_dtype=jnp.bfloat16)``); the long form names each part:
+    ``'params=float32,compute=bfloat16,output=float32'``.
     """
     if spec is None or isinstance(spec, Policy):
         return spec

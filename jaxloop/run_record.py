@@ -69,10 +69,9 @@ def _versions() -> dict[str, str]:
 
 
 def _devices() -> dict[str, Any]:
-    kinds = collections.Counter(d.device_kind for d in jax.devices())
     return {
         "platform": jax.default_backend(),
-        "kinds": dict(kinds),
+        "kinds": dict(collections.Counter(d.device_kind for d in jax.devices())),
         "count": jax.device_count(),
         "local_count": jax.local_device_count(),
         "process_count": jax.process_count(),

@@ -35,12 +35,7 @@ def _float32(tree: Any) -> Any:
 
 
 def global_norm(tree: Any) -> jax.Array:
-    """The L2 norm of all leaves of `tree` together, summed in float32.
-
-    Example::
-
-        global_norm({'w': jnp.ones(4)})  # 2.0
-    """
+    """The L2 norm of all leaves of `tree` together, summed in float32."""
     return optax.tree.norm(_float32(tree))
 
 
@@ -67,15 +62,9 @@ def train_metrics(state: types.TrainState, grads: Any, new_state: types.TrainSta
                   ) -> dict[str, jax.Array]:
     """Per-step telemetry outputs; call inside `Step.run`.
 
-    Args:
-      state: the state before the update (a schedule is read at its step).
-      new_state: the state after the update, for the update norm.
-      learning_rate: an optax schedule, a constant, or None to read it from
-        ``inject_hyperparams`` state (left out when there is none).
-
-    Returns:
-      float32 scalars: ``telemetry/grad_norm``, ``telemetry/param_norm`` (after the
-      update), ``telemetry/update_norm`` (with `new_state`), ``telemetry/learning_rate``.
+    `state` is the state before the update (a schedule is read at its step), `new_state`
+    the one after it (for the update norm); `learning_rate` is a schedule, a constant, or
+    None to read it from ``inject_hyperparams`` state. Returns float32 scalars.
     """
     after = state if new_state is None else new_state
     out = {GRAD_NORM: global_norm(grads), PARAM_NORM: global_norm(after.params)}
