@@ -13,37 +13,22 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
-# Every name below is imported on first use (PEP 562 `__getattr__`), so `import jaxloop.step`
-# loads the step and what it needs, not the loops, actions, checkpointing (orbax) or data
-# (grain) modules. `from jaxloop import X` and `jaxloop.X` work as with eager imports.
-# The exported names that are not submodules, by the submodule that defines them:
-_NAMES = {
-    "Action": "actions",
-    "CheckpointAction": "checkpoint_actions",
-    "EarlyStoppingAction": "actions",
-    "ProgressAction": "progress",
-    "StepNumberAction": "actions",
-    "SummaryAction": "actions",
-    "EvalLoop": "eval_loop",
-    "Loop": "loop",
-    "STOP_LOOP": "outer_loop",
-    "CheckpointSpec": "outer_loop",
-    "EvalContext": "outer_loop",
-    "EvalSpec": "outer_loop",
-    "OuterLoop": "outer_loop",
-    "DataParallelPartitioner": "partition",
-    "FSDPPartitioner": "partition",
-    "Partitioner": "partition",
-    "SingleDevicePartitioner": "partition",
-    "SPMDPartitioner": "partition",
-    "Step": "step",
-    "MetricMonitoringStopHandler": "stop_handler",
-    "StopTrainingError": "stop_handler",
-    "TrainLoop": "train_loop",
-    "MetricType": "types",
-    "MetricWithMetadata": "types",
-    "TrainState": "types",
-}
+# Names are imported on first use (PEP 562), so `import jaxloop.step` loads neither orbax
+# nor grain. The exported names that are not submodules, by their defining submodule:
+_NAMES = {name: module for module, names in (
+    ("actions", ("Action", "EarlyStoppingAction", "StepNumberAction", "SummaryAction")),
+    ("checkpoint_actions", ("CheckpointAction",)),
+    ("progress", ("ProgressAction",)),
+    ("eval_loop", ("EvalLoop",)),
+    ("loop", ("Loop",)),
+    ("outer_loop", ("STOP_LOOP", "CheckpointSpec", "EvalContext", "EvalSpec", "OuterLoop")),
+    ("partition", ("DataParallelPartitioner", "FSDPPartitioner", "Partitioner",
+                   "SingleDevicePartitioner", "SPMDPartitioner")),
+    ("step", ("Step",)),
+    ("stop_handler", ("MetricMonitoringStopHandler", "StopTrainingError")),
+    ("train_loop", ("TrainLoop",)),
+    ("types", ("MetricType", "MetricWithMetadata", "TrainState")),
+) for name in names}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports
     from jaxloop import (
@@ -107,47 +92,12 @@ if "ipykernel" in sys.modules:  # a notebook: show the INFO lines a user asks fo
     importlib.import_module(f"{__name__}.notebook_logging").show_info_if_unconfigured()
 
 __all__ = [
-    "STOP_LOOP",
-    "Action",
-    "CheckpointAction",
-    "CheckpointSpec",
-    "DataParallelPartitioner",
-    "EarlyStoppingAction",
-    "EvalContext",
-    "EvalLoop",
-    "EvalSpec",
-    "FSDPPartitioner",
-    "Loop",
-    "MetricMonitoringStopHandler",
-    "MetricType",
-    "MetricWithMetadata",
-    "OuterLoop",
-    "Partitioner",
-    "ProgressAction",
-    "SPMDPartitioner",
-    "SingleDevicePartitioner",
-    "Step",
-    "StepNumberAction",
-    "StopTrainingError",
-    "SummaryAction",
-    "TrainLoop",
-    "TrainState",
-    "action_loop",
-    "actions",
-    "async_action_context",
-    "checkpoint",
-    "eval_loop",
-    "history",
-    "loop",
-    "notebook_logging",
-    "outer_loop",
-    "partition",
-    "stat_loop",
-    "step",
-    "step_number_writer",
-    "stop_handler",
-    "train_loop",
-    "trainers",
-    "types",
-    "writers",
+    "STOP_LOOP", "Action", "CheckpointAction", "CheckpointSpec", "DataParallelPartitioner",
+    "EarlyStoppingAction", "EvalContext", "EvalLoop", "EvalSpec", "FSDPPartitioner", "Loop",
+    "MetricMonitoringStopHandler", "MetricType", "MetricWithMetadata", "OuterLoop", "Partitioner",
+    "ProgressAction", "SPMDPartitioner", "SingleDevicePartitioner", "Step", "StepNumberAction",
+    "StopTrainingError", "SummaryAction", "TrainLoop", "TrainState", "action_loop", "actions",
+    "async_action_context", "checkpoint", "eval_loop", "history", "loop", "notebook_logging",
+    "outer_loop", "partition", "stat_loop", "step", "step_number_writer", "stop_handler",
+    "train_loop", "trainers", "types", "writers",
 ]

@@ -1,31 +1,17 @@
 """MFU and goodput: how much of the hardware and of the wall time went into training.
 
-* **MFU** (model-flops utilisation): achieved model flops per second per device, divided by
-  the device's peak (`PEAK_FLOPS`, dense bf16 figures from the vendors' data sheets, or the
-  ``peak_flops_per_device`` you give). `StatLoop(model_flops_per_example=...)` reports
-  ``jaxloop/mfu`` from flops you give (e.g. ``6 * num_params * tokens_per_example`` for a
-  transformer; or ``model_flops_per_token=6 * num_params`` with ``tokens_key``), or, with
-  ``model_flops_per_example='xla'``, ``jaxloop/mfu_xla_cost_analysis`` from XLA's cost
-  analysis of the compiled step (which counts what XLA runs, rematerialisation included).
-  Beside it, the model TFLOP/s per device (``jaxloop/model_tflops_per_sec_per_device``).
-  Where the peak is unknown (CPUs, new chips) MFU is left out and a notice is logged once
-  per device kind.
-* **Goodput**: a `Recorder` splits the wall time into compile, waiting for input, device
-  compute (the training steps as the host sees them), checkpoint blocking and evaluation;
-  what is left is ``other`` (summaries, Python). `StatLoop(recorder=...)` reports the split
-  for the window since the previous train loop's statistics as ``jaxloop/time/*_secs`` and
-  ``jaxloop/goodput`` (compute / wall).
+* **MFU**: model flop/s per device over the device's dense bf16 peak (`PEAK_FLOPS`), which
+  `StatLoop(model_flops_per_example=...)` reports as ``jaxloop/mfu`` where the peak is known.
+* **Goodput**: a `Recorder` splits the wall time into `CATEGORIES` (the rest is ``other``);
+  `StatLoop(recorder=...)` reports them and ``jaxloop/goodput`` (compute / wall).
 
 Example::
 
     recorder = goodput.Recorder()
     ckpt_start, ckpt_stop = recorder.span('checkpoint')
-    eval_start, eval_stop = recorder.span('evaluation')
     train = TrainLoop(step, recorder=recorder, model_flops_per_example=3 * 2 * 784 * 256,
                       global_batch_size=128,
                       end_actions=[summary, ckpt_start, checkpoint_action, ckpt_stop])
-    evaluate = EvalLoop(eval_step, begin_actions=[eval_start], end_actions=[eval_stop])
-    ...
     recorder.totals()   # the whole run: {'compile': ..., 'compute': ..., 'wall': ...}
 """
 
@@ -40,32 +26,18 @@ from typing import Any
 
 import jax
 
-__all__ = [
-    "CATEGORIES",
-    "PEAK_FLOPS",
-    "Recorder",
-    "compile_seconds",
-    "mfu",
-    "peak_flops",
-    "resolved_peak",
-]
+__all__ = ["CATEGORIES", "PEAK_FLOPS", "Recorder", "compile_seconds", "mfu", "peak_flops",
+           "resolved_peak"]
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 peak flop/s per device (chip), without sparsity, from the vendors' data sheets.
-# Matched against `jax.Device.device_kind` in this order (the first substring found wins).
+# Dense bf16 peak flop/s per chip from the vendors' data sheets; the first substring of
+# `jax.Device.device_kind` found wins.
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
-    ("h100 pcie", 756e12),
-    ("h100", 989e12),      # SXM, e.g. 'NVIDIA H100 80GB HBM3'
-    ("h200", 989e12),
-    ("a100", 312e12),
-    ("tpu v6 lite", 918e12),  # v6e
-    ("tpu v6e", 918e12),
-    ("tpu v5 lite", 197e12),  # v5e
-    ("tpu v5e", 197e12),
-    ("tpu v5p", 459e12),
-    ("tpu v5", 459e12),       # v5p reports 'TPU v5'
-    ("tpu v4", 275e12),
+    ("h100 pcie", 756e12), ("h100", 989e12), ("h200", 989e12), ("a100", 312e12),
+    # v6e and v5e may report 'TPU v6 lite' / 'TPU v5 lite'; v5p reports 'TPU v5'.
+    ("tpu v6 lite", 918e12), ("tpu v6e", 918e12), ("tpu v5 lite", 197e12), ("tpu v5e", 197e12),
+    ("tpu v5p", 459e12), ("tpu v5", 459e12), ("tpu v4", 275e12),
 )
 
 CATEGORIES = ("compile", "input", "compute", "checkpoint", "evaluation")
@@ -89,9 +61,8 @@ def _on_duration(event: str, duration: float, **kwargs: Any) -> None:
 
 
 def compile_seconds() -> float:
-    """Seconds this process has spent tracing, lowering and compiling JAX programs since the
-    first call of this function (JAX's own compile-duration events; cache loads included).
-    """
+    """Seconds spent tracing, lowering and compiling JAX programs since the first call
+    (JAX's compile-duration events)."""
     with _compile_lock:
         if not _listening[0]:
             jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -100,13 +71,8 @@ def compile_seconds() -> float:
 
 
 def peak_flops(device: jax.Device | str | None = None) -> float | None:
-    """Peak dense bf16 flop/s of a device (default: the first), or None when unknown.
-
-    Example::
-
-        peak_flops('NVIDIA H100 80GB HBM3')  # 9.89e14
-        peak_flops('cpu')                   # None
-    """
+    """Peak dense bf16 flop/s of a device or device kind (default: the first device), or
+    None when unknown: ``peak_flops('NVIDIA H100 80GB HBM3') == 9.89e14``."""
     if device is None:
         device = jax.devices()[0]
     kind = (device if isinstance(device, str) else device.device_kind).lower()
@@ -118,14 +84,8 @@ def peak_flops(device: jax.Device | str | None = None) -> float | None:
 
 def resolved_peak(peak: float | None = None,
                   device: jax.Device | str | None = None) -> float | None:
-    """`peak` when given, else the device's peak from the table (`peak_flops`); when
-    neither is known, None, and a notice is logged the first time per device kind.
-
-    Example::
-
-        resolved_peak()            # on CPU: None, and the notice once
-        resolved_peak(1e12)        # 1e12: a peak measured or read from a data sheet
-    """
+    """`peak` when given, else `peak_flops(device)`; when neither is known, None, and a
+    notice is logged once per device kind."""
     if peak is not None:
         return float(peak)
     found = peak_flops(device)
@@ -142,26 +102,20 @@ def resolved_peak(peak: float | None = None,
 
 def mfu(flops_per_sec_per_device: float, device: jax.Device | str | None = None,
         peak: float | None = None) -> float | None:
-    """Model-flops utilisation: achieved flop/s per device over the device's peak, or over
-    `peak` when given (None when neither is known).
-
-    Example::
-
-        mfu(6 * n_params * tokens_per_sec / jax.device_count())
-        mfu(2e12, peak=4e12)  # 0.5
-    """
+    """Achieved flop/s per device over `peak` or the device's peak (None when unknown)."""
     peak = peak if peak is not None else peak_flops(device)
     return None if peak is None else flops_per_sec_per_device / peak
 
 
-class Recorder:
-    """Accumulates where the wall time goes, on the host, beside the training state.
+def _with_rest(measured: dict[str, float], compile_secs: float, wall: float) -> dict[str, float]:
+    out = {**measured, "compile": compile_secs, "wall": wall}
+    out["other"] = wall - sum(out[c] for c in CATEGORIES)
+    return out
 
-    Compile time comes from JAX's monitoring events; the train loop (`StatLoop` with
-    ``recorder=``) measures input waits and its own time; `span` actions time checkpoint
-    saves and evaluation. Compilation inside a span or the train loop counts as compile
-    time only.
-    """
+
+class Recorder:
+    """Accumulates where the wall time goes: compile time from JAX's events, input and
+    compute from the train loop, the rest from `span` actions (less their compile time)."""
 
     def __init__(self) -> None:
         self._started = time.perf_counter()
@@ -181,13 +135,7 @@ class Recorder:
 
     @contextlib.contextmanager
     def measure(self, category: str) -> Iterator[None]:
-        """Times a block as `category`, less any compilation inside it.
-
-        Example::
-
-            with recorder.measure('checkpoint'):
-                manager.wait_until_finished()
-        """
+        """Times a block as `category`, less any compilation inside it."""
         start, compiled = time.perf_counter(), compile_seconds()
         try:
             yield
@@ -196,8 +144,7 @@ class Recorder:
             self.add(category, max(0.0, elapsed - (compile_seconds() - compiled)))
 
     def start(self, category: str) -> None:
-        """Opens a timed span (closed by `stop`), for work that begins and ends in
-        different places, such as an eval loop's begin and end actions."""
+        """Opens a timed span, closed by `stop`."""
         self._open[category] = (time.perf_counter(), compile_seconds())
 
     def stop(self, category: str) -> None:
@@ -208,11 +155,8 @@ class Recorder:
             self.add(category, max(0.0, elapsed - (compile_seconds() - opened[1])))
 
     def span(self, category: str, interval: int = 1) -> tuple[Any, Any]:
-        """Two actions, (start, stop), that time what runs between them.
-
-        Put them around a checkpoint action in a train loop's ``end_actions``, or as an
-        eval loop's first begin action and last end action.
-        """
+        """Two actions, (start, stop), that time what runs between them (e.g. around a
+        checkpoint action, or as an eval loop's first begin and last end action)."""
         from jaxloop import actions  # noqa: PLC0415 (actions import the loops, which import this)
 
         recorder = self
@@ -228,26 +172,19 @@ class Recorder:
         return _Start(interval), _Stop(interval)
 
     def window(self) -> dict[str, float]:
-        """The split of the wall time since the last `window` call (or creation), in
-        seconds, with ``other`` (unmeasured) and ``wall``; starts a new window."""
+        """Seconds per category since the last `window` call, with ``other`` and ``wall``;
+        starts a new window."""
         now, compiled = time.perf_counter(), compile_seconds()
-        out = dict(self._window)
-        out["compile"] = compiled - self._window_compile
-        out["wall"] = now - self._window_start
-        out["other"] = out["wall"] - sum(out[c] for c in CATEGORIES)
+        out = _with_rest(self._window, compiled - self._window_compile, now - self._window_start)
         self._window = dict.fromkeys(CATEGORIES, 0.0)
         self._window_start, self._window_compile = now, compiled
         return out
 
     def totals(self) -> dict[str, float]:
         """The split of the wall time since the recorder was created (like `window`)."""
-        out = dict(self._totals)
-        out["compile"] = compile_seconds() - self._compile_start
-        out["wall"] = time.perf_counter() - self._started
-        out["other"] = out["wall"] - sum(out[c] for c in CATEGORIES)
-        return out
+        return _with_rest(self._totals, compile_seconds() - self._compile_start,
+                          time.perf_counter() - self._started)
 
     def train_loop(self, seconds: float, input_seconds: float, compile_secs: float) -> None:
-        """Records a train loop that took `seconds`, of which `input_seconds` were spent
-        waiting for batches (already added) and `compile_secs` compiling."""
+        """Records a train loop's compute: `seconds` less input waits and compiling."""
         self.add("compute", max(0.0, seconds - input_seconds - compile_secs))

@@ -1,15 +1,9 @@
 """Replica integrity: every copy of a replicated state leaf holds the same values.
 
-A leaf laid out with a `NamedSharding` is replicated along the mesh axes its spec does not
-name (all of them for a fully replicated leaf, ``data`` for an FSDP x TP leaf split over
-``model`` only). Its copies should stay equal bit for bit; a faulty device, a
-non-deterministic collective or a bug in a custom step can make them drift apart silently.
-`check_replicas` compares each copy with the first one of its group (the devices that hold
-the same slice), on the devices. First each device reduces its slice of each leaf to a
-32-bit fingerprint (a position-weighted sum of its bits: one read of the state, one small
-all-gather of the fingerprints); only leaves whose copies' fingerprints differ are then
-compared value by value (an all-reduce each), for the tolerance and the largest
-difference. It works the same across processes (every process must call it: a collective).
+A faulty device or a non-deterministic collective can make the copies of a leaf along the
+mesh axes its spec does not name drift apart silently. `check_replicas` has each device
+fingerprint its slice of every leaf (one small all-gather), then compares value by value
+only the leaves whose copies' fingerprints differ. It is a collective: every process calls it.
 
 Example::
 
@@ -35,8 +29,7 @@ __all__ = ["ReplicaIntegrityAction", "ReplicaMismatchError", "check_replicas"]
 
 
 class ReplicaMismatchError(RuntimeError):
-    """Copies of a replicated leaf differ; the message names the leaf, the devices and the
-    largest difference."""
+    """Copies of a replicated leaf differ (the message names the leaf and devices)."""
 
 
 def _replicated_axes(sharding: NamedSharding) -> tuple[str, ...]:
@@ -47,13 +40,11 @@ def _replicated_axes(sharding: NamedSharding) -> tuple[str, ...]:
                  if a not in named and sharding.mesh.shape[a] > 1)
 
 
-# Odd multiplier of the position-weighted sum: a change of any one element changes the
-# fingerprint (an odd weight times a nonzero difference is nonzero modulo 2**32).
+# Odd weights: any one changed element changes the fingerprint (modulo 2**32).
 _GOLDEN = 0x9E3779B1
 
 
 def _bits(x: jax.Array) -> jax.Array:
-    """The bits of `x` as uint32 (wider elements give several words each)."""
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
     width = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
@@ -62,8 +53,7 @@ def _bits(x: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=64)  # one compiled fingerprint per layout, not one per call
 def _fingerprints(mesh: jax.sharding.Mesh, specs: tuple[P, ...]):
-    """A function of the leaves giving each device's fingerprint of its slice of each
-    leaf, as a ``[devices, leaves]`` uint32 array (mesh order) on every device."""
+    """Each device's fingerprint of its slice of each leaf, ``[devices, leaves]`` uint32."""
 
     def per_device(*leaves):
         prints = []
@@ -78,8 +68,7 @@ def _fingerprints(mesh: jax.sharding.Mesh, specs: tuple[P, ...]):
 
 
 def _differs(prints: np.ndarray, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> bool:
-    """Whether any device's fingerprint differs from the first copy's of its slice
-    (`prints` in mesh shape)."""
+    """Whether any device's fingerprint differs from its slice's first copy's."""
     first = prints[tuple(slice(0, 1) if a in axes else slice(None) for a in mesh.axis_names)]
     return bool(np.any(prints != first))
 
@@ -87,8 +76,8 @@ def _differs(prints: np.ndarray, mesh: jax.sharding.Mesh, axes: tuple[str, ...])
 @functools.lru_cache(maxsize=64)  # one compiled comparison per layout, not one per call
 def _deviation(mesh: jax.sharding.Mesh, specs: Sequence[P], axes: Sequence[tuple[str, ...]],
                rtol: float):
-    """A function of the leaves giving, per leaf, the largest |copy - first copy| and the
-    largest excess over ``rtol * |first copy|`` on each device (mesh order, replicated)."""
+    """Per leaf and device: the largest |copy - first copy| and its largest excess over
+    ``rtol * |first copy|``."""
     every = tuple(mesh.axis_names)
 
     def per_device(*leaves):
@@ -110,21 +99,11 @@ def _deviation(mesh: jax.sharding.Mesh, specs: Sequence[P], axes: Sequence[tuple
 
 
 def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str, float]:
-    """Checks that every copy of each replicated (or partly replicated) leaf of `tree`
-    equals the first copy of its slice, within ``atol + rtol * |first copy|`` (NaN equals
-    NaN). Leaves that are not `jax.Array`s with a `NamedSharding`, or that are not
-    replicated, or PRNG keys, are skipped. In a multi-process job every process must call it.
-
-    Returns:
-      The largest difference found per checked leaf path (0.0 for identical copies).
-
-    Raises:
-      ReplicaMismatchError: naming each leaf whose copies differ, the devices whose copy
-        differs from its group's first, and the largest difference.
-
-    Example::
-
-        integrity.check_replicas(state.params)  # {'params/Dense_0/kernel': 0.0, ...}
+    """Checks that every copy of each (partly) replicated leaf of `tree` equals the first
+    copy of its slice within ``atol + rtol * |first copy|`` (NaN equals NaN), else raises
+    `ReplicaMismatchError`. Leaves without a `NamedSharding`, unreplicated ones and PRNG
+    keys are skipped. Returns the largest difference per checked leaf path, e.g.
+    ``{'params/Dense_0/kernel': 0.0, ...}``.
     """
     if atol < 0 or rtol < 0:
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
@@ -142,8 +121,6 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
     found: dict[str, float] = {}
     problems = []
     for mesh, leaves in by_mesh.items():
-        # Cheap first: one fingerprint per device and leaf. Only leaves whose copies'
-        # fingerprints differ are compared value by value (an all-reduce each).
         prints = np.asarray(jax.device_get(_fingerprints(
             mesh, tuple(leaf.sharding.spec for _, leaf, _ in leaves),
         )(*[leaf for _, leaf, _ in leaves]))).reshape(*mesh.devices.shape, len(leaves))
@@ -176,13 +153,8 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
 
 
 class ReplicaIntegrityAction(actions.Action):
-    """Runs `check_replicas` on the loop's state (every `interval` loops, or per its
-    trigger); raises `ReplicaMismatchError` when copies differ.
-
-    Example::
-
-        TrainLoop(step, end_actions=[integrity.ReplicaIntegrityAction(interval=10)])
-    """
+    """Runs `check_replicas` on the loop's state; raises `ReplicaMismatchError` when
+    copies differ."""
 
     def __init__(self, interval: int = 1, atol: float = 0.0, rtol: float = 0.0):
         super().__init__(interval)

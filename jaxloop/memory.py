@@ -1,19 +1,13 @@
 """Memory estimates before launch: what a compiled step needs on each device.
 
 `Step.memory_estimate(spec)` compiles a step for an abstract state and batch (nothing is
-allocated or run) and returns a `MemoryEstimate` built here from XLA's memory analysis of the
-compiled program, so a job that would run out of device memory is found before it is
-scheduled::
+allocated) and returns a `MemoryEstimate` from XLA's memory analysis of the per-device
+program, so a job that would not fit is found before it is scheduled::
 
     estimate = train_step.memory_estimate({'image': [256, 28, 28, 1],
                                            'label': ([256], 'int32')})
-    print(estimate)           # per-device arguments, outputs, temporaries, total
     if estimate.fits is False:
-        raise SystemExit('does not fit')
-
-The figures are XLA's for the program one device runs (an SPMD program is partitioned
-before it is analysed): under FSDP the arguments shrink with the number of devices, under
-data parallelism they do not.
+        raise SystemExit(str(estimate))
 """
 
 from __future__ import annotations
@@ -28,42 +22,27 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 def format_bytes(num: int | float) -> str:
-    """Bytes in binary units.
-
-    Example::
-
-        format_bytes(3 * 2**20)  # '3.00 MiB'
-    """
+    """Bytes in binary units: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
     value = float(num)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
+    for unit in _UNITS[:-1]:
+        if abs(value) < 1024:
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
-    raise AssertionError("unreachable")
+    return f"{value:.2f} {_UNITS[-1]}"
 
 
 def live_device_bytes() -> int:
-    """The bytes the devices hold in live arrays (`jax.live_arrays`), each buffer once: what
-    stays allocated between compiled programs (a program's temporaries are not arrays).
-    An array donated while it is read (from a thread beside the steps) counts as freed.
+    """The bytes the devices hold in live arrays (`jax.live_arrays`), each buffer once.
 
-    Example::
-
-        before = live_device_bytes()
-        state = step.initialize_model([1, 784])
-        print(format_bytes(live_device_bytes() - before))   # one state
+    An array donated while it is read (from another thread) counts as freed.
     """
     buffers = {}
     for x in jax.live_arrays():
         try:
-            # A shard's `.data` views the array's buffer: count each buffer once.
             held = {(s.device.id, s.data.unsafe_buffer_pointer()): s.data.nbytes
                     for s in x.addressable_shards}
         except (RuntimeError, TypeError):
-            # Only an array deleted or donated by a thread beside this read fails here, in
-            # one of three ways by how far the deletion got: jax's deleted-array error,
-            # XLA's donated-buffer error, or a shard list already dropped (TypeError). Its
-            # buffers are no longer held.
+            # Deleted or donated by another thread meanwhile: no longer held.
             continue
         buffers.update(held)
     return sum(buffers.values())
@@ -74,18 +53,12 @@ class MemoryEstimate:
     """Per-device bytes of a compiled step, from XLA's memory analysis.
 
     Attributes:
-      argument_bytes: the inputs one device holds (its shards of the state and the batch).
-      output_bytes: the outputs one device holds (new state, step outputs).
-      alias_bytes: the part of the outputs written into donated argument buffers (a
-        training step donates its state), counted once in `total_bytes`.
-      temp_bytes: temporaries XLA allocates while the step runs (activations, gradients,
-        collectives' buffers).
-      generated_code_bytes: the compiled program itself.
-      peak_bytes: XLA's own peak figure as the backend reports it, else None (not shown
-        by `str`: on CPU it leaves out the temporaries).
-      num_devices: the devices the step runs on.
-      device_kind: their kind (``jax.Device.device_kind``).
-      bytes_limit: memory of one device where the backend reports it (GPU, TPU), else None.
+      alias_bytes: the part of the outputs written into donated argument buffers, counted
+        once in `total_bytes`.
+      temp_bytes: temporaries XLA allocates while the step runs (activations, gradients).
+      peak_bytes: XLA's own peak figure where reported (not shown by `str`: on CPU it
+        leaves out the temporaries).
+      bytes_limit: memory of one device where the backend reports it (GPU, TPU).
     """
 
     argument_bytes: int
@@ -100,8 +73,8 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> int:
-        """Arguments + outputs - aliased outputs + temporaries: what one device holds at
-        most while the step runs (the upper bound XLA's figures give)."""
+        """Arguments + outputs - aliased outputs + temporaries: an upper bound of what one
+        device holds while the step runs."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     @property
@@ -111,50 +84,30 @@ class MemoryEstimate:
 
     @classmethod
     def from_compiled(cls, compiled: Any, devices: Any = None) -> MemoryEstimate:
-        """The estimate of a compiled program (``jax.jit(f).lower(...).compile()``).
-
-        Args:
-          compiled: a `jax.stages.Compiled`.
-          devices: the devices it runs on (a mesh's devices); their number and kind are
-            reported, and the memory limit of one of this process's devices.
-
-        Raises:
-          RuntimeError: the backend gives no memory analysis.
-
-        Example::
-
-            compiled = jax.jit(f).lower(x).compile()
-            MemoryEstimate.from_compiled(compiled, jax.devices())
-        """
+        """The estimate of a `jax.stages.Compiled` that runs on `devices` (default: all);
+        RuntimeError where the backend gives no memory analysis."""
         stats = compiled.memory_analysis()
         if isinstance(stats, list | tuple):
             stats = stats[0] if stats else None
         if stats is None:
             raise RuntimeError(
                 f"XLA gives no memory analysis on this backend ({jax.default_backend()}); "
-                "estimate on a machine of the target kind"
-            )
+                "estimate on a machine of the target kind")
         devices = jax.devices() if devices is None else list(np.ravel(devices))
         local = [d for d in devices if d.process_index == jax.process_index()] or devices
-        limit = None
         try:
             memory = local[0].memory_stats()
         except Exception:  # noqa: BLE001 (backends without memory stats raise)
             memory = None
-        if memory:
-            limit = memory.get("bytes_limit")
+        limit = memory.get("bytes_limit") if memory else None
         peak = getattr(stats, "peak_memory_in_bytes", 0)
         return cls(
             argument_bytes=int(stats.argument_size_in_bytes),
             output_bytes=int(stats.output_size_in_bytes),
-            alias_bytes=int(stats.alias_size_in_bytes),
-            temp_bytes=int(stats.temp_size_in_bytes),
+            alias_bytes=int(stats.alias_size_in_bytes), temp_bytes=int(stats.temp_size_in_bytes),
             generated_code_bytes=int(stats.generated_code_size_in_bytes),
-            peak_bytes=int(peak) if peak else None,
-            num_devices=len(devices),
-            device_kind=local[0].device_kind,
-            bytes_limit=int(limit) if limit else None,
-        )
+            peak_bytes=int(peak) if peak else None, num_devices=len(devices),
+            device_kind=local[0].device_kind, bytes_limit=int(limit) if limit else None)
 
     def __str__(self) -> str:
         rows = [

@@ -1,11 +1,8 @@
 """Parameter table: what a state holds and where, as readable text.
 
-One row per array leaf: its path, shape, dtype, sharding (the `PartitionSpec` of a
-`NamedSharding`), the bytes one device holds of it, and its whole size; then totals (the
-element count of ``params``, all bytes, and the most bytes any one device holds). It works
-on a state of arrays and on an abstract one (`Step.abstract_state`), so a layout can be read
-before anything is allocated. `OuterLoop` logs it when training starts (process 0) and
-`run_record.write` puts it in TensorBoard's text tab.
+One row per array leaf (path, shape, dtype, sharding, bytes on one device, bytes in all),
+then totals; it works on abstract states too (`Step.abstract_state`), before anything is
+allocated. `OuterLoop` logs it when training starts.
 
 Example::
 
@@ -30,8 +27,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One leaf: ``path``, ``shape``, ``dtype``, ``sharding`` (as text), ``bytes_per_device``
-    (of the device holding the most of it) and ``bytes`` (the whole array, once)."""
+    """One leaf; ``bytes_per_device`` is that of the device holding the most of it."""
 
     path: str
     shape: tuple[int, ...]
@@ -59,11 +55,9 @@ def _itemsize(dtype: Any) -> int:
 
 
 def _leaves(tree: Any) -> list[tuple[str, Any]]:
-    out = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            out.append((jax.tree_util.keystr(path, simple=True, separator="/"), leaf))
-    return out
+    return [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+            if hasattr(leaf, "shape") and hasattr(leaf, "dtype")]
 
 
 def _per_device(leaf: Any) -> dict[Any, int]:
@@ -92,9 +86,8 @@ def rows(tree: Any) -> list[Row]:
 
 
 def totals(tree: Any) -> dict[str, int]:
-    """``params`` (elements of the ``params`` subtree, or of all leaves if there is none),
-    ``bytes`` (all leaves, once each) and ``max_bytes_per_device`` (the device holding the
-    most bytes of the state)."""
+    """``params`` (elements of the ``params`` subtree, else of all leaves), ``bytes`` and
+    ``max_bytes_per_device``."""
     leaves = _leaves(tree)
     params_tree = getattr(tree, "params", None)
     counted = _leaves(params_tree) if params_tree is not None else leaves
@@ -109,11 +102,11 @@ def totals(tree: Any) -> dict[str, int]:
 
 
 def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n} B"
+    return f"{n:.1f} GiB"
 
 
 def _cells(tree: Any) -> tuple[list[str], list[list[str]], str]:
@@ -127,12 +120,7 @@ def _cells(tree: Any) -> tuple[list[str], list[list[str]], str]:
 
 
 def table(tree: Any) -> str:
-    """The table as aligned plain text (for logs and notebooks), totals last.
-
-    Example::
-
-        print(param_table.table(step.abstract_state([1, 28, 28, 1])))
-    """
+    """The table as aligned plain text, totals last."""
     header, body, summary = _cells(tree)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
@@ -142,7 +130,7 @@ def table(tree: Any) -> str:
 
 
 def markdown(tree: Any) -> str:
-    """The table in Markdown (TensorBoard's text tab renders it), totals last."""
+    """The table in Markdown (for TensorBoard's text tab), totals last."""
     header, body, summary = _cells(tree)
     lines = ["| " + " | ".join(r) + " |" for r in [header, *body]]
     lines.insert(1, "|" + " --- |" * len(header))

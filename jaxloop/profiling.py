@@ -1,24 +1,15 @@
 """Profiling: capture a `jax.profiler` trace of a chosen range of steps.
 
-`ProfileAction` is a step-level action: give the same instance to a Step as a begin action
-and as an end action. It starts a trace before step `start_step` of the first loop that
-reaches it and stops it after step ``start_step + num_steps - 1``, writing TensorBoard's
-profile plugin files (``logdir/plugins/profile/<run>/*.xplane.pb``). View them with
-``tensorboard --logdir LOGDIR`` (Profile tab) or https://ui.perfetto.dev.
+`ProfileAction`, given to a Step as both a begin and an end action, traces steps
+``start_step .. start_step + num_steps - 1`` (numbered within their loop, from 1) of the first
+loop that reaches them, into TensorBoard's profile plugin files under `logdir`. It waits for
+the device at both ends of the range only, so the trace holds exactly those steps' work.
 
 Example::
 
     profile = profiling.ProfileAction(workdir / 'profile', start_step=10, num_steps=5)
     train_step = MyStep(key, model, optimizer, train=True,
                         begin_actions=[profile], end_actions=[profile])
-    outer(state, train_dataset, train_total_steps=1000, train_loop_steps=100)
-    # a trace of steps 10..14 of the first train loop is in workdir/profile
-
-Steps are numbered within their loop (``per_loop_step_number``, from 1), which the host
-knows without asking the device. With ``steps_per_execution=k`` the loop starts an
-execution at `start_step` and ends one after the last traced step, so the trace shows the
-fused executions as they normally run. The action waits for the device at both ends of the
-range (so the trace holds exactly those steps' device work); no other step waits.
 """
 
 from __future__ import annotations
@@ -37,18 +28,8 @@ log = logging.getLogger(__name__)
 class ProfileAction(actions.Action):
     """Traces steps ``start_step .. start_step + num_steps - 1`` of a loop, once.
 
-    Args:
-      logdir: where the trace goes (a TensorBoard log directory, e.g. the workdir).
-      start_step: the first traced step, counted within its loop from 1.
-      num_steps: how many steps to trace.
-
-    If the loop ends before the range does, the trace stops before the next loop's first
-    step (or call `close`). Use it as a step action only (a Step's begin and end actions).
-
-    Example::
-
-        profile = ProfileAction('/tmp/workdir', start_step=3, num_steps=2)
-        step = MyStep(key, model, train=True, begin_actions=[profile], end_actions=[profile])
+    A step action only (a Step's begin and end actions). If the loop ends inside the range,
+    the trace stops before the next loop's first step (or at `close`).
     """
 
     def __init__(self, logdir: str | os.PathLike[str], start_step: int = 2, num_steps: int = 5):
@@ -73,9 +54,8 @@ class ProfileAction(actions.Action):
         return self._done
 
     def fires_at(self, per_loop_step_number: int, begin: bool) -> bool:
-        """Before `start_step` and after the last traced step (see `step.action_fires`);
-        while tracing, also before the early steps of a new loop, to stop a trace that the
-        previous loop left running."""
+        """Before `start_step` and after the last traced step; while tracing, also before
+        a new loop's early steps, to stop a trace the previous loop left running."""
         if self._done:
             return False
         if begin:
@@ -97,7 +77,7 @@ class ProfileAction(actions.Action):
             self.close()
 
     def close(self) -> None:
-        """Stops a trace still running (e.g. when training ended inside the range)."""
+        """Stops a trace still running."""
         if self._tracing:
             jax.profiler.stop_trace()
             self._tracing = False

@@ -1,9 +1,7 @@
 """Run record: what a run was, written once when it starts.
 
-`write` collects the configuration (hyperparameters), the versions of the packages the run
-depends on, the devices (kinds, counts, processes) and the mesh, and writes them as
-``run.json`` in the work directory and as TensorBoard hparams through a metric writer, so a
-result can always be traced back to the code and hardware that produced it.
+`write` records the configuration, package versions, devices and mesh as ``run.json`` in the
+work directory and as TensorBoard hparams, so a result can be traced to its code and hardware.
 
 Example::
 
@@ -35,12 +33,10 @@ __all__ = ["FILE_NAME", "PACKAGES", "collect", "hparams", "write"]
 
 FILE_NAME = "run.json"
 
-PACKAGES = (
-    "jaxloop", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "clu",
-    "numpy", "tensorflow-datasets", "tensorflow", "tensorflow-cpu", "jax-cuda12-plugin",
-    "libtpu", "mlflow-skinny", "mlflow", "wandb",
-)
-"""Packages whose versions are recorded when installed (read from metadata, not imported)."""
+PACKAGES = ("jaxloop", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "clu",
+            "numpy", "tensorflow-datasets", "tensorflow", "tensorflow-cpu", "jax-cuda12-plugin",
+            "libtpu", "mlflow-skinny", "mlflow", "wandb")
+"""Packages whose installed versions are recorded (read from metadata, not imported)."""
 
 
 def _plain(value: Any) -> Any:
@@ -73,10 +69,9 @@ def _versions() -> dict[str, str]:
 
 
 def _devices() -> dict[str, Any]:
-    kinds = collections.Counter(d.device_kind for d in jax.devices())
     return {
         "platform": jax.default_backend(),
-        "kinds": dict(kinds),
+        "kinds": dict(collections.Counter(d.device_kind for d in jax.devices())),
         "count": jax.device_count(),
         "local_count": jax.local_device_count(),
         "process_count": jax.process_count(),
@@ -91,12 +86,10 @@ def _mesh(mesh: Any) -> dict[str, Any] | None:
 
 
 def collect(config: Any = None, mesh: Any = None) -> dict[str, Any]:
-    """The run record as a JSON-safe dict (see `write`); needs no directory.
+    """The run record as a JSON-safe dict (see `write`).
 
-    Args:
-      config: the hyperparameters: a mapping, dataclass, `argparse.Namespace` or
-        ``ml_collections.ConfigDict``.
-      mesh: a `jax.sharding.Mesh` or a partitioner (its mesh is recorded).
+    `config` may be a mapping, dataclass, `argparse.Namespace` or ``ConfigDict``; `mesh` a
+    `jax.sharding.Mesh` or a partitioner.
     """
     return {
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -110,8 +103,8 @@ def collect(config: Any = None, mesh: Any = None) -> dict[str, Any]:
 
 
 def hparams(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The flat name -> value view of a record that `write` gives to ``write_hparams``:
-    the config under its own names, the rest under ``run.``."""
+    """The flat view of a record given to ``write_hparams``: the config under its own
+    names, the rest under ``run.``."""
     flat = dict(record["config"])
     flat["run.versions"] = dict(record["versions"])
     flat["run.devices"] = {
@@ -126,34 +119,13 @@ def hparams(record: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def write(
-    workdir: str | os.PathLike[str] | None,
-    config: Any = None,
-    mesh: Any = None,
-    writer: Any = None,
-    state: Any = None,
-) -> dict[str, Any]:
+def write(workdir: str | os.PathLike[str] | None, config: Any = None, mesh: Any = None,
+          writer: Any = None, state: Any = None) -> dict[str, Any]:
     """Records this run: ``workdir/run.json`` and hparams through `writer`; returns it.
 
-    With `state` (arrays or abstract, e.g. `Step.abstract_state`), the record holds its
-    `param_table.totals` under ``state`` and `writer` also gets the parameter table
-    (`param_table.markdown`) as the text ``parameters`` at step 0 (TensorBoard's text tab).
-
-    Only process 0 writes (every process returns the record). A resumed run replaces
-    ``run.json`` with the record of its own start; the earlier one is kept as
-    ``run.<started>.json``.
-
-    Args:
-      workdir: where ``run.json`` goes (None: no file).
-      config: the hyperparameters (see `collect`).
-      mesh: a `jax.sharding.Mesh` or a partitioner.
-      writer: a metric writer (``write_hparams``), e.g. from
-        `writers.create_default_writer`, or None.
-      state: the train state, for its parameter table (or None).
-
-    Example::
-
-        run_record.write(workdir, config=vars(args), mesh=partitioner, writer=writer)
+    With `state` (arrays or abstract), the record holds its `param_table.totals` and
+    `writer` gets the parameter table as the text ``parameters`` at step 0. Only process 0
+    writes. A resumed run keeps the earlier record as ``run.<started>.json``.
     """
     record = collect(config, mesh)
     if state is not None:

@@ -2,11 +2,8 @@
 
 Example::
 
-    from jaxloop import actions
-    from jaxloop.step_number_writer import LocalFileStepNumberWriter
-
-    train_loop = TrainLoop(step, end_actions=[
-        actions.StepNumberAction(LocalFileStepNumberWriter(workdir / 'steps.txt'))])
+    TrainLoop(step, end_actions=[actions.StepNumberAction(
+        step_number_writer.LocalFileStepNumberWriter(workdir / 'steps.txt'))])
 """
 
 from jaxloop.step_number_writer import local_file_step_number_writer, step_number_writer

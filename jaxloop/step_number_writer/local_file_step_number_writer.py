@@ -12,17 +12,12 @@ from jaxloop.step_number_writer import step_number_writer
 class LocalFileStepNumberWriter(step_number_writer.StepNumberWriter):
     """Appends ``timestamp_ms:<ms>,step_number:<n>`` lines to a local file.
 
-    Construction creates the file empty (truncating an old one, so a restarted job shows
-    as initialising again) and its parent directories. Each `write` appends one whole line
-    with a single write call, so a reader never sees half a line.
-
-    Args:
-      file_path: the file to write.
+    Construction creates the file empty (so a restarted job shows as initialising again);
+    each `write` appends one whole line in one call, so a reader never sees half a line.
 
     Example::
 
-        writer = LocalFileStepNumberWriter('/tmp/run/steps.txt')
-        writer.write(100)   # the file now ends with "timestamp_ms:1732212345678,step_number:100"
+        LocalFileStepNumberWriter('/tmp/run/steps.txt').write(100)
     """
 
     def __init__(self, file_path: str | os.PathLike[str]):
