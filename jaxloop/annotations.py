@@ -61,8 +61,7 @@ def checked_rules(rules: Sequence[tuple[str, Any]] | None, mesh: Mesh) -> Rules:
         if unknown:
             raise ValueError(
                 f"logical_axis_rules map {name!r} to {unknown}, which the mesh "
-                f"{dict(mesh.shape)} does not have"
-            )
+                f"{dict(mesh.shape)} does not have")
     return rules
 
 
@@ -83,8 +82,7 @@ def _resolve(box: Any, path: tuple, mesh: Mesh, rules: Rules) -> tuple:
             f"State leaf {path_str(path)}: partitioning annotation {names} names "
             f"{unknown}, which "
             f"{'have no logical axis rule' if logical else 'are neither mesh axes nor rules'}. "
-            f"Mesh axes: {list(mesh.axis_names)}; logical_axis_rules: {list(rules)}"
-        )
+            f"Mesh axes: {list(mesh.axis_names)}; logical_axis_rules: {list(rules)}")
     if not any(n in rule_names for n in strs):
         return names
     # Names that are mesh axes without a rule are kept as they are.
@@ -115,8 +113,7 @@ def leaf_axes(x: Any, path: tuple, mesh: Mesh, rules: Rules = ()) -> list:
                 raise ValueError(
                     f"State leaf {path_str(path)}: partitioning annotation "
                     f"{tuple(x.names)} resolves to mesh axis {a!r}, which the mesh "
-                    f"{dict(mesh.shape)} does not have"
-                )
+                    f"{dict(mesh.shape)} does not have")
     return axes
 
 

@@ -32,8 +32,7 @@ Model = nn.Module | type[nnx.Module] | nnx.Module
 
 # The mode a Step traces its `run` in (True: train, False: eval, None: outside a Step).
 _TRAIN_MODE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "jaxloop_train_mode", default=None
-)
+    "jaxloop_train_mode", default=None)
 
 # The collections an nnx model's non-parameter variables go to, by variable type.
 _BATCH_STATS = "batch_stats"
@@ -108,17 +107,13 @@ class NnxAdapter(ModelAdapter):
     """An nnx module class (built with its arguments) or instance (cloned). Variables other
     than ``nnx.Param``, ``nnx.BatchStat`` and RNG streams are an error."""
 
-    def __init__(
-        self,
-        model: type[nnx.Module] | nnx.Module,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ):
+    def __init__(self, model: type[nnx.Module] | nnx.Module, args: Sequence[Any] = (),
+                 kwargs: Mapping[str, Any] | None = None):
         self._model = model
         self._args = tuple(args)
         self._kwargs = dict(kwargs or {})
         self._graphdef: Any = None
-        # No arrays: init may run abstractly.
+        # The RNG state's shapes only: init may run abstractly.
         self._rng_layout: dict | None = None
 
     def _build(self, base_prng: types.PRNGType) -> nnx.Module:
@@ -137,22 +132,18 @@ class NnxAdapter(ModelAdapter):
 
     def _variables(self, model: nnx.Module) -> Variables:
         graphdef, params, stats, rngs, rest = nnx.split(
-            model, nnx.Param, nnx.BatchStat, nnx.RngState, ...
-        )
+            model, nnx.Param, nnx.BatchStat, nnx.RngState, ...)
         others = list(nnx.to_flat_state(rest))
         if others:
             listed = ", ".join(
-                f"{'/'.join(map(str, path))} ({type(var).__name__})" for path, var in others[:5]
-            )
+                f"{'/'.join(map(str, path))} ({type(var).__name__})" for path, var in others[:5])
             raise ValueError(
                 f"{type(model).__name__} holds variables that are neither nnx.Param, "
                 f"nnx.BatchStat nor RNG streams: {listed}. A TrainState carries params and "
-                "batch_stats; make carried statistics nnx.BatchStat variables."
-            )
+                "batch_stats; make carried statistics nnx.BatchStat variables.")
         self._graphdef = graphdef
         self._rng_layout = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rngs.to_pure_dict()
-        )
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rngs.to_pure_dict())
         variables: Variables = {"params": _map_variables(params, _param_leaf)}
         stats_dict = stats.to_pure_dict()
         if stats_dict:
@@ -168,20 +159,14 @@ class NnxAdapter(ModelAdapter):
 
         return jax.tree.map(make, self._rng_layout or {})
 
-    def apply(
-        self,
-        variables: Mapping[str, Any],
-        *args: Any,
-        rngs: Mapping[str, jax.Array] | jax.Array | None = None,
-        mutable: Any = False,
-        **kwargs: Any,
-    ) -> Any:
+    def apply(self, variables: Mapping[str, Any], *args: Any,
+              rngs: Mapping[str, jax.Array] | jax.Array | None = None, mutable: Any = False,
+              **kwargs: Any) -> Any:
         if self._graphdef is None:
             raise ValueError("The nnx model was not initialised: call Step.initialize_model")
         if "params" not in variables:
             raise ValueError(
-                f"apply_fn needs variables with 'params'; got keys {sorted(variables)}"
-            )
+                f"apply_fn needs variables with 'params'; got keys {sorted(variables)}")
         stats = variables.get(_BATCH_STATS) or {}
         model = nnx.merge(self._graphdef, variables["params"], stats, self._placeholder_rngs())
         given = _stream_keys(rngs)
@@ -192,10 +177,8 @@ class NnxAdapter(ModelAdapter):
         counts = {id(s): s.count.get_value() for s in streams}
         train = _TRAIN_MODE.get()
         if train is not None:
-            model.set_attributes(
-                deterministic=not train, use_running_average=not train,
-                raise_if_not_found=False,
-            )
+            model.set_attributes(deterministic=not train, use_running_average=not train,
+                                 raise_if_not_found=False)
         out = model(*args, **kwargs)
         unseeded = sorted({
             s.key.tag for s in streams
@@ -206,8 +189,7 @@ class NnxAdapter(ModelAdapter):
                 f"{type(model).__name__} drew random numbers from the RNG stream(s) "
                 f"{unseeded}, but apply_fn was given no key for them (got rngs for "
                 f"{sorted(given)}). Pass e.g. rngs={{'{unseeded[0]}': "
-                "self.prng_key(state.step)}} so each step draws fresh, reproducible numbers."
-            )
+                "self.prng_key(state.step)}} so each step draws fresh, reproducible numbers.")
         if not mutable:
             return out
         _, _, new_stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
@@ -225,11 +207,8 @@ def _stream_keys(rngs: Mapping[str, jax.Array] | jax.Array | None) -> dict[str, 
     return {"default": rngs, "dropout": rngs}
 
 
-def adapt(
-    model: Model,
-    nnx_model_args: Sequence[Any] | None = None,
-    nnx_model_kwargs: Mapping[str, Any] | None = None,
-) -> ModelAdapter:
+def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
+          nnx_model_kwargs: Mapping[str, Any] | None = None) -> ModelAdapter:
     """The adapter for a linen module instance, an nnx module class or an nnx instance.
 
     Example::
@@ -243,22 +222,19 @@ def adapt(
         if nnx_model_args is None:
             raise ValueError(
                 f"{model.__name__} is an nnx module class: pass its constructor arguments "
-                "as nnx_model_args=(...) (use () when it takes none besides rngs)"
-            )
+                "as nnx_model_args=(...) (use () when it takes none besides rngs)")
         return NnxAdapter(model, nnx_model_args, nnx_model_kwargs)
     if isinstance(model, nn.Module | nnx.Module):
         if nnx_model_args is not None or nnx_model_kwargs:
             raise ValueError(
                 f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are "
                 f"only for nnx module classes; {type(model).__name__} is an already "
-                "constructed module"
-            )
+                "constructed module")
         if isinstance(model, nn.Module):
             return LinenAdapter(model)
         return NnxAdapter(model)
     raise TypeError(
-        f"model must be a flax linen module instance or an nnx module class, got {model!r}"
-    )
+        f"model must be a flax linen module instance or an nnx module class, got {model!r}")
 
 
 def _map_variables(state: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:

@@ -47,8 +47,7 @@ def _checked_axes(mesh: Mesh, axes: str | Sequence[str] | None, name: str) -> Ax
     if unknown:
         raise ValueError(
             f"{name} {axes!r}: {', '.join(map(repr, unknown))} is not an axis of the mesh "
-            f"{dict(mesh.shape)}"
-        )
+            f"{dict(mesh.shape)}")
     if len(set(names)) != len(names):
         raise ValueError(f"{name} {axes!r} names an axis twice")
     if not names:
@@ -167,8 +166,7 @@ class Partitioner(abc.ABC):
                 shardings = self._shardings_of_new(abstract)
             return jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                annotations.unboxed(abstract), shardings,
-            )
+                annotations.unboxed(abstract), shardings)
 
         return abstract_init
 
@@ -311,14 +309,10 @@ class SPMDPartitioner(Partitioner):
         #     init, ('embed', 'mlp')))
     """
 
-    def __init__(
-        self,
-        mesh: Mesh,
-        data_axis: str | Sequence[str] | None = "data",
-        logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
-        fsdp_min_weight_size: int | None = None,
-        fsdp_axis: str | Sequence[str] | None = None,
-    ):
+    def __init__(self, mesh: Mesh, data_axis: str | Sequence[str] | None = "data",
+                 logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
+                 fsdp_min_weight_size: int | None = None,
+                 fsdp_axis: str | Sequence[str] | None = None):
         super().__init__(mesh, data_axis)
         rules = annotations.checked_rules(logical_axis_rules, mesh)
         if fsdp_min_weight_size is not None and fsdp_min_weight_size < 0:
