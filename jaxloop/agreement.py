@@ -30,13 +30,7 @@ _MIN_BYTES = 64
 
 def gathered(value: Any) -> list[Any]:
     """Every process's `value` (JSON-serialisable; tuples come back as lists), in process
-    order, on every process.
-
-    Example::
-
-        failures = agreement.gathered(None if ok else str(error))
-        if any(failures): ...  # the same answer on every process
-    """
+    order, on every process."""
     if jax.process_count() == 1:
         return [value]
     from jax.experimental import multihost_utils  # noqa: PLC0415
@@ -51,24 +45,13 @@ def gathered(value: Any) -> list[Any]:
 
 
 def agreed(decide: Callable[[], T]) -> T:
-    """Process 0's ``decide()`` (JSON-serialisable) on every process; others do not call it.
-
-    Example::
-
-        steps = agreement.agreed(lambda: checkpoint.all_steps(directory))
-    """
+    """Process 0's ``decide()`` (JSON-serialisable) on every process; others do not call it."""
     return gathered(decide() if jax.process_index() == 0 else None)[0]
 
 
 def summed(counts: Sequence[float], dtype: Any = np.float64) -> list[Any]:
     """Each of this process's `counts` summed with the same position's count of every
-    process (as `dtype`), on every process: one collective; with one process, `counts`.
-
-    Example::
-
-        total_tokens, = agreement.summed([local_tokens])
-        examples = agreement.summed(local_counts, np.int64)  # one per eval metric
-    """
+    process (as `dtype`), on every process: one collective; with one process, `counts`."""
     if jax.process_count() == 1:
         return list(counts)
     from jax.experimental import multihost_utils  # noqa: PLC0415

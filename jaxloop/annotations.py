@@ -96,11 +96,8 @@ def _resolve(box: Any, path: tuple, mesh: Mesh, rules: Rules) -> tuple:
 
 def leaf_axes(x: Any, path: tuple, mesh: Mesh, rules: Rules = ()) -> list:
     """The mesh axis (or None) of each dimension of a state leaf, from its annotation box;
-    all None without one or when not shaped like it (optax's factored moments).
-
-    Raises:
-      ValueError: an annotation naming an axis that is neither a mesh axis nor a rule.
-    """
+    all None without one or when not shaped like it (optax's factored moments). A name
+    that is neither a mesh axis nor a rule is a ValueError."""
     shape = np.shape(x.value if is_box(x) else x)
     axes: list = [None] * len(shape)
     if isinstance(x, meta.Partitioned):
@@ -155,9 +152,6 @@ def with_logical_constraint(x: Any, names: Any, rules: Sequence[tuple[str, Any]]
         # in a linen module's __call__, run by a step under SPMDPartitioner(
         #     mesh, logical_axis_rules=[('batch', 'data'), ('mlp', 'model')])
         h = partition.with_logical_constraint(h, ('batch', 'mlp'))
-
-    Raises:
-      ValueError: a logical name has no rule.
     """
     active = tuple(rules) if rules is not None else tuple(
         core_spmd.get_logical_axis_rules() or ())

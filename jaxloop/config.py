@@ -32,12 +32,7 @@ T = TypeVar("T")
 def parse(config_type: type[T], argv: Sequence[str] | None = None,
           description: str | None = None) -> T:
     """The `config_type` dataclass with its defaults overridden by `argv` (default:
-    ``sys.argv[1:]``); a bad override exits through argparse.
-
-    Example::
-
-        config = config_lib.parse(Config, ['--learning-rate', '0.1'])
-    """
+    ``sys.argv[1:]``); a bad override exits through argparse."""
     if not (isinstance(config_type, type) and dataclasses.is_dataclass(config_type)):
         raise TypeError(f"config_type must be a dataclass type, got {config_type!r}")
     try:

@@ -119,11 +119,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     ``HOST:PORT``, reachable from every host. With ``num_processes == 1`` and no address,
     nothing is initialised; a second call with the same (or no) settings is a no-op.
 
-    Example::
-
-        distributed.initialize('10.0.0.1:1234', num_processes=2, process_id=0)  # host 0
-        distributed.initialize('10.0.0.1:1234', num_processes=2, process_id=1)  # host 1
-
     Raises:
       ValueError: a malformed or missing setting.
       TypeError: an argument of the wrong type.

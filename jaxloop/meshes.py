@@ -57,12 +57,7 @@ def axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
 def make_mesh(sizes: Mapping[str, int],
               devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh with these axes (one size may be -1) over `devices` (default all) in process
-    order, so trailing axes lie within a host when their product divides its devices.
-
-    Example::
-
-        mesh = make_mesh({'data': -1, 'fsdp': 2, 'tensor': 2})  # 8 devices: 2 x 2 x 2
-    """
+    order, so trailing axes lie within a host when their product divides its devices."""
     devices = list(jax.devices() if devices is None else devices)
     shape = axis_sizes(sizes, len(devices))
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))

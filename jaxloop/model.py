@@ -58,12 +58,7 @@ def training_mode(train: bool) -> Iterator[None]:
 
 def init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
     """The named keys a model is initialised with: a key becomes ``params`` and ``dropout``
-    keys; a dict is used as given, with ``params`` (its first key) added when missing.
-
-    Example::
-
-        init_rngs(jax.random.key(0))  # {'params': ..., 'dropout': ...}
-    """
+    keys; a dict is used as given, with ``params`` (its first key) added when missing."""
     if isinstance(base_prng, Mapping):
         rngs = dict(base_prng)
         rngs.setdefault("params", next(iter(rngs.values())))

@@ -56,12 +56,7 @@ def _checked_axes(mesh: Mesh, axes: str | Sequence[str] | None, name: str) -> Ax
 
 
 def axes_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
-    """The number of devices along `axes` (one mesh axis or several; 1 for None).
-
-    Example::
-
-        axes_size(mesh, ('replica', 'fsdp'))  # mesh.shape['replica'] * mesh.shape['fsdp']
-    """
+    """The number of devices along `axes` (one mesh axis or several; 1 for None)."""
     if axes is None:
         return 1
     names = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -153,12 +148,7 @@ class Partitioner(abc.ABC):
 
     def abstract_init_fn(self, init_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
         """Like `shard_init_fn`, but the state is only described: `jax.ShapeDtypeStruct`
-        leaves with the shardings `shard_init_fn` would give them.
-
-        Example::
-
-            abstract = partitioner.abstract_init_fn(create_state)(example_batch)
-        """
+        leaves with the shardings `shard_init_fn` would give them."""
 
         def abstract_init(*args: Any, **kwargs: Any) -> PyTree:
             with self._mesh_context():
@@ -202,12 +192,7 @@ class Partitioner(abc.ABC):
     def shard_batch(self, batch: PyTree) -> PyTree:
         """This process's batch as global arrays split along the data axis; leaves already
         placed pass through. The one place a step's batch is placed, so a subclass or a
-        patched method (as google's notebooks do) decides how batches land.
-
-        Example::
-
-            sharded = partitioner.shard_batch({'x': np.ones((32, 784)), 'y': np.zeros(32)})
-        """
+        patched method (as google's notebooks do) decides how batches land."""
         return staging.place(self, batch)
 
     def shard_stacked_batch(self, batch: PyTree) -> PyTree:
@@ -305,8 +290,6 @@ class SPMDPartitioner(Partitioner):
             mesh, data_axis='data',
             logical_axis_rules=[('batch', 'data'), ('embed', None), ('mlp', 'model')],
             fsdp_min_weight_size=2**12)
-        # in the model: nn.Dense(1024, kernel_init=nn.with_logical_partitioning(
-        #     init, ('embed', 'mlp')))
     """
 
     def __init__(self, mesh: Mesh, data_axis: str | Sequence[str] | None = "data",

@@ -45,10 +45,8 @@ class Interrupted(KeyboardInterrupt):
 
     Example::
 
-        try:
-            state, outputs = outer(state, train_dataset=it, train_total_steps=10_000)
-        except preemption.Interrupted as stop:
-            state = stop.state          # continue later from here
+        except preemption.Interrupted as stop:  # around an OuterLoop call
+            state = stop.state  # continue later from here
     """
 
     def __init__(self, state: Any, step: int | None, saved: bool):

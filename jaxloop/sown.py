@@ -63,11 +63,8 @@ class Recorder:
                 self._values[key] = jax.lax.stop_gradient(leaf)
 
     def outputs(self, outputs: Any) -> dict[str, Any]:
-        """`outputs` (a mapping or None) with the recorded values added.
-
-        Raises:
-          ValueError: a name clash, or a value recorded inside a transformation.
-        """
+        """`outputs` (a mapping or None) with the recorded values added; a ValueError for a
+        name clash or a value recorded inside a transformation."""
         merged = dict(outputs or {})
         for key, value in self._values.items():
             if key in merged:
@@ -97,11 +94,8 @@ def _names(path: tuple) -> list[str]:
 
 def record(state: Any, collections: Sequence[str], scalars_only: bool = True
            ) -> tuple[Any, Recorder]:
-    """`state` with an ``apply_fn`` that records `collections`, and the `Recorder`.
-
-    Raises:
-      TypeError: the state has no ``apply_fn`` to record from.
-    """
+    """`state` with an ``apply_fn`` that records `collections`, and the `Recorder` (a
+    TypeError for a state without ``apply_fn``)."""
     if not hasattr(state, "apply_fn") or not hasattr(state, "replace"):
         raise TypeError(
             f"Step(sown=...) records the collections of state.apply_fn, but the state "

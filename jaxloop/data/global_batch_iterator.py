@@ -2,12 +2,6 @@
 
 The position is the next global batch, so it restores under any number of processes; a
 position a few batches back is restored without restarting grain's workers.
-
-Example::
-
-    it = iter(GlobalBatchDataset(ArraySource({'x': x}), global_batch_size=64))
-    next(it)
-    it.get_state()  # {'next_batch': 1, 'global_batch_size': 64, ...}
 """
 
 from __future__ import annotations

@@ -98,10 +98,6 @@ class GlobalBatchDataset(Iterable[Batch]):
         is completed with zeros and every (dict) batch gets a boolean ``batch[mask_key]``
         that is True for real examples.
       num_workers: grain worker processes that read the batches (0: read in the caller).
-
-    Raises:
-      ValueError: `global_batch_size` does not divide by the process count, or another
-        argument is out of range.
     """
 
     def __init__(self, source: Any, global_batch_size: int, *, seed: int = 0,

@@ -34,14 +34,10 @@ def _tensorflow() -> Any:
     return sys.modules.get("tensorflow")
 
 
-def _is_tf_dataset(obj: Any) -> bool:
+def _is_tf(obj: Any, kind: str) -> bool:
+    """Whether `obj` is a ``tf.data.<kind>`` (``Dataset``, ``Iterator``)."""
     tf = _tensorflow()
-    return tf is not None and isinstance(obj, tf.data.Dataset)
-
-
-def _is_tf_iterator(obj: Any) -> bool:
-    tf = _tensorflow()
-    return tf is not None and isinstance(obj, tf.data.Iterator)
+    return tf is not None and isinstance(obj, getattr(tf.data, kind))
 
 
 class _TFToNumpyIterator(Iterator[Batch]):
@@ -73,21 +69,18 @@ def as_iterator(dataset: Any) -> Iterator[Batch]:
     """An iterator over `dataset`: iterators as they are (tf.data's yielding numpy), grain
     datasets and random-access sources (tfds, grain, `ArraySource`: single examples) as
     checkpointable grain iterators, a ``tf.data.Dataset`` as its numpy iterator, any other
-    iterable as ``iter(dataset)``.
+    iterable as ``iter(dataset)``; anything else is a TypeError.
 
     Example::
 
         it = as_iterator([{'x': np.ones((8, 2))}, {'x': np.zeros((8, 2))}])
         batch = next(it)
-
-    Raises:
-      TypeError: `dataset` is not iterable.
     """
-    if _is_tf_iterator(dataset):
+    if _is_tf(dataset, "Iterator"):
         return _TFToNumpyIterator(dataset)
     if isinstance(dataset, collections.abc.Iterator):
         return dataset
-    if _is_tf_dataset(dataset):
+    if _is_tf(dataset, "Dataset"):
         return _TFToNumpyIterator(dataset.as_numpy_iterator())
     if isinstance(dataset, grain.MapDataset | grain.IterDataset | grain.DataLoader):
         return iter(dataset)
@@ -103,12 +96,7 @@ def as_iterator(dataset: Any) -> Iterator[Batch]:
 
 def iterator_state(iterator: Any) -> dict[str, Any] | None:
     """The iterator's ``get_state()`` as a JSON-serialisable dict (a grain ``DataLoader``'s
-    bytes decoded), or None if it has none.
-
-    Example::
-
-        iterator_state(iter([1, 2]))  # None
-    """
+    bytes decoded), or None if it has none."""
     get_state = getattr(iterator, "get_state", None)
     if not callable(get_state):
         return None
@@ -132,11 +120,8 @@ def describe_iterator(iterator: Any) -> str:
 
 
 def restore_iterator_state(iterator: Any, state: Mapping[str, Any]) -> None:
-    """Restores a state returned by `iterator_state` into an iterator of the same kind.
-
-    Raises:
-      ValueError: the iterator has no ``set_state``.
-    """
+    """Restores a state returned by `iterator_state` into an iterator of the same kind (a
+    ValueError for one without ``set_state``)."""
     set_state = getattr(iterator, "set_state", None)
     if not callable(set_state):
         raise ValueError(
@@ -160,12 +145,7 @@ def absl_flags_usable() -> None:
 
 def reader(dataset: Any) -> Iterator[Batch]:
     """`as_iterator(dataset)`, ready to be read from another thread (a grain pipeline may
-    start worker processes).
-
-    Example::
-
-        it = reader(grain.MapDataset.source(source).batch(8).to_iter_dataset())
-    """
+    start worker processes)."""
     iterator = as_iterator(dataset)
     if isinstance(iterator, grain.DatasetIterator):
         absl_flags_usable()
