@@ -40,9 +40,8 @@ def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
         mesh = Mesh(devices, ('data', 'model'))
         batch_rows(mesh, 'data', 64)  # (0, 64) on both processes
 
-    Raises:
-      ValueError: the global batch does not divide by the data axis size, or this
-        process's data coordinates are not contiguous.
+    A global batch that does not divide by the data axes, or data coordinates of this
+    process that are not contiguous, are a ValueError.
     """
     if process_index is None:
         process_index = jax.process_index()
