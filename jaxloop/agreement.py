@@ -1,15 +1,9 @@
-"""Multi-process decisions: made once, on process 0, and taken by every process.
+"""Multi-process decisions: made once and taken by every process.
 
-In a multi-process job every process must run the same collectives in the same order
-(restores, saves, steps, evaluations). A decision that gates one (is a time-based save due,
-which checkpoints does continuous eval read, did every process restore a checkpoint, which
-steps per execution is fastest) may not be made from a process's own clock, listing or
-timings: they differ between hosts. `agreed` has process 0 decide and every process take its
-answer; `gathered` gives every process every process's value (to decide from all of them);
-`summed` gives every process the sum of counts over processes (tokens read, examples
-evaluated). Each is one collective: every process must call it at the same point.
-
-With one process they are plain calls with no communication.
+A decision that gates a collective (is a save due, which checkpoints to read) may not come
+from one host's clock or listing. `agreed` takes process 0's answer, `gathered` every
+process's value, `summed` counts summed over processes. Each is one collective that every
+process must call at the same point; with one process, a plain call.
 
 Example::
 
@@ -35,15 +29,8 @@ _MIN_BYTES = 64
 
 
 def gathered(value: Any) -> list[Any]:
-    """Every process's `value` (JSON-serialisable), in process order, on every process.
-
-    Tuples come back as lists (JSON has no tuples).
-
-    Example::
-
-        failures = agreement.gathered(None if ok else str(error))
-        if any(failures): ...  # the same answer on every process
-    """
+    """Every process's `value` (JSON-serialisable; tuples come back as lists), in process
+    order, on every process."""
     if jax.process_count() == 1:
         return [value]
     from jax.experimental import multihost_utils  # noqa: PLC0415
@@ -58,26 +45,13 @@ def gathered(value: Any) -> list[Any]:
 
 
 def agreed(decide: Callable[[], T]) -> T:
-    """Process 0's ``decide()`` on every process (other processes do not call it).
-
-    The answer must be JSON-serialisable; tuples come back as lists.
-
-    Example::
-
-        steps = agreement.agreed(lambda: checkpoint.all_steps(directory))
-    """
+    """Process 0's ``decide()`` (JSON-serialisable) on every process; others do not call it."""
     return gathered(decide() if jax.process_index() == 0 else None)[0]
 
 
 def summed(counts: Sequence[float], dtype: Any = np.float64) -> list[Any]:
     """Each of this process's `counts` summed with the same position's count of every
-    process (as `dtype`), on every process: one collective; with one process, `counts`.
-
-    Example::
-
-        total_tokens, = agreement.summed([local_tokens])
-        examples = agreement.summed(local_counts, np.int64)  # one per eval metric
-    """
+    process (as `dtype`), on every process: one collective; with one process, `counts`."""
     if jax.process_count() == 1:
         return list(counts)
     from jax.experimental import multihost_utils  # noqa: PLC0415

@@ -1,21 +1,14 @@
 """Flax partitioning annotations read as mesh axes, and FSDP's split of a leaf.
 
-A state leaf may carry a flax `AxisMetadata` box: linen's `nn.Partitioned` (mesh axis
-names, from `nn.with_partitioning`) or `nn.LogicallyPartitioned` (logical names, from
-`nn.with_logical_partitioning`), and nnx sharding metadata, which `jaxloop.model` boxes the
-same way. `leaf_axes` gives the mesh axis of each dimension of such a leaf, resolving
-logical names through logical axis rules as flax's `nn.logical_to_mesh_axes` does (rules in
-order of precedence, a mesh axis used once per array). `fsdp_axes` adds FSDP's split on
-top. The partitioners turn the axes into a `PartitionSpec` with `spec`.
+`leaf_axes` gives the mesh axis of each dimension of a leaf in a flax `AxisMetadata` box
+(linen's, or nnx metadata boxed by `jaxloop.model`), resolving logical names as flax's
+`nn.logical_to_mesh_axes` does; `fsdp_axes` adds FSDP's split; `spec` makes the spec.
 
 Example::
 
     box = nn.LogicallyPartitioned(jnp.zeros((64, 256)), ('embed', 'mlp'))
     leaf_axes(box, (), mesh, rules=(('embed', None), ('mlp', 'model')))  # [None, 'model']
     spec([None, 'model'])                                                 # P(None, 'model')
-
-`with_logical_constraint` constrains an activation by logical names as strictly as a
-parameter's annotation is read: a name without a rule is an error, not a replicated dimension.
 """
 
 from __future__ import annotations
@@ -46,15 +39,13 @@ def is_box(x: Any) -> bool:
 
 
 def unboxed(tree: Any) -> Any:
-    """The values inside flax annotation boxes, without the sharding constraint that
-    `meta.unbox` applies (it needs the annotation's axes in the mesh, which only the SPMD
-    partitioner has; placement comes from the jit's out_shardings anyway)."""
+    """The values inside flax annotation boxes, without `meta.unbox`'s sharding constraint
+    (it needs the annotation's axes in the mesh; the jit's out_shardings place them)."""
     return jax.tree.map(lambda x: x.value if is_box(x) else x, tree, is_leaf=is_box)
 
 
 def spec(axes: Sequence[Any]) -> P:
-    """The spec of these per-dimension axes without trailing Nones: a replicated leaf is
-    ``P()`` whatever its rank, which compares equal to the spec other code writes."""
+    """The spec of these per-dimension axes without trailing Nones (replicated: ``P()``)."""
     axes = list(axes)
     while axes and axes[-1] is None:
         axes.pop()
@@ -70,8 +61,7 @@ def checked_rules(rules: Sequence[tuple[str, Any]] | None, mesh: Mesh) -> Rules:
         if unknown:
             raise ValueError(
                 f"logical_axis_rules map {name!r} to {unknown}, which the mesh "
-                f"{dict(mesh.shape)} does not have"
-            )
+                f"{dict(mesh.shape)} does not have")
     return rules
 
 
@@ -92,8 +82,7 @@ def _resolve(box: Any, path: tuple, mesh: Mesh, rules: Rules) -> tuple:
             f"State leaf {path_str(path)}: partitioning annotation {names} names "
             f"{unknown}, which "
             f"{'have no logical axis rule' if logical else 'are neither mesh axes nor rules'}. "
-            f"Mesh axes: {list(mesh.axis_names)}; logical_axis_rules: {list(rules)}"
-        )
+            f"Mesh axes: {list(mesh.axis_names)}; logical_axis_rules: {list(rules)}")
     if not any(n in rule_names for n in strs):
         return names
     # Names that are mesh axes without a rule are kept as they are.
@@ -107,13 +96,8 @@ def _resolve(box: Any, path: tuple, mesh: Mesh, rules: Rules) -> tuple:
 
 def leaf_axes(x: Any, path: tuple, mesh: Mesh, rules: Rules = ()) -> list:
     """The mesh axis (or None) of each dimension of a state leaf, from its annotation box;
-    all None for a leaf without one, or one not shaped like its annotation (optax's
-    factored moments of an annotated parameter).
-
-    Raises:
-      ValueError: an annotation naming an axis that is neither a mesh axis nor a rule (the
-        message names the leaf path, the annotation and the rules).
-    """
+    all None without one or when not shaped like it (optax's factored moments). A name
+    that is neither a mesh axis nor a rule is a ValueError."""
     shape = np.shape(x.value if is_box(x) else x)
     axes: list = [None] * len(shape)
     if isinstance(x, meta.Partitioned):
@@ -126,16 +110,14 @@ def leaf_axes(x: Any, path: tuple, mesh: Mesh, rules: Rules = ()) -> list:
                 raise ValueError(
                     f"State leaf {path_str(path)}: partitioning annotation "
                     f"{tuple(x.names)} resolves to mesh axis {a!r}, which the mesh "
-                    f"{dict(mesh.shape)} does not have"
-                )
+                    f"{dict(mesh.shape)} does not have")
     return axes
 
 
 def fsdp_axes(shape: tuple[int, ...], axes: Sequence[Any], axis: str | tuple[str, ...],
               n: int, min_size: int) -> list:
-    """FSDP: `axes` with `axis` (of `n` devices) on the largest free dimension that divides
-    by `n`, for a leaf of at least `min_size` elements whose axes do not use it yet.
-    `axis` may be a tuple of mesh axes (`n` devices in all), split over together.
+    """FSDP: `axes` with `axis` (a mesh axis or tuple, `n` devices) on the largest free
+    dimension that divides by `n`, for a leaf of at least `min_size` elements not yet using it.
 
     Example::
 
@@ -161,25 +143,15 @@ def _is_names(x: Any) -> bool:
 
 def with_logical_constraint(x: Any, names: Any, rules: Sequence[tuple[str, Any]] | None = None,
                             mesh: Mesh | None = None) -> Any:
-    """Constrains an activation (or a pytree of them) to the mesh axes its logical `names`
-    resolve to, as flax's `nn.with_logical_constraint` does, but a name missing from the
-    rules raises, as the same name in a parameter's annotation does. Flax's own call leaves
-    such a dimension replicated without a word, so a typo or a forgotten rule costs memory
-    and speed and nothing says why.
-
-    `rules` default to those in force: a `SPMDPartitioner`'s ``logical_axis_rules`` while
-    its step is traced, or flax's ``nn.logical_axis_rules`` context. With no rules in force
-    it does nothing, as flax's does (a data-parallel step runs the same model).
+    """flax's `nn.with_logical_constraint`, but a name without a rule raises (flax leaves
+    that dimension replicated silently). `rules` default to those in force (a
+    `SPMDPartitioner`'s while its step is traced); with none it does nothing, as flax's.
 
     Example::
 
         # in a linen module's __call__, run by a step under SPMDPartitioner(
         #     mesh, logical_axis_rules=[('batch', 'data'), ('mlp', 'model')])
         h = partition.with_logical_constraint(h, ('batch', 'mlp'))
-
-    Raises:
-      ValueError: a logical name has no rule; the message names it, the constraint and the
-        rules.
     """
     active = tuple(rules) if rules is not None else tuple(
         core_spmd.get_logical_axis_rules() or ())

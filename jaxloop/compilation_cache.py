@@ -1,18 +1,10 @@
-"""Faster start-ups: JAX's persistent compilation cache, enabled with one call.
-
-A training job compiles its step (and eval step, init, ...) every time it starts. With the
-cache enabled, compiled programs are written to a directory and a later start with the same
-programs, jax version and devices loads them instead of compiling again; a restarted or
-preempted job, or the next run of a sweep, starts faster.
+"""Faster start-ups: JAX's persistent compilation cache, enabled with one call, so a
+restarted job loads its compiled programs instead of compiling again. The cache is trusted
+code: never point it at a directory others can write to.
 
 Example::
 
-    from jaxloop import compilation_cache
-
     compilation_cache.enable('/tmp/jax_cache')   # before or after the first jit
-
-The examples take ``--compilation-cache DIR``. The cache is trusted code: never point it at a
-directory others can write to.
 """
 
 from __future__ import annotations
@@ -25,22 +17,13 @@ from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 __all__ = ["enable"]
 
 
-def enable(
-    cache_dir: str | os.PathLike[str],
-    min_compile_time_secs: float = 0.0,
-    max_size_bytes: int = -1,
-) -> str:
-    """Enables JAX's persistent compilation cache in `cache_dir`; returns the directory.
-
-    Args:
-      cache_dir: a local or remote (``gs://``) directory; created when missing.
-      min_compile_time_secs: only programs that took at least this long to compile are
-        written (JAX's own default is 1 s, which leaves out the many small programs of a
-        CPU job; 0 caches everything).
-      max_size_bytes: evict least recently used entries beyond this size (-1: no limit).
-
-    Works after programs were already compiled in this process too (JAX decides whether it
-    uses a cache once, so that decision is reset here).
+def enable(cache_dir: str | os.PathLike[str], min_compile_time_secs: float = 0.0,
+           max_size_bytes: int = -1) -> str:
+    """Enables JAX's persistent compilation cache in `cache_dir` (local, created when
+    missing, or ``gs://``); returns the directory. Only programs that took at least
+    `min_compile_time_secs` to compile are written (0: all; JAX's default of 1 s skips a
+    CPU job's many small ones); beyond `max_size_bytes` (-1: no limit) the least recently
+    used go. Works after earlier compilations too (JAX's cache decision is reset).
     """
     path = os.fspath(cache_dir)
     if "://" not in path:

@@ -1,19 +1,9 @@
 """Run configuration: a dataclass describes a run; the command line overrides its fields.
 
-`parse` builds the command line from the dataclass with simple_parsing (an extension of
-argparse): each field is a flag of the same name with dashes (``train_steps`` is
-``--train-steps``), typed by its annotation (``Literal[...]`` gives choices, ``bool`` a
-switch: ``--telemetry`` or ``--telemetry false``), documented by the field's docstring or
-comment (``--help``). A value of the wrong type, a choice not offered and a field that does
-not exist (with the closest names suggested) are argparse errors naming the flag; a
-``ValueError`` from the dataclass's ``__post_init__`` (checks across fields) is reported the
-same way. Pass the parsed dataclass to `run_record.write` to record it as given.
-
-Why simple_parsing: the examples' flags were argparse flags, and simple_parsing is argparse
-(the flags, their errors and ``--help`` stay what they were) driven by a dataclass, with
-no global flag registry (absl's, which ``ml_collections.config_flags`` and etils's
-``eapp`` need) and nothing to learn beyond a dataclass. It is installed with the
-``examples`` extra (``pip install jaxloop[examples]``).
+`parse` makes each field a flag (``train_steps``: ``--train-steps``) typed by its annotation
+and documented by its comment, with simple_parsing (argparse driven by a dataclass, no global
+flag registry; the ``examples`` extra). Bad values, unknown fields (closest names suggested)
+and ``__post_init__`` ValueErrors are argparse errors naming the flag.
 
 Example::
 
@@ -42,16 +32,7 @@ T = TypeVar("T")
 def parse(config_type: type[T], argv: Sequence[str] | None = None,
           description: str | None = None) -> T:
     """The `config_type` dataclass with its defaults overridden by `argv` (default:
-    ``sys.argv[1:]``).
-
-    Raises:
-      SystemExit: a bad override (argparse prints the error, naming the flag, and the usage).
-      TypeError: `config_type` is not a dataclass.
-
-    Example::
-
-        config = config_lib.parse(Config, ['--learning-rate', '0.1'])
-    """
+    ``sys.argv[1:]``); a bad override exits through argparse."""
     if not (isinstance(config_type, type) and dataclasses.is_dataclass(config_type)):
         raise TypeError(f"config_type must be a dataclass type, got {config_type!r}")
     try:

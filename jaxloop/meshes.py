@@ -1,17 +1,8 @@
 """Device meshes from per-axis sizes, laid out so the last axes stay inside a host.
 
-`make_mesh` builds a `jax.sharding.Mesh` from ``{axis: size}`` in order, with one size
-allowed to be -1 ("the rest of the devices"). Devices are taken in process order (all of
-process 0's, then process 1's, ...), so the leading axes run across processes (slow links)
-and the trailing axes within one (fast links): in ``{'replica': -1, 'fsdp': 4}`` on 2 hosts
-of 4 devices, each 'fsdp' group is one host's devices and FSDP's all-gathers never leave it.
-
-The usual meshes (see docs/multihost.md for the partitioner that goes with each):
-
-- data parallel: ``make_mesh({'data': -1})``
-- FSDP: ``make_mesh({'fsdp': -1})``
-- HSDP: ``make_mesh({'replica': -1, 'fsdp': jax.local_device_count()})``
-- FSDP x tensor parallel: ``make_mesh({'data': -1, 'fsdp': 2, 'tensor': 2})``
+`make_mesh` takes ``{axis: size}`` in order (one size may be -1: the rest) and devices in
+process order, so trailing axes run within a host (fast links). docs/multihost.md lists the
+usual meshes.
 
 Example::
 
@@ -32,15 +23,12 @@ __all__ = ["axis_sizes", "make_mesh"]
 
 
 def axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
-    """`sizes` with a -1 replaced by what makes the product `num_devices`.
+    """`sizes` with a -1 replaced by what makes the product `num_devices`; a ValueError
+    for other sizes below 1, several -1s or a wrong product.
 
     Example::
 
         axis_sizes({'replica': -1, 'fsdp': 4}, 8)  # {'replica': 2, 'fsdp': 4}
-
-    Raises:
-      ValueError: a size that is 0 or below -1, more than one -1, or sizes whose product is
-        not `num_devices` (the message names the sizes and the device count).
     """
     sizes = dict(sizes)
     if not sizes:
@@ -57,34 +45,19 @@ def axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
         if num_devices % known:
             raise ValueError(
                 f"Mesh axis sizes {sizes}: the {num_devices} devices do not divide by {known}, "
-                f"so axis {rest[0]!r} cannot take the rest"
-            )
+                f"so axis {rest[0]!r} cannot take the rest")
         sizes[rest[0]] = num_devices // known
     elif known != num_devices:
         raise ValueError(
             f"Mesh axis sizes {sizes} multiply to {known}, not the {num_devices} devices; "
-            "give one axis -1 to take the rest"
-        )
+            "give one axis -1 to take the rest")
     return {k: int(v) for k, v in sizes.items()}
 
 
 def make_mesh(sizes: Mapping[str, int],
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with these axes, in order, over `devices` (default all of them) taken in
-    process order, so the trailing axes lie within a host when their product divides the
-    devices per host.
-
-    Args:
-      sizes: axis name to size, in mesh order; one size may be -1 for the rest.
-      devices: the devices to lay out (default ``jax.devices()``).
-
-    Example::
-
-        mesh = make_mesh({'data': -1, 'fsdp': 2, 'tensor': 2})  # 8 devices: 2 x 2 x 2
-
-    Raises:
-      ValueError: see `axis_sizes`.
-    """
+    """A mesh with these axes (one size may be -1) over `devices` (default all) in process
+    order, so trailing axes lie within a host when their product divides its devices."""
     devices = list(jax.devices() if devices is None else devices)
     shape = axis_sizes(sizes, len(devices))
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))

@@ -1,36 +1,14 @@
 """Model adapters: flax linen and nnx models behind one linen-style ``apply_fn``.
 
-A `Step` holds a model and asks its adapter for the initial variables and for the function
-that `run` calls as ``state.apply_fn(variables, *inputs, rngs=..., mutable=...)``. Linen
-models pass through unchanged. nnx models are split into their parameters (``params``),
-their batch statistics (``batch_stats``, the linen collection of the same name) and their
-RNG streams, and merged back on every call, so one `run` serves both APIs:
+nnx models are split into ``params``, ``batch_stats`` and RNG streams and merged back on
+every call, so one `run` serves both APIs. Each call reseeds the streams named in ``rngs``,
+so masks are a pure function of (base key, step); drawing from a stream given no key is an
+error. In a `Step`, nnx models run in train or eval mode by the step's ``train`` flag (linen
+modules take it as a call argument). The only module that reads nnx internals.
+
+Example::
 
     logits = state.apply_fn({'params': params}, x, rngs={'dropout': self.prng_key(state.step)})
-
-RNG streams: an nnx model's streams (``nnx.Dropout(..., rngs=rngs)``) are not carried in the
-training state. Each call reseeds the streams named in ``rngs`` from the given key (as
-``nnx.reseed`` does), so dropout masks are a pure function of (base key, step): they differ
-from step to step, and a resumed run draws exactly the masks the uninterrupted one drew. A
-call that draws from a stream it was given no key for is an error (linen's dropout raises
-the same way), never a silently repeated mask.
-
-Modes: inside a `Step`, nnx models run in train mode in a training step and in eval mode
-(``model.eval()``: dropout off, BatchNorm on its running averages) in an evaluation step,
-whatever the model was constructed with (see `training_mode`). Linen modules take their mode
-as a call argument; the idiom is ``deterministic=not train``::
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x, train: bool = False):
-            x = nn.Dropout(0.1, deterministic=not train)(nn.Dense(64)(x))
-            return nn.BatchNorm(use_running_average=not train)(x)
-
-    # in a Step's run:
-    state.apply_fn(variables, x, train=self.train, rngs={'dropout': self.prng_key(state.step)},
-                   mutable=['batch_stats'] if self.train else False)
-
-This is the only module of the package that reads nnx internals.
 """
 
 from __future__ import annotations
@@ -54,8 +32,7 @@ Model = nn.Module | type[nnx.Module] | nnx.Module
 
 # The mode a Step traces its `run` in (True: train, False: eval, None: outside a Step).
 _TRAIN_MODE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "jaxloop_train_mode", default=None
-)
+    "jaxloop_train_mode", default=None)
 
 # The collections an nnx model's non-parameter variables go to, by variable type.
 _BATCH_STATS = "batch_stats"
@@ -64,11 +41,8 @@ _INTERMEDIATES = "intermediates"  # nnx.Intermediate (what `sow` makes), as line
 
 @contextlib.contextmanager
 def training_mode(train: bool) -> Iterator[None]:
-    """Within this context, nnx models called through an adapter's ``apply`` run in train
-    mode (``train=True``: dropout on, BatchNorm on batch statistics) or eval mode.
-
-    `Step` enters it around tracing `run`, with its own ``train`` flag. It applies while a
-    function is traced, so calling a compiled function later is unaffected.
+    """nnx models called through an adapter run in train mode (dropout on, BatchNorm on
+    batch statistics) or eval mode while a function is traced in this context.
 
     Example::
 
@@ -83,15 +57,8 @@ def training_mode(train: bool) -> Iterator[None]:
 
 
 def init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
-    """The named keys a model is initialised with, derived from a Step's base key.
-
-    A single key becomes ``{'params', 'dropout'}`` keys; a dict of keys is used as given,
-    with ``'params'`` added (its first key) when missing.
-
-    Example::
-
-        init_rngs(jax.random.key(0))  # {'params': ..., 'dropout': ...}
-    """
+    """The named keys a model is initialised with: a key becomes ``params`` and ``dropout``
+    keys; a dict is used as given, with ``params`` (its first key) added when missing."""
     if isinstance(base_prng, Mapping):
         rngs = dict(base_prng)
         rngs.setdefault("params", next(iter(rngs.values())))
@@ -101,11 +68,8 @@ def init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
 
 
 class ModelAdapter(abc.ABC):
-    """Initialises a model and calls it the linen way.
-
-    `init` returns the model's variables as a linen-style dict (``params`` and, when the
-    model has them, ``batch_stats``); `apply` is what a TrainState's ``apply_fn`` is.
-    """
+    """Initialises a model (linen-style variables) and calls it the linen way (`apply` is a
+    TrainState's ``apply_fn``)."""
 
     @abc.abstractmethod
     def init(self, base_prng: types.PRNGType, batch: Any) -> Variables:
@@ -116,8 +80,7 @@ class ModelAdapter(abc.ABC):
         """Calls the model: ``apply(variables, *inputs, rngs=None, mutable=False, ...)``."""
 
     def held_variables(self) -> Variables | None:
-        """The variables of a model that already holds them (an nnx instance), as `init`
-        returns them but without copying; None for a model initialised by `init`."""
+        """The variables an nnx instance already holds (uncopied); None otherwise."""
         return None
 
 
@@ -136,25 +99,16 @@ class LinenAdapter(ModelAdapter):
 
 
 class NnxAdapter(ModelAdapter):
-    """An nnx module (a class built with its arguments, or an instance that is cloned).
+    """An nnx module class (built with its arguments) or instance (cloned). Variables other
+    than ``nnx.Param``, ``nnx.BatchStat`` and RNG streams are an error."""
 
-    Parameters become ``params`` (annotated ones boxed like linen's `nn.Partitioned`, so
-    partitioners read both APIs' annotations the same way), ``nnx.BatchStat`` variables
-    become ``batch_stats``, RNG streams are rebuilt on every call (see the module
-    docstring). Other variable types are not carried by a TrainState and are an error.
-    """
-
-    def __init__(
-        self,
-        model: type[nnx.Module] | nnx.Module,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ):
+    def __init__(self, model: type[nnx.Module] | nnx.Module, args: Sequence[Any] = (),
+                 kwargs: Mapping[str, Any] | None = None):
         self._model = model
         self._args = tuple(args)
         self._kwargs = dict(kwargs or {})
         self._graphdef: Any = None
-        # Shapes and dtypes of the RNG streams' state (no arrays: init may run abstractly).
+        # The RNG state's shapes only: init may run abstractly.
         self._rng_layout: dict | None = None
 
     def _build(self, base_prng: types.PRNGType) -> nnx.Module:
@@ -173,22 +127,18 @@ class NnxAdapter(ModelAdapter):
 
     def _variables(self, model: nnx.Module) -> Variables:
         graphdef, params, stats, rngs, rest = nnx.split(
-            model, nnx.Param, nnx.BatchStat, nnx.RngState, ...
-        )
+            model, nnx.Param, nnx.BatchStat, nnx.RngState, ...)
         others = list(nnx.to_flat_state(rest))
         if others:
             listed = ", ".join(
-                f"{'/'.join(map(str, path))} ({type(var).__name__})" for path, var in others[:5]
-            )
+                f"{'/'.join(map(str, path))} ({type(var).__name__})" for path, var in others[:5])
             raise ValueError(
                 f"{type(model).__name__} holds variables that are neither nnx.Param, "
                 f"nnx.BatchStat nor RNG streams: {listed}. A TrainState carries params and "
-                "batch_stats; make carried statistics nnx.BatchStat variables."
-            )
+                "batch_stats; make carried statistics nnx.BatchStat variables.")
         self._graphdef = graphdef
         self._rng_layout = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rngs.to_pure_dict()
-        )
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rngs.to_pure_dict())
         variables: Variables = {"params": _map_variables(params, _param_leaf)}
         stats_dict = stats.to_pure_dict()
         if stats_dict:
@@ -204,35 +154,26 @@ class NnxAdapter(ModelAdapter):
 
         return jax.tree.map(make, self._rng_layout or {})
 
-    def apply(
-        self,
-        variables: Mapping[str, Any],
-        *args: Any,
-        rngs: Mapping[str, jax.Array] | jax.Array | None = None,
-        mutable: Any = False,
-        **kwargs: Any,
-    ) -> Any:
+    def apply(self, variables: Mapping[str, Any], *args: Any,
+              rngs: Mapping[str, jax.Array] | jax.Array | None = None, mutable: Any = False,
+              **kwargs: Any) -> Any:
         if self._graphdef is None:
             raise ValueError("The nnx model was not initialised: call Step.initialize_model")
         if "params" not in variables:
             raise ValueError(
-                f"apply_fn needs variables with 'params'; got keys {sorted(variables)}"
-            )
+                f"apply_fn needs variables with 'params'; got keys {sorted(variables)}")
         stats = variables.get(_BATCH_STATS) or {}
         model = nnx.merge(self._graphdef, variables["params"], stats, self._placeholder_rngs())
         given = _stream_keys(rngs)
         streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
         if given:
-            # Each stream gets a key derived from the given one (distinct per stream).
             nnx.reseed(model, **{k: v for k, v in given.items()
                                  if any(s.key.tag == k for s in streams)})
         counts = {id(s): s.count.get_value() for s in streams}
         train = _TRAIN_MODE.get()
         if train is not None:
-            model.set_attributes(
-                deterministic=not train, use_running_average=not train,
-                raise_if_not_found=False,
-            )
+            model.set_attributes(deterministic=not train, use_running_average=not train,
+                                 raise_if_not_found=False)
         out = model(*args, **kwargs)
         unseeded = sorted({
             s.key.tag for s in streams
@@ -243,8 +184,7 @@ class NnxAdapter(ModelAdapter):
                 f"{type(model).__name__} drew random numbers from the RNG stream(s) "
                 f"{unseeded}, but apply_fn was given no key for them (got rngs for "
                 f"{sorted(given)}). Pass e.g. rngs={{'{unseeded[0]}': "
-                "self.prng_key(state.step)}} so each step draws fresh, reproducible numbers."
-            )
+                "self.prng_key(state.step)}} so each step draws fresh, reproducible numbers.")
         if not mutable:
             return out
         _, _, new_stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
@@ -262,17 +202,9 @@ def _stream_keys(rngs: Mapping[str, jax.Array] | jax.Array | None) -> dict[str, 
     return {"default": rngs, "dropout": rngs}
 
 
-def adapt(
-    model: Model,
-    nnx_model_args: Sequence[Any] | None = None,
-    nnx_model_kwargs: Mapping[str, Any] | None = None,
-) -> ModelAdapter:
+def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
+          nnx_model_kwargs: Mapping[str, Any] | None = None) -> ModelAdapter:
     """The adapter for a linen module instance, an nnx module class or an nnx instance.
-
-    Raises:
-      ValueError: an nnx class without `nnx_model_args`, or constructor arguments for an
-        already constructed module.
-      TypeError: anything else than a flax module.
 
     Example::
 
@@ -285,22 +217,19 @@ def adapt(
         if nnx_model_args is None:
             raise ValueError(
                 f"{model.__name__} is an nnx module class: pass its constructor arguments "
-                "as nnx_model_args=(...) (use () when it takes none besides rngs)"
-            )
+                "as nnx_model_args=(...) (use () when it takes none besides rngs)")
         return NnxAdapter(model, nnx_model_args, nnx_model_kwargs)
     if isinstance(model, nn.Module | nnx.Module):
         if nnx_model_args is not None or nnx_model_kwargs:
             raise ValueError(
                 f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are "
                 f"only for nnx module classes; {type(model).__name__} is an already "
-                "constructed module"
-            )
+                "constructed module")
         if isinstance(model, nn.Module):
             return LinenAdapter(model)
         return NnxAdapter(model)
     raise TypeError(
-        f"model must be a flax linen module instance or an nnx module class, got {model!r}"
-    )
+        f"model must be a flax linen module instance or an nnx module class, got {model!r}")
 
 
 def _map_variables(state: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:
@@ -315,19 +244,15 @@ def _map_variables(state: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:
 
 
 def _param_leaf(var: nnx.Variable) -> Any:
-    """An nnx Param's value, boxed like linen's `nn.Partitioned` when it has a sharding
-    annotation (`nn.LogicallyPartitioned` when it carries its own logical rules).
-
-    Boxing lets every partitioner read nnx sharding metadata the same way as linen's, and
-    optax then builds optimizer state with the same annotations.
-    """
+    """An nnx Param's value, boxed like linen's when annotated, so partitioners and optax
+    read nnx annotations as linen's."""
     metadata = var.get_metadata()
     names = metadata.get("out_sharding")
     value = var.get_value()
     if not names:
         return value
-    if isinstance(names, jax.sharding.PartitionSpec | jax.sharding.NamedSharding):
-        names = names.spec if isinstance(names, jax.sharding.NamedSharding) else names
+    if isinstance(names, jax.sharding.NamedSharding):
+        names = names.spec
     rules = metadata.get("sharding_rules")
     if rules:
         return nn.LogicallyPartitioned(value, names=tuple(names), rules=tuple(rules))

@@ -1,9 +1,7 @@
-"""The training state a model and optimizer start from: born in place on the mesh, or
-described without being built.
+"""The train state of a model and optimizer, born in place on the mesh or only described.
 
-`StateBuilder` holds what a state is made of (the model's adapter, the mixed-precision
-policy, the optimizer and the seed) and makes it through a partitioner, which decides
-where each leaf lives. `Step.initialize_model` and `Step.abstract_state` are its front.
+`StateBuilder` makes it through a partitioner; `Step.initialize_model` and
+`Step.abstract_state` are its front.
 
 Example::
 
@@ -33,16 +31,14 @@ State = types.TrainState
 
 
 def is_abstract(state: Any) -> bool:
-    """Whether `state` only describes arrays (`jax.ShapeDtypeStruct` leaves, as from
-    `Step.abstract_state`) instead of holding them."""
+    """Whether `state` only describes arrays (`jax.ShapeDtypeStruct` leaves)."""
     leaves = jax.tree.leaves(state)
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
 def _spec_call(shape: tuple, dtype: Any) -> str:
-    """How to write one leaf's spec for a single example: a bare shape is float32 zeros, so
-    any other dtype (token ids: int32) is written beside it, or following the hint would
-    hand an embedding float zeros."""
+    """One leaf's spec for a single example, with its dtype unless float32 (a bare shape
+    builds float32 zeros)."""
     example = [1, *shape[1:]]
     if dtype is None or np.dtype(dtype) == np.float32:
         return f"initialize_model({example})"
@@ -58,11 +54,8 @@ def _is_bare_shape(spec: Any) -> bool:
 @contextlib.contextmanager
 def _model_input_spec(spec: types.BatchSpec, batch: Any,
                       builds: Callable[[Any], bool] | None = None) -> Iterator[None]:
-    """Names what went wrong when a whole batch (a dict with labels, say) was given where
-    the model's input is wanted: flax fails deep inside with "'dict' object has no attribute
-    'dtype'". A model that takes a dict initialises as before. A bare shape (float32 zeros)
-    that the model rejects gets a note saying how to give int32 when `builds` says int32
-    zeros of that shape initialise it (token ids into an embedding)."""
+    """Names the mistake when a whole batch was given where the model's input is wanted
+    (flax fails deep inside), or a bare shape where the model takes int32 token ids."""
     try:
         yield
     except (AttributeError, TypeError, ValueError) as e:
@@ -91,15 +84,8 @@ def _model_input_spec(spec: types.BatchSpec, batch: Any,
 
 
 class StateBuilder:
-    """Makes the `TrainState` of a model and an optimizer.
-
-    Args:
-      adapter: the model behind one interface (`jaxloop.model.adapt`).
-      optimizer: the optax transformation whose state the train state holds.
-      policy: mixed precision (`jaxloop.precision`): ``apply_fn`` casts as it says, new
-        parameters are stored in its param dtype; None leaves the model as it is.
-      base_prng: the key (or dict of keys) the model is initialised from.
-    """
+    """Makes the `TrainState` of a model and an optimizer; a mixed-precision `policy` (or
+    None) wraps ``apply_fn`` and sets the parameters' dtype."""
 
     def __init__(self, adapter: model_lib.ModelAdapter, optimizer: optax.GradientTransformation,
                  policy: precision_lib.Policy | None, base_prng: types.PRNGType):
@@ -112,8 +98,7 @@ class StateBuilder:
 
     def create(self, batch: types.Batch, variables: Any = None,
                state_class: type[State] = State) -> State:
-        """The `state_class` state for this example batch (traced: `initialize` jits it on
-        the mesh). Fields the class adds keep their defaults."""
+        """The `state_class` state for this example batch (traced by `initialize`)."""
         if variables is None:
             variables = self._adapter.init(self._base_prng, batch)
         params = variables["params"]
@@ -124,8 +109,7 @@ class StateBuilder:
 
     @staticmethod
     def _builds(partitioner: Any, create: Callable[..., State]) -> Callable[[Any], bool]:
-        """Whether the state builds from a batch, as `abstract` would (the partitioner's
-        mesh and rules in force; nothing is built)."""
+        """Whether the state builds (abstractly) from a batch, as `abstract` would."""
         def builds(batch: types.Batch) -> bool:
             try:
                 partitioner.abstract_init_fn(create)(batch)
@@ -137,19 +121,16 @@ class StateBuilder:
 
     def initialize(self, partitioner: Any, spec: types.BatchSpec,
                    state_class: type[State] = State) -> State:
-        """The state (a `state_class`), each leaf created where `partitioner` places it.
-
-        The spec only fixes shapes and dtypes (a zero batch is built), so its batch size
-        need not divide by the device count.
-        """
+        """The state, each leaf created where `partitioner` places it; the spec only fixes
+        shapes and dtypes, so its batch size need not divide by the device count."""
         batch = specs_lib.zeros_from_spec(spec)
         create = functools.partial(self.create, state_class=state_class)
         held = self._adapter.held_variables()
         if held is None:
             with _model_input_spec(spec, batch, self._builds(partitioner, create)):
                 return partitioner.shard_init_fn(create)(batch)
-        # An nnx instance holds its values already: each goes from where it is straight to
-        # its place, and enters the init program as an argument, not a constant.
+        # An nnx instance's values go straight to their place and enter as arguments, not
+        # constants.
         specs = partitioner.state_specs(held)
         held = jax.device_put(
             held, jax.tree.map(lambda s: NamedSharding(partitioner.mesh, s), specs))
@@ -157,8 +138,7 @@ class StateBuilder:
 
     def abstract(self, partitioner: Any, spec: types.BatchSpec,
                  state_class: type[State] = State) -> State:
-        """The state `initialize` would make, as `jax.ShapeDtypeStruct` leaves with their
-        shardings (nothing is built)."""
+        """The state `initialize` would make, as sharded `jax.ShapeDtypeStruct` leaves."""
         create = functools.partial(self.create, state_class=state_class)
         batch = specs_lib.zeros_from_spec(spec)
         with _model_input_spec(spec, batch, self._builds(partitioner, create)):

@@ -1,31 +1,11 @@
 """Preemption: stop at the next step boundary on SIGTERM/SIGINT so a checkpoint can be saved.
 
-`OuterLoop` installs the handlers while it trains (`handling_preemption`), loops ask
-`reached_sync_point(step)` between steps, and the outer loop then saves, flushes and returns
-with `OuterLoop.preempted` set.
-
-How a stopped run ends says why it stopped, so that no code after training runs as if it
-had finished:
-
-- SIGINT (Ctrl-C, a notebook's Stop button) raises `Interrupted`, a `KeyboardInterrupt`:
-  "Run all" stops, and the live state at the stopping step is ``err.state`` (and the
-  loop's ``stopped_state``). An evaluation stops at its next batch. A second SIGINT while
-  stopping changes nothing (the state stays live); a third raises `KeyboardInterrupt` at
-  once, wherever the program is (the state may then be lost).
-- SIGTERM (a scheduler's preemption) or `request()` raises `Preempted`, a `SystemExit`
-  with status 143 (128 + SIGTERM), which schedulers read as "preempted, requeue" when it
-  is not caught. Code that catches it finds ``err.state``, ``err.saved`` and
-  ``OuterLoop.preempted``.
-
-With several JAX processes, every process must stop at the same step: a checkpoint save is
-a collective, so a process that stopped alone would leave the others waiting in their next
-step's all-reduce. A notice (SIGTERM, SIGINT or `request()`) may reach any one process, so
-the decision is never a local flag: JAX's preemption sync service (started by
-`jax.distributed.initialize`) owns SIGTERM, shares a notice with every process through the
-coordination service and picks one step for all (the highest step any process has
-reported, plus one); `reached_sync_point` is True for exactly that step everywhere. SIGINT
-and `request()` are handed to that same service (the process sends itself SIGTERM). With one
-process a Python signal handler sets a flag and the next step boundary stops.
+`OuterLoop` installs the handlers (`handling_preemption`) and loops ask
+`reached_sync_point(step)` between steps. SIGINT ends the run with `Interrupted` (a
+`KeyboardInterrupt`; a third SIGINT raises at once), SIGTERM or `request()` with `Preempted`
+(a `SystemExit`, status 143: "requeue"); both carry the live ``state``. With several
+processes JAX's preemption sync service owns SIGTERM and picks one step for all (a save is
+a collective); SIGINT and `request()` are handed to it.
 
 Example::
 
@@ -56,23 +36,17 @@ _stop = threading.Event()  # the decision to stop (multi-process: agreed at the 
 _active = 0  # how many `handling_preemption` blocks are open (nested ones share the flags)
 _interrupts = 0  # SIGINTs received while active: the first asks to stop; the third raises
 
-PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers read as "preempted, requeue"
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM
 
 
 class Interrupted(KeyboardInterrupt):
-    """Training stopped at a step boundary because of SIGINT (Ctrl-C, a notebook's Stop).
-
-    Attributes:
-      state: the live state at the step where training stopped.
-      step: that step.
-      saved: whether a checkpoint of that step was written (a checkpoint action exists).
+    """Training stopped at a step boundary because of SIGINT (Ctrl-C, a notebook's Stop);
+    ``state`` is the live state at ``step``, ``saved`` whether a checkpoint of it was written.
 
     Example::
 
-        try:
-            state, outputs = outer(state, train_dataset=it, train_total_steps=10_000)
-        except preemption.Interrupted as stop:
-            state = stop.state          # continue later from here
+        except preemption.Interrupted as stop:  # around an OuterLoop call
+            state = stop.state  # continue later from here
     """
 
     def __init__(self, state: Any, step: int | None, saved: bool):
@@ -83,16 +57,7 @@ class Interrupted(KeyboardInterrupt):
 
 class Preempted(SystemExit):
     """Training stopped at a step boundary because of SIGTERM or `request()`: uncaught, the
-    process exits with status 143. Attributes as `Interrupted`'s.
-
-    Example::
-
-        try:
-            outer(state, train_dataset=it, train_total_steps=10_000)
-        except preemption.Preempted as stop:
-            print('saved' if stop.saved else 'not saved', 'at step', stop.step)
-            raise                      # exit 143: the scheduler requeues the job
-    """
+    process exits with status 143. Attributes as `Interrupted`'s."""
 
     def __init__(self, state: Any, step: int | None, saved: bool):
         super().__init__(PREEMPTED_EXIT_CODE)
@@ -111,19 +76,15 @@ def stopped(state: Any, step: int | None, saved: bool) -> Interrupted | Preempte
 
 
 def interrupted() -> bool:
-    """Whether this process got SIGINT in a single-process job: an evaluation may then stop
-    at its next batch (with several processes every process must run the same batches, so
-    evaluations finish and training stops at the agreed step)."""
+    """Whether this process got SIGINT in a single-process job (an evaluation may then stop
+    at its next batch; with several processes all must run the same batches)."""
     return bool(_interrupts) and jax.process_count() == 1
 
 
 def _multiprocess_sync() -> bool:
     """Whether JAX's preemption sync service decides (a multi-process job with it on)."""
-    return (
-        jax.process_count() > 1
-        and jax.distributed.is_initialized()
-        and bool(jax.config.jax_enable_preemption_service)
-    )
+    return (jax.process_count() > 1 and jax.distributed.is_initialized()
+            and bool(jax.config.jax_enable_preemption_service))
 
 
 def active() -> bool:
@@ -132,23 +93,16 @@ def active() -> bool:
 
 
 def requested() -> bool:
-    """Whether training should stop now.
-
-    With one process: a preemption signal or `request()` arrived. With several: all
-    processes agreed on this step (a notice that reached only this process is not yet a
-    decision; `reached_sync_point` turns it into one at the same step everywhere).
-    """
+    """Whether training should stop now: a notice arrived (one process) or all processes
+    agreed on it (several: `reached_sync_point` decides)."""
     if _multiprocess_sync():
         return _stop.is_set()
     return _requested.is_set()
 
 
 def request() -> None:
-    """Asks the running loops to stop at the next step boundary (as SIGTERM does).
-
-    In a multi-process job every process then stops at the same step, whichever process
-    asked.
-    """
+    """Asks the running loops to stop at the next step boundary (as SIGTERM does); every
+    process stops at the same step."""
     _notice()
 
 
@@ -161,11 +115,8 @@ def _notice() -> None:
 
 
 def reached_sync_point(step: int) -> bool:
-    """True at the step where training should save and stop.
-
-    `step` is the training step just completed (a host-side count: no device sync). In a
-    multi-process job call it at every step with increasing steps, on every process.
-    """
+    """True at the step where training should save and stop; `step` is the host-side count
+    of the step just completed (multi-process: call it at every step on every process)."""
     if _multiprocess_sync():
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
@@ -176,17 +127,10 @@ def reached_sync_point(step: int) -> bool:
 
 
 @contextlib.contextmanager
-def handling_preemption(
-    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
-) -> Iterator[None]:
-    """Installs preemption signal handlers for the duration of the block.
-
-    Handlers can only be installed from the main thread; elsewhere the block runs without
-    them, and `request()` still works. In a multi-process job SIGTERM stays with JAX's
-    preemption service. Previous handlers are restored on exit. A block opened inside
-    another (a `TrainLoop` inside an `OuterLoop`) keeps the outer one's handlers and
-    requests.
-    """
+def handling_preemption(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+                        ) -> Iterator[None]:
+    """Installs preemption signal handlers for the block (main thread only; `request()`
+    works anywhere) and restores the previous ones; a nested block keeps the outer one's."""
     global _active, _interrupts
     if _active:
         _active += 1

@@ -1,27 +1,14 @@
-"""Sown intermediates: values a model sows (linen ``self.sow``, nnx ``self.sow``) become step
-outputs, so `SummaryAction` writes them like the loss.
+"""Sown intermediates: values a model sows (linen or nnx ``self.sow``) become step outputs.
 
-A `Step` given ``sown=('intermediates',)`` records, while its `run` is traced, the named
-collections of every ``state.apply_fn`` call (the last call's values win) and adds them to
-the step's outputs as ``'<collection>/<module path>/<name>'``: scalars only by default
-(``sown_scalars_only=False`` keeps every array). `run` needs no change: its calls of
-``state.apply_fn`` return what they returned before. nnx models sow ``nnx.Intermediate``
-variables, which the adapter returns as the ``intermediates`` collection.
-
-Recorded values carry no gradient (`jax.lax.stop_gradient`), which also lets them leave a
-``jax.grad``/``jax.value_and_grad`` around the model call. They cannot leave a
-transformation that traces the model on its own (``jax.vmap``, ``jax.lax.scan`` as in
-gradient accumulation, ``jax.checkpoint``): that is a ValueError naming the collection.
+A `Step` given ``sown=('intermediates',)`` records the named collections of every
+``state.apply_fn`` call while `run` is traced (the last call wins) and adds them to its
+outputs as ``'<collection>/<module path>/<name>'`` (scalars only unless
+``sown_scalars_only=False``); `run` needs no change. Values carry no gradient, and cannot
+leave a transformation that traces the model on its own (``jax.vmap``, ``jax.lax.scan``).
 
 Example::
 
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            h = nn.relu(nn.Dense(32)(x))
-            self.sow('intermediates', 'act_mean', h.mean())
-            return nn.Dense(10)(h)
-
+    self.sow('intermediates', 'act_mean', h.mean())  # in the model
     step = MyStep(key, Net(), optax.adam(1e-3), train=True, sown=('intermediates',))
     # outputs['intermediates/act_mean'] is a per-step scalar
 """
@@ -76,12 +63,8 @@ class Recorder:
                 self._values[key] = jax.lax.stop_gradient(leaf)
 
     def outputs(self, outputs: Any) -> dict[str, Any]:
-        """`outputs` (a mapping or None) with the recorded values added.
-
-        Raises:
-          ValueError: an output of the same name exists, or a value was recorded inside a
-            transformation it cannot leave.
-        """
+        """`outputs` (a mapping or None) with the recorded values added; a ValueError for a
+        name clash or a value recorded inside a transformation."""
         merged = dict(outputs or {})
         for key, value in self._values.items():
             if key in merged:
@@ -111,11 +94,8 @@ def _names(path: tuple) -> list[str]:
 
 def record(state: Any, collections: Sequence[str], scalars_only: bool = True
            ) -> tuple[Any, Recorder]:
-    """`state` with an ``apply_fn`` that records `collections`, and the `Recorder`.
-
-    Raises:
-      TypeError: the state has no ``apply_fn`` to record from.
-    """
+    """`state` with an ``apply_fn`` that records `collections`, and the `Recorder` (a
+    TypeError for a state without ``apply_fn``)."""
     if not hasattr(state, "apply_fn") or not hasattr(state, "replace"):
         raise TypeError(
             f"Step(sown=...) records the collections of state.apply_fn, but the state "

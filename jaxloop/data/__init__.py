@@ -1,17 +1,6 @@
-"""Data layer: one iterator adapter, topology-independent global batching, device prefetch.
-
-The loops accept a dataset in whichever form the user has it and turn it into an iterator
-with `as_iterator` (`iterators`). For multi-host training `GlobalBatchDataset`
-(`global_batches`) defines the batches globally, so the data a run sees does not depend on
-how many processes read it, and its iterator state (a global batch index) restores under
-any process count; with ``num_workers`` its per-record work runs in grain worker processes.
-`pad_to_global_batches` (`padding`) gives every process the same number of eval steps and a
-mask that marks the real examples, so eval covers each example exactly once.
-`prefetch_to_device` (`jaxloop.prefetch`) overlaps host-side reading and the host-to-device
-copy with the step.
-
-This package re-exports the names users write as ``data.<name>``; jaxloop's own modules
-import from the submodules.
+"""Data layer: any dataset as an iterator (`as_iterator`), global batches that do not depend
+on the process count (`GlobalBatchDataset`), exact eval (`pad_to_global_batches`) and device
+prefetch. Re-exports the names users write as ``data.<name>``; jaxloop imports the submodules.
 
 Example::
 
@@ -21,9 +10,6 @@ Example::
     it = data.as_iterator(ds)
     batch = next(it)
     data.iterator_state(it)  # {'next_batch': 1, ...}
-
-TensorFlow is never imported here: tf.data objects are recognised only when the user has
-imported TensorFlow already.
 """
 
 from jaxloop.data.global_batch_iterator import GlobalBatchIterator

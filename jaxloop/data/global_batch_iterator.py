@@ -1,59 +1,44 @@
 """`GlobalBatchIterator`: the iterator of a `GlobalBatchDataset`, its position and workers.
 
-The position is the next global batch (no process or worker count in it), so it restores
-under any number of processes; with ``num_workers`` the batches come through grain worker
-processes, and a position a few batches back is restored without restarting them.
-
-Example::
-
-    it = iter(GlobalBatchDataset(ArraySource({'x': x}), global_batch_size=64))
-    next(it)
-    it.get_state()  # {'next_batch': 1, 'global_batch_size': 64, ...}
+The position is the next global batch, so it restores under any number of processes; a
+position a few batches back is restored without restarting grain's workers.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grain
 
 from jaxloop.data.iterators import absl_flags_usable
 
-if TYPE_CHECKING:
-    from jaxloop.data.global_batches import GlobalBatchDataset
-
 Batch = Any
 
-# Without workers, batches are read in the caller's thread (the device prefetch thread):
-# jaxloop's prefetch decides what is read ahead, where grain's default read options would
-# start 16 threads reading 500 batches ahead.
+# Read in the caller's thread: jaxloop's prefetch decides what is read ahead, not grain's
+# default threads.
 _READ_IN_CALLER = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
-# Batches a GlobalBatchIterator with workers keeps to step back without restarting them:
-# more than an OuterLoop prefetcher reads ahead (2 * prefetch + 1 at its default of 2).
+# Batches kept to step back without restarting the workers: more than an OuterLoop's
+# prefetcher reads ahead.
 _REPLAYABLE = 8
 
 
 class GlobalBatchIterator(Iterator[Batch]):
-    """Iterator of a `GlobalBatchDataset`: grain's iterator over its `batches` from the next
-    global batch on (through its worker processes, with ``num_workers``).
+    """Iterator of a `GlobalBatchDataset` (`dataset`): grain's over its `batches`.
 
-    ``get_state()`` returns ``{'next_batch': k, 'global_batch_size': G, 'num_examples': N,
-    'seed': s, 'shuffle': b}``, where ``k`` counts the batches returned so far
-    (JSON-serialisable, no process or worker count); ``set_state`` checks that the recorded
-    global batch size, dataset size, seed and shuffle flag match, and reads on from batch
-    ``k`` (workers restart there when next read). `close` stops the workers.
+    ``get_state()`` is ``{'next_batch': k, 'global_batch_size': G, 'num_examples': N,
+    'seed': s, 'shuffle': b}`` (k: batches returned so far); ``set_state`` checks the rest
+    match and reads on from batch k. `close` stops the workers.
     """
 
-    def __init__(self, dataset: GlobalBatchDataset):
+    def __init__(self, dataset: Any):
         self._dataset = dataset
         self._next_batch = 0
         self._iterator: Any = None  # made at the first read: workers start only if used
-        # With workers, the last batches returned, so that a position a few batches back
-        # (where a prefetcher that read ahead hands the iterator back) is restored without
-        # restarting the workers; and the batches to return again before reading on.
+        # With workers: the last batches returned, for a prefetcher that read ahead to step
+        # back to, and the batches to return again before reading on.
         self._recent: collections.deque = collections.deque(
             maxlen=_REPLAYABLE if dataset.num_workers else 0)
         self._replay: collections.deque = collections.deque()
@@ -89,32 +74,24 @@ class GlobalBatchIterator(Iterator[Batch]):
 
     def get_state(self) -> dict[str, Any]:
         ds = self._dataset
-        return {
-            "next_batch": self._next_batch,
-            "global_batch_size": ds.global_batch_size,
-            "num_examples": ds.num_examples,
-            "seed": ds.seed,
-            "shuffle": ds.shuffle,
-        }
+        return {"next_batch": self._next_batch, "global_batch_size": ds.global_batch_size,
+                "num_examples": ds.num_examples, "seed": ds.seed, "shuffle": ds.shuffle}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         if "next_batch" not in state:
             raise ValueError(
-                f"Not a GlobalBatchDataset iterator state (no 'next_batch'): {state!r}."
-            )
+                f"Not a GlobalBatchDataset iterator state (no 'next_batch'): {state!r}.")
         expected = self.get_state()
         for key in ("global_batch_size", "num_examples", "seed", "shuffle"):
             if key in state and state[key] != expected[key]:
                 raise ValueError(
                     f"Iterator state was saved with {key}={state[key]!r} but this dataset has "
-                    f"{key}={expected[key]!r}; the saved position would not match."
-                )
+                    f"{key}={expected[key]!r}; the saved position would not match.")
         next_batch = int(state["next_batch"])
         if not 0 <= next_batch <= len(self._dataset.batches):
             raise ValueError(
                 f"next_batch={next_batch} is outside this dataset's "
-                f"{len(self._dataset.batches)} batches."
-            )
+                f"{len(self._dataset.batches)} batches.")
         back = self._next_batch - next_batch
         if 0 < back <= len(self._recent):
             for _ in range(back):  # read again, the workers running on

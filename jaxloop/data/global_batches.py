@@ -1,11 +1,8 @@
 """Global batches: the data a run sees, independent of how many processes read it.
 
-`GlobalBatchDataset` defines the batches globally (grain's order of a random-access
-source, cut into batches of the global batch size), and each process reads only its rows
-of each global batch (`batch_rows`). So the batches depend only on the source and the
-arguments, never on the process count, and the iterator's position (a global batch index,
-`GlobalBatchIterator`) restores under any process count; with ``num_workers`` the
-per-record work runs in grain worker processes.
+`GlobalBatchDataset` cuts grain's order of a random-access source into global batches and
+each process reads only its rows of each (`batch_rows`), so the iterator's position (a
+global batch index) restores under any process count.
 
 Example::
 
@@ -31,19 +28,10 @@ Batch = Any
 Example = Any
 
 
-def batch_rows(
-    mesh: jax.sharding.Mesh,
-    data_axis: str | Sequence[str] | None,
-    global_batch_size: int,
-    process_index: int | None = None,
-) -> tuple[int, int]:
-    """The rows ``[start, stop)`` of each global batch that a process must provide.
-
-    A global batch split along `data_axis` gives rows ``[c*G/D, (c+1)*G/D)`` to the devices
-    at coordinate ``c`` of that axis (``D`` its size). A process provides the rows of the
-    data coordinates its devices hold: with a 1-D data mesh in process order that is its
-    ``1/P`` share, but where another axis (say 'model') crosses processes, several
-    processes hold the same coordinates and must read the same rows.
+def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
+               global_batch_size: int, process_index: int | None = None) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of each global batch that a process must provide: those of
+    the data coordinates its devices hold (processes sharing them read the same rows).
 
     Example::
 
@@ -52,9 +40,8 @@ def batch_rows(
         mesh = Mesh(devices, ('data', 'model'))
         batch_rows(mesh, 'data', 64)  # (0, 64) on both processes
 
-    Raises:
-      ValueError: the global batch does not divide by the data axis size, or this
-        process's data coordinates are not contiguous (no block of rows is its share).
+    A global batch that does not divide by the data axes, or data coordinates of this
+    process that are not contiguous, are a ValueError.
     """
     if process_index is None:
         process_index = jax.process_index()
@@ -70,8 +57,7 @@ def batch_rows(
     if global_batch_size % num_shards:
         raise ValueError(
             f"global_batch_size={global_batch_size} does not divide by the {num_shards} "
-            f"shards of mesh axis {data_axis!r} (mesh {dict(mesh.shape)})."
-        )
+            f"shards of mesh axis {data_axis!r} (mesh {dict(mesh.shape)}).")
     coords = sorted({
         int(np.ravel_multi_index(tuple(idx[i] for i in positions), sizes))
         for idx, device in np.ndenumerate(mesh.devices)
@@ -84,8 +70,7 @@ def batch_rows(
             f"Process {process_index} holds data coordinates {coords} of mesh axis "
             f"{data_axis!r}, which are not contiguous, so no block of rows of a global "
             "batch is its share. Lay the mesh out so each process's devices hold adjacent "
-            "data coordinates (e.g. reshape jax.devices() in process order)."
-        )
+            "data coordinates (e.g. reshape jax.devices() in process order).")
     shard = global_batch_size // num_shards
     return coords[0] * shard, (coords[-1] + 1) * shard
 
@@ -97,91 +82,40 @@ def _stack(examples: Sequence[Example]) -> Batch:
 class GlobalBatchDataset(Iterable[Batch]):
     """Global batches of a random-access source, the same for any number of processes.
 
-    The order of the examples is grain's::
-
-        order = grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat(num_epochs)
-
-    (each epoch a new permutation), and global batch ``k`` holds the examples at
-    ``order[k*G:(k+1)*G]``. Process ``p`` of ``P`` reads only rows ``[p*G/P, (p+1)*G/P)`` of
-    each global batch and yields them stacked (leading dimension ``G/P``). Given a
-    `partitioner`, a process reads instead the rows of the data coordinates its devices
-    hold in the partitioner's mesh (`batch_rows`), so processes that share data coordinates
-    (a model axis across processes) read the same rows, as `Partitioner.shard_batch`
-    expects. So the global batches depend only on the source, `global_batch_size`, `seed`,
-    `shuffle` and `num_epochs`, never on the process count, and the iterator's state (the
-    next global batch) restores under any process count.
-
-    This process's batches are the grain ``MapDataset`` `batches` (batch ``k`` is
-    ``batches[k]``): the positions above, batched and sliced to this process's rows, then
-    read with one gather per array for an `ArraySource` (one read per example otherwise).
-    Iterating gives grain's iterator over it, whose next index is the next global batch.
+    Global batch ``k`` holds ``order[k*G:(k+1)*G]`` of grain's order
+    (``MapDataset.range(len(source)).shuffle(seed=seed).repeat(num_epochs)``); process ``p``
+    of ``P`` yields rows ``[p*G/P, (p+1)*G/P)`` of it stacked, or with a `partitioner` the
+    rows its devices hold in the partitioner's mesh (`batch_rows`). `batches` is this
+    process's grain ``MapDataset`` (batch k is ``batches[k]``).
 
     Args:
-      source: anything with ``__len__`` and ``__getitem__(int)`` returning one example (a
-        pytree of numpy arrays): `ArraySource`, a grain ``MapDataset``, a
-        ``tfds.data_source(...)`` split, a list of examples. A dict of arrays is wrapped in
-        `ArraySource`. Every index must hold an example (no filtered-out ``None``).
+      source: ``__len__`` and ``__getitem__(int)`` returning one example (`ArraySource`, a
+        grain ``MapDataset``, a tfds source, a list); a dict of arrays becomes an
+        `ArraySource`. Every index must hold an example.
       global_batch_size: the batch size summed over all processes (``G``).
-      seed: shuffle seed (grain's: epoch ``e`` is permuted with seed ``seed + e``).
-      shuffle: permute each epoch; if False, examples are read in source order.
-      num_epochs: number of passes over the source; None repeats forever.
-      drop_remainder: with finite epochs, drop the last partial global batch. If False, the
-        last batch is completed with zero-filled examples and every batch gets a boolean
-        ``batch[mask_key]`` of shape ``[G/P]`` that is True for real examples (examples must
-        then be dicts).
-      transform: optional function applied to each example after reading it.
-      process_index: this process's index (default ``jax.process_index()``).
-      process_count: number of processes (default ``jax.process_count()``).
-      mask_key: key of the mask added when `drop_remainder` is False.
-      partitioner: read the rows this process's devices hold in `partitioner.mesh` along
-        `partitioner.data_axis` (instead of by process index). Needed when the data axis
-        does not split the devices in process order, e.g. a model axis across processes.
-      num_workers: grain worker processes that read and transform the batches (0: read in
-        the thread that iterates).
-      worker_buffer_size: batches each worker keeps ready.
-
-    Example::
-
-        ds = GlobalBatchDataset(ArraySource({'x': x, 'y': y}), global_batch_size=64, seed=1)
-        it = iter(ds)
-        batch = next(it)  # {'x': [64 // jax.process_count(), ...], 'y': ...}
-        state = it.get_state()  # {'next_batch': 1, ...}
-
-    Raises:
-      ValueError: if `global_batch_size` is not divisible by the process count, or other
-        arguments are out of range.
+      drop_remainder: with finite epochs, drop the last partial global batch; if False, it
+        is completed with zeros and every (dict) batch gets a boolean ``batch[mask_key]``
+        that is True for real examples.
+      num_workers: grain worker processes that read the batches (0: read in the caller).
     """
 
-    def __init__(
-        self,
-        source: Any,
-        global_batch_size: int,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        num_epochs: int | None = None,
-        drop_remainder: bool = True,
-        transform: Callable[[Example], Example] | None = None,
-        process_index: int | None = None,
-        process_count: int | None = None,
-        mask_key: str = "mask",
-        partitioner: Any = None,
-        num_workers: int = 0,
-        worker_buffer_size: int = 2,
-    ):
+    def __init__(self, source: Any, global_batch_size: int, *, seed: int = 0,
+                 shuffle: bool = True, num_epochs: int | None = None, drop_remainder: bool = True,
+                 transform: Callable[[Example], Example] | None = None,
+                 process_index: int | None = None, process_count: int | None = None,
+                 mask_key: str = "mask", partitioner: Any = None, num_workers: int = 0,
+                 worker_buffer_size: int = 2):
         if num_workers < 0 or worker_buffer_size < 1:
             raise ValueError(
                 f"num_workers must be >= 0 and worker_buffer_size >= 1, got "
-                f"num_workers={num_workers}, worker_buffer_size={worker_buffer_size}."
-            )
+                f"num_workers={num_workers}, worker_buffer_size={worker_buffer_size}.")
         if isinstance(source, Mapping):
             # A dict has __len__ and __getitem__ too, but indexes keys, not examples.
             source = ArraySource(source)
         if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
             raise TypeError(
                 "GlobalBatchDataset needs a random-access source (with __len__ and "
-                f"__getitem__), got {type(source).__qualname__}."
-            )
+                f"__getitem__), got {type(source).__qualname__}.")
         if process_index is None:
             process_index = jax.process_index()
         if process_count is None:
@@ -190,13 +124,11 @@ class GlobalBatchDataset(Iterable[Batch]):
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}.")
         if process_count <= 0 or not 0 <= process_index < process_count:
             raise ValueError(
-                f"Invalid process_index={process_index} for process_count={process_count}."
-            )
+                f"Invalid process_index={process_index} for process_count={process_count}.")
         if partitioner is None and global_batch_size % process_count:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by "
-                f"process_count={process_count}."
-            )
+                f"process_count={process_count}.")
         if num_epochs is not None and num_epochs <= 0:
             raise ValueError(f"num_epochs must be None or positive, got {num_epochs}.")
         num_examples = len(source)
@@ -217,10 +149,8 @@ class GlobalBatchDataset(Iterable[Batch]):
         self.worker_buffer_size = int(worker_buffer_size)
         self.num_examples = int(num_examples)
         if partitioner is not None:
-            self.rows = batch_rows(
-                partitioner.mesh, partitioner.data_axis, self.global_batch_size,
-                self.process_index,
-            )
+            self.rows = batch_rows(partitioner.mesh, partitioner.data_axis,
+                                   self.global_batch_size, self.process_index)
         else:
             share = self.global_batch_size // self.process_count
             self.rows = (self.process_index * share, (self.process_index + 1) * share)
@@ -237,9 +167,8 @@ class GlobalBatchDataset(Iterable[Batch]):
         if self._pad and len(order) % g:
             padding = grain.MapDataset.range(g - len(order) % g).map(lambda _: -1)
             order = grain.MapDataset.concatenate([order, padding])
-        # Global batch k is blocks [k*m, (k+1)*m) of `unit` positions (whole global batches
-        # only) and this process's rows are n of them from block `first`: strided slices,
-        # zipped. Slicing blocks, not positions, keeps grain's per-position work to a minimum.
+        # Global batch k is blocks [k*m, (k+1)*m) of `unit` positions and this process's rows
+        # are n of them from block `first`: slicing blocks keeps grain's per-position work low.
         unit = math.gcd(g, start, stop)
         m, first, n = g // unit, start // unit, (stop - start) // unit
         blocks = order.batch(unit)[: len(order) // g * m]
@@ -262,22 +191,19 @@ class GlobalBatchDataset(Iterable[Batch]):
         return GlobalBatchIterator(self)
 
     def __repr__(self) -> str:
-        return (
-            f"GlobalBatchDataset(num_examples={self.num_examples}, "
-            f"global_batch_size={self.global_batch_size}, seed={self.seed}, "
-            f"shuffle={self.shuffle}, num_epochs={self.num_epochs}, "
-            f"drop_remainder={self.drop_remainder}, "
-            f"process={self.process_index}/{self.process_count}, rows={self.rows}, "
-            f"num_workers={self.num_workers})"
-        )
+        return (f"GlobalBatchDataset(num_examples={self.num_examples}, "
+                f"global_batch_size={self.global_batch_size}, seed={self.seed}, "
+                f"shuffle={self.shuffle}, num_epochs={self.num_epochs}, "
+                f"drop_remainder={self.drop_remainder}, "
+                f"process={self.process_index}/{self.process_count}, rows={self.rows}, "
+                f"num_workers={self.num_workers})")
 
     def _example(self, index: int) -> Example:
         example = self.source[index]
         if example is None:
             raise ValueError(
                 f"Source returned None at index {index}; GlobalBatchDataset needs every "
-                "index to hold an example (filter the data before batching)."
-            )
+                "index to hold an example (filter the data before batching).")
         if self.transform is not None:
             example = self.transform(example)
         return example
@@ -286,28 +212,25 @@ class GlobalBatchDataset(Iterable[Batch]):
         """The examples at these source indices, stacked; -1 marks a padding row."""
         indices = np.concatenate(parts)
         real = indices >= 0
-        # Padding rows read example 0 and are zeroed: every process builds batches of the
-        # same structure and shapes, even one that holds no real row.
+        # Padding rows read example 0 and are zeroed: every process's batches have the same
+        # structure, even one that holds no real row.
         indices = np.where(real, indices, 0)
         if isinstance(self.source, ArraySource) and self.transform is None:
             batch = self.source.gather(indices)
         else:
-            # One read per example: batched __getitems__ reads are not reliable across sources
-            # (tfds.testing.mock_data breaks them).
+            # Batched __getitems__ reads are not reliable across sources (tfds mock data).
             batch = _stack([self._example(int(i)) for i in indices])
         if not self._pad:
             return batch
         if not isinstance(batch, Mapping):
             raise TypeError(
                 "drop_remainder=False adds a mask to each batch, so examples must be "
-                f"dicts; got {type(batch).__qualname__}."
-            )
+                f"dicts; got {type(batch).__qualname__}.")
         if self.mask_key in batch:
             raise ValueError(f"Examples already have a {self.mask_key!r} entry.")
         if not real.all():
             batch = jax.tree.map(
                 lambda x: np.where(real.reshape(-1, *[1] * (x.ndim - 1)), x, np.zeros_like(x)),
-                batch,
-            )
+                batch)
         return {**batch, self.mask_key: real}
 

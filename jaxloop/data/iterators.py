@@ -4,9 +4,7 @@ The loops accept a dataset in whichever form the user has it (a list of batches,
 dataset or data source, a tfds source, a tf.data pipeline) and read it through
 `as_iterator`. A checkpoint records where the iterator is with `iterator_state` (a
 JSON-serialisable dict) and a resumed run puts it back with `restore_iterator_state`.
-
-TensorFlow is never imported here: tf.data objects are recognised only when the user has
-imported TensorFlow already.
+TensorFlow is never imported here: tf.data objects are recognised only once the user has.
 
 Example::
 
@@ -36,14 +34,10 @@ def _tensorflow() -> Any:
     return sys.modules.get("tensorflow")
 
 
-def _is_tf_dataset(obj: Any) -> bool:
+def _is_tf(obj: Any, kind: str) -> bool:
+    """Whether `obj` is a ``tf.data.<kind>`` (``Dataset``, ``Iterator``)."""
     tf = _tensorflow()
-    return tf is not None and isinstance(obj, tf.data.Dataset)
-
-
-def _is_tf_iterator(obj: Any) -> bool:
-    tf = _tensorflow()
-    return tf is not None and isinstance(obj, tf.data.Iterator)
+    return tf is not None and isinstance(obj, getattr(tf.data, kind))
 
 
 class _TFToNumpyIterator(Iterator[Batch]):
@@ -59,18 +53,11 @@ class _TFToNumpyIterator(Iterator[Batch]):
 
 
 def _is_random_access_source(obj: Any) -> bool:
-    """True for data *sources* (random access to examples), not for plain sequences.
-
-    Lists and tuples are also random access, but users pass them as ready-made lists of
-    batches, so they are iterated directly.
-    """
+    """True for data *sources*, not lists and tuples (those are lists of batches)."""
     if isinstance(obj, ArraySource):
         return True
-    grain_sources = (
-        grain.sources.ArrayRecordDataSource,
-        grain.sources.RangeDataSource,
-        grain.sources.SharedMemoryDataSource,
-    )
+    grain_sources = (grain.sources.ArrayRecordDataSource, grain.sources.RangeDataSource,
+                     grain.sources.SharedMemoryDataSource)
     if isinstance(obj, grain_sources):
         return True
     # Checked through sys.modules: a tfds source exists only if the user imported tfds.
@@ -79,33 +66,21 @@ def _is_random_access_source(obj: Any) -> bool:
 
 
 def as_iterator(dataset: Any) -> Iterator[Batch]:
-    """Returns an iterator over `dataset`, whatever kind of dataset it is.
-
-    * iterators and generators (including grain and tf.data iterators) are returned as they
-      are (tf.data iterators get their tf.Tensor leaves converted to numpy);
-    * grain ``MapDataset``, ``IterDataset`` and ``DataLoader`` give ``iter(dataset)``, which
-      is a checkpointable grain iterator;
-    * random-access data sources (``tfds.data_source(...)``, grain sources, `ArraySource`)
-      are wrapped in ``grain.MapDataset.source`` so the iterator is checkpointable; they yield
-      single examples;
-    * a ``tf.data.Dataset`` (recognised only when TensorFlow is already imported) gives
-      ``dataset.as_numpy_iterator()``;
-    * any other iterable (lists of batches, ``tfds.as_numpy(...)``, `GlobalBatchDataset`)
-      gives ``iter(dataset)``.
+    """An iterator over `dataset`: iterators as they are (tf.data's yielding numpy), grain
+    datasets and random-access sources (tfds, grain, `ArraySource`: single examples) as
+    checkpointable grain iterators, a ``tf.data.Dataset`` as its numpy iterator, any other
+    iterable as ``iter(dataset)``; anything else is a TypeError.
 
     Example::
 
         it = as_iterator([{'x': np.ones((8, 2))}, {'x': np.zeros((8, 2))}])
         batch = next(it)
-
-    Raises:
-      TypeError: if `dataset` is not iterable.
     """
-    if _is_tf_iterator(dataset):
+    if _is_tf(dataset, "Iterator"):
         return _TFToNumpyIterator(dataset)
     if isinstance(dataset, collections.abc.Iterator):
         return dataset
-    if _is_tf_dataset(dataset):
+    if _is_tf(dataset, "Dataset"):
         return _TFToNumpyIterator(dataset.as_numpy_iterator())
     if isinstance(dataset, grain.MapDataset | grain.IterDataset | grain.DataLoader):
         return iter(dataset)
@@ -116,23 +91,12 @@ def as_iterator(dataset: Any) -> Iterator[Batch]:
     raise TypeError(
         f"Cannot iterate over a dataset of type {type(dataset).__module__}."
         f"{type(dataset).__qualname__}: expected an iterator, an iterable, a grain dataset, "
-        "a random-access data source or a tf.data.Dataset."
-    )
+        "a random-access data source or a tf.data.Dataset.")
 
 
 def iterator_state(iterator: Any) -> dict[str, Any] | None:
-    """Returns the iterator's checkpointable state, or None if it has none.
-
-    Uses ``iterator.get_state()``. grain ``DataLoader`` iterators return their state as
-    JSON bytes; it is decoded to a dict so every state is a JSON-serialisable dict.
-
-    Example::
-
-        it = iter(GlobalBatchDataset(ArraySource({'x': x}), 8))
-        next(it)
-        iterator_state(it)  # {'next_batch': 1, ...}
-        iterator_state(iter([1, 2]))  # None
-    """
+    """The iterator's ``get_state()`` as a JSON-serialisable dict (a grain ``DataLoader``'s
+    bytes decoded), or None if it has none."""
     get_state = getattr(iterator, "get_state", None)
     if not callable(get_state):
         return None
@@ -142,12 +106,10 @@ def iterator_state(iterator: Any) -> dict[str, Any] | None:
     return state
 
 
-
 def describe_iterator(iterator: Any) -> str:
     """A short name of an iterator's kind for messages (a prefetcher names its source)."""
     source = getattr(iterator, "source", None)
-    # Recognised through sys.modules, as tf.data is: no prefetcher exists unless
-    # jaxloop.read_ahead was imported, and importing it from here would point up the layers.
+    # Through sys.modules: importing jaxloop.read_ahead from here would point up the layers.
     prefetch = sys.modules.get("jaxloop.read_ahead")
     if prefetch is not None and isinstance(iterator, prefetch.Prefetcher) and source is not None:
         return f"{describe_iterator(source)} behind a device prefetcher"
@@ -158,25 +120,14 @@ def describe_iterator(iterator: Any) -> str:
 
 
 def restore_iterator_state(iterator: Any, state: Mapping[str, Any]) -> None:
-    """Restores a state returned by `iterator_state` into an iterator of the same kind.
-
-    Example::
-
-        state = iterator_state(it)
-        ...
-        new_it = iter(dataset)
-        restore_iterator_state(new_it, state)
-
-    Raises:
-      ValueError: if the iterator cannot restore a state (it has no ``set_state``).
-    """
+    """Restores a state returned by `iterator_state` into an iterator of the same kind (a
+    ValueError for one without ``set_state``)."""
     set_state = getattr(iterator, "set_state", None)
     if not callable(set_state):
         raise ValueError(
             f"Cannot restore the data position: iterator of type {type(iterator).__qualname__} "
             "has no set_state(). Use a checkpointable iterator (a grain dataset or "
-            "GlobalBatchDataset) to resume training data exactly."
-        )
+            "GlobalBatchDataset) to resume training data exactly.")
     if isinstance(iterator, grain.DataLoaderIterator) and not isinstance(state, bytes):
         # DataLoaderIterator.set_state wants the JSON bytes that iterator_state decoded.
         state = json.dumps(state).encode()
@@ -184,9 +135,8 @@ def restore_iterator_state(iterator: Any, state: Mapping[str, Any]) -> None:
 
 
 def absl_flags_usable() -> None:
-    """Lets grain's worker processes start where absl never parsed the command line (a
-    script or notebook not run by ``absl.app``): grain reads an absl flag of its own when it
-    starts workers, which raises until the flags are parsed; they keep their defaults."""
+    """Lets grain's worker processes start where absl never parsed the command line (grain
+    reads an absl flag when it starts workers); the flags keep their defaults."""
     from absl import flags  # noqa: PLC0415 (a dependency of grain)
 
     if not flags.FLAGS.is_parsed():
@@ -194,14 +144,8 @@ def absl_flags_usable() -> None:
 
 
 def reader(dataset: Any) -> Iterator[Batch]:
-    """`as_iterator(dataset)`, ready to be read from another thread: a grain dataset
-    iterator's pipeline may start worker processes (``mp_prefetch``), which needs
-    `absl_flags_usable`.
-
-    Example::
-
-        it = reader(grain.MapDataset.source(source).batch(8).to_iter_dataset())
-    """
+    """`as_iterator(dataset)`, ready to be read from another thread (a grain pipeline may
+    start worker processes)."""
     iterator = as_iterator(dataset)
     if isinstance(iterator, grain.DatasetIterator):
         absl_flags_usable()

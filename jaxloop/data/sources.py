@@ -1,14 +1,5 @@
-"""`ArraySource`: random access to the examples of a pytree of in-memory arrays.
-
-A source is what `GlobalBatchDataset` and grain's ``MapDataset.source`` read examples from
-by index; `ArraySource` is the one for arrays already in memory (numpy, or anything
-``np.asarray`` takes), and lets a global batch be read with one gather per array.
-
-Example::
-
-    source = ArraySource({'image': images, 'label': labels})
-    source[3]  # {'image': images[3], 'label': labels[3]}
-"""
+"""`ArraySource`: random access to the examples of a pytree of in-memory arrays, read by
+`GlobalBatchDataset` with one gather per array."""
 
 from __future__ import annotations
 
@@ -41,8 +32,7 @@ class ArraySource(Sequence[Example]):
         if None in lengths or len(lengths) != 1:
             shapes = jax.tree.map(np.shape, self._arrays)
             raise ValueError(
-                f"ArraySource arrays must share a leading dimension; got shapes {shapes}."
-            )
+                f"ArraySource arrays must share a leading dimension; got shapes {shapes}.")
         self._length = lengths.pop()
 
     def __len__(self) -> int:
