@@ -20,7 +20,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from common import MLP  # noqa: E402
 
-from jaxloop import accumulate, step  # noqa: E402
+from jaxloop import step  # noqa: E402
+from jaxloop.recipes import accumulate  # noqa: E402
 
 
 class AccumStep(step.Step):

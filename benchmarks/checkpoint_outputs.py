@@ -24,7 +24,8 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from common import MLP, TrainStep  # noqa: E402
 
-from jaxloop import actions, checkpoint  # noqa: E402
+from jaxloop import actions  # noqa: E402
+from jaxloop.checkpointing import checkpoint  # noqa: E402
 
 
 def loop_outputs(steps: int, with_logits: bool, batch: int, classes: int) -> dict:

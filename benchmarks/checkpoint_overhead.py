@@ -23,7 +23,8 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from common import MLP, TrainStep, batches  # noqa: E402
 
-from jaxloop import actions, checkpoint, outer_loop, train_loop  # noqa: E402
+from jaxloop import actions, outer_loop, train_loop  # noqa: E402
+from jaxloop.checkpointing import checkpoint  # noqa: E402
 
 
 def steps_per_sec(train, loops, loop_steps, batch_size, with_checkpoints):

@@ -24,15 +24,9 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from common import MLP, TrainStep, batches  # noqa: E402
 
-from jaxloop import (  # noqa: E402
-    actions,
-    checkpoint,
-    data,  # noqa: F401 (imported before the timing starts, as a real input pipeline is)
-    eval_loop,
-    goodput,
-    outer_loop,
-    train_loop,
-)
+from jaxloop import actions, eval_loop, outer_loop, train_loop  # noqa: E402
+from jaxloop.checkpointing import checkpoint  # noqa: E402
+from jaxloop.diagnostics import goodput  # noqa: E402
 
 
 class EvalStep(TrainStep):

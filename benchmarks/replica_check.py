@@ -24,7 +24,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxloop import integrity, partition  # noqa: E402
+from jaxloop import partition  # noqa: E402
+from jaxloop.diagnostics import integrity  # noqa: E402
 from jaxloop.examples import transformer  # noqa: E402
 
 

@@ -30,7 +30,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from common import MLP, TrainStep  # noqa: E402
 
-from jaxloop import actions, checkpoint, memory, outer_loop, partition, train_loop  # noqa: E402
+from jaxloop import actions, outer_loop, partition, train_loop  # noqa: E402
+from jaxloop.checkpointing import checkpoint  # noqa: E402
+from jaxloop.diagnostics import memory  # noqa: E402
 
 SPEC = [1, 784]
 

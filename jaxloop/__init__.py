@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 # nor grain. The exported names that are not submodules, by their defining submodule:
 _NAMES = {name: module for module, names in (
     ("actions", ("Action", "EarlyStoppingAction", "StepNumberAction", "SummaryAction")),
-    ("checkpoint_actions", ("CheckpointAction",)),
-    ("progress", ("ProgressAction",)),
+    ("checkpointing.checkpoint_actions", ("CheckpointAction",)),
+    ("metrics.progress", ("ProgressAction",)),
     ("eval_loop", ("EvalLoop",)),
     ("loop", ("Loop",)),
     ("outer_loop", ("STOP_LOOP", "CheckpointSpec", "EvalContext", "EvalSpec", "OuterLoop")),
@@ -35,26 +35,33 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
         action_loop,
         actions,
         async_action_context,
-        checkpoint,
+        checkpointing,
+        data,
+        diagnostics,
+        engine,
         eval_loop,
-        history,
+        launch,
         loop,
-        notebook_logging,
+        metrics,
+        orchestration,
         outer_loop,
         partition,
+        pipeline_loop,
+        recipes,
         stat_loop,
+        state,
         step,
         step_number_writer,
         stop_handler,
         train_loop,
         trainers,
         types,
-        writers,
     )
     from jaxloop.actions import Action, EarlyStoppingAction, StepNumberAction, SummaryAction
-    from jaxloop.checkpoint_actions import CheckpointAction
+    from jaxloop.checkpointing.checkpoint_actions import CheckpointAction
     from jaxloop.eval_loop import EvalLoop
     from jaxloop.loop import Loop
+    from jaxloop.metrics.progress import ProgressAction
     from jaxloop.outer_loop import STOP_LOOP, CheckpointSpec, EvalContext, EvalSpec, OuterLoop
     from jaxloop.partition import (
         DataParallelPartitioner,
@@ -63,7 +70,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
         SingleDevicePartitioner,
         SPMDPartitioner,
     )
-    from jaxloop.progress import ProgressAction
     from jaxloop.step import Step
     from jaxloop.stop_handler import MetricMonitoringStopHandler, StopTrainingError
     from jaxloop.train_loop import TrainLoop
@@ -89,15 +95,19 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 if "ipykernel" in sys.modules:  # a notebook: show the INFO lines a user asks for
-    importlib.import_module(f"{__name__}.notebook_logging").show_info_if_unconfigured()
+    importlib.import_module(f"{__name__}.metrics.notebook_logging").show_info_if_unconfigured()
 
 __all__ = [
     "STOP_LOOP", "Action", "CheckpointAction", "CheckpointSpec", "DataParallelPartitioner",
     "EarlyStoppingAction", "EvalContext", "EvalLoop", "EvalSpec", "FSDPPartitioner", "Loop",
     "MetricMonitoringStopHandler", "MetricType", "MetricWithMetadata", "OuterLoop", "Partitioner",
     "ProgressAction", "SPMDPartitioner", "SingleDevicePartitioner", "Step", "StepNumberAction",
-    "StopTrainingError", "SummaryAction", "TrainLoop", "TrainState", "action_loop", "actions",
-    "async_action_context", "checkpoint", "eval_loop", "history", "loop", "notebook_logging",
-    "outer_loop", "partition", "stat_loop", "step", "step_number_writer", "stop_handler",
-    "train_loop", "trainers", "types", "writers",
+    "StopTrainingError", "SummaryAction", "TrainLoop", "TrainState",
+    # the google/jaxloop modules
+    "action_loop", "actions", "async_action_context", "eval_loop", "loop", "outer_loop",
+    "partition", "pipeline_loop", "stat_loop", "step", "step_number_writer", "stop_handler",
+    "train_loop", "trainers", "types",
+    # the concerns beneath them
+    "checkpointing", "data", "diagnostics", "engine", "launch", "metrics", "orchestration",
+    "recipes", "state",
 ]

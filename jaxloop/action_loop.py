@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxloop import actions as actions_lib
-from jaxloop import async_action_context, stat_loop, stop_handler, triggers, types
-from jaxloop import loop as loop_lib
+from jaxloop import async_action_context, stat_loop, stop_handler, types
+from jaxloop.engine import host_count, triggers
 
 Output = types.Output
 State = types.TrainState
@@ -94,7 +94,7 @@ class ActionLoop(stat_loop.StatLoop):
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         self._loop_count += 1
-        self._first_step = (loop_lib.host_step(state) if state is not None
+        self._first_step = (host_count.host_step(state) if state is not None
                             and hasattr(state, "step") else None)
         # A train step's triggered actions count global steps from where this loop starts.
         step = self._step

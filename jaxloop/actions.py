@@ -22,16 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxloop import loop as loop_lib
-from jaxloop import metric_values, stop_handler, triggers, types
+from jaxloop import stop_handler, types
+from jaxloop.engine import host_count, metric_values
+from jaxloop.engine.action import Action
 
 # Re-exported: users call these as ``actions.scalar_metrics`` etc. (google/jaxloop's names).
-from jaxloop.metric_values import example_weights, fetch, scalar_metrics, scalar_summary
+from jaxloop.engine.metric_values import example_weights, fetch, scalar_metrics, scalar_summary
 from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
 
 if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` loads them when used
-    from jaxloop.checkpoint_actions import BestCheckpointAction, CheckpointAction
-    from jaxloop.progress import ProgressAction
+    from jaxloop.checkpointing.checkpoint_actions import BestCheckpointAction, CheckpointAction
+    from jaxloop.metrics.progress import ProgressAction
 
 Output = types.Output
 State = types.TrainState
@@ -44,9 +45,9 @@ log = logging.getLogger(__name__)
 
 # Actions in modules of their own, loaded on first use (`__getattr__`).
 _ELSEWHERE = {
-    "CheckpointAction": "jaxloop.checkpoint_actions",
-    "BestCheckpointAction": "jaxloop.checkpoint_actions",
-    "ProgressAction": "jaxloop.progress",
+    "CheckpointAction": "jaxloop.checkpointing.checkpoint_actions",
+    "BestCheckpointAction": "jaxloop.checkpointing.checkpoint_actions",
+    "ProgressAction": "jaxloop.metrics.progress",
 }
 
 __all__ = [
@@ -70,43 +71,8 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_ELSEWHERE})
 
 
-class Action:
-    """Base class for actions: fires every `interval` loops, or where its
-    `triggers.Trigger` says (global train steps or seconds).
-
-    Example::
-
-        SummaryAction(writer).with_trigger(triggers.Trigger(at_steps=(1, 10), every_secs=60))
-    """
-
-    def __init__(self, interval: int = 1, trigger: triggers.Trigger | None = None):
-        if not isinstance(interval, int) or interval <= 0:
-            raise ValueError(f"`interval` must be a positive integer, got {interval!r}")
-        self._interval = interval
-        self.with_trigger(trigger)
-
-    @property
-    def interval(self) -> int:
-        return self._interval
-
-    @property
-    def trigger(self) -> triggers.Trigger | None:
-        """What decides when this action fires (None: every `interval`)."""
-        return getattr(self, "_trigger", None)
-
-    def with_trigger(self, trigger: triggers.Trigger | None) -> Action:
-        """Has `trigger` decide when this action fires; returns the action."""
-        if trigger is not None and not isinstance(trigger, triggers.Trigger):
-            raise TypeError(f"`trigger` must be a triggers.Trigger, got {trigger!r}")
-        self._trigger = trigger
-        return self
-
-    def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> Any:
-        raise NotImplementedError("Action subclasses implement __call__(state, outputs, **kw)")
-
-
 class SummaryAction(Action):
-    """Writes loop outputs with a clu-style metric writer (`jaxloop.writers` or clu's).
+    """Writes loop outputs with a clu-style metric writer (`jaxloop.metrics.writers` or clu's).
 
     A train loop's per-step scalars are written at their own steps; otherwise (eval loops)
     their mean over examples, like plain scalars and clu metrics, at ``state.step``.
@@ -148,7 +114,7 @@ class SummaryAction(Action):
                  loop: Any = None, **kwargs: Any) -> None:
         if not outputs:
             return
-        step = loop_lib.host_step(state)
+        step = host_count.host_step(state)
         weights = example_weights(loop)
         per_step: dict[int, dict[str, float]] = {}
         at_step: dict[str, Any] = {}
@@ -223,7 +189,7 @@ class EarlyStoppingAction(Action):
 
     def __call__(self, state: State, outputs: Output | None, loop: Any = None,
                  **kwargs: Any) -> Output | None:
-        step = loop_lib.host_step(state)
+        step = host_count.host_step(state)
         name = self.monitored_metric
         if outputs is not None and name in outputs:
             metric = scalar_summary(outputs[name], example_weights(loop))
@@ -280,4 +246,4 @@ class StepNumberAction(Action):
         return self._step_writer
 
     def __call__(self, state: State, outputs: Output | None = None, **kwargs: Any) -> None:
-        self._step_writer.write(loop_lib.host_step(state))
+        self._step_writer.write(host_count.host_step(state))

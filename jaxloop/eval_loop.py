@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxloop import action_loop, agreement, types
+from jaxloop import action_loop, types
 from jaxloop import step as step_lib
+from jaxloop.launch import agreement
 
 Output = types.Output
 State = types.TrainState
@@ -49,7 +50,7 @@ class EvalLoop(action_loop.ActionLoop):
     `example_counts` holds the real examples of each batch (the sum of ``batch[mask_key]``,
     else the batch size), by which `SummaryAction`, the history and `scalar_metrics`
     weight per-step means. ``use_ema=True`` evaluates the state's EMA parameters
-    (`jaxloop.ema`). The steps run where the step's partitioner places the state: a state
+    (`jaxloop.recipes.ema`). The steps run where the step's partitioner places the state: a state
     trained elsewhere is copied there once per evaluation (counted by `state_moves`).
     """
 
@@ -113,7 +114,7 @@ class EvalLoop(action_loop.ActionLoop):
         self._counts, self._local, self._example_counts = [], [], []
         evaluated = state
         if self.use_ema:
-            from jaxloop import ema  # noqa: PLC0415
+            from jaxloop.recipes import ema  # noqa: PLC0415
 
             evaluated = ema.swap_in(state)
         evaluated = self._placed(evaluated)

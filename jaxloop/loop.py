@@ -1,7 +1,7 @@
 """Loop: runs a Step over many batches and collects its outputs.
 
 The host never waits for a step's result; it only bounds how far ahead it runs
-(`jaxloop.in_flight`).
+(`jaxloop.engine.in_flight`).
 
 Example::
 
@@ -16,45 +16,24 @@ import collections
 import contextlib
 import functools
 import signal
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxloop import in_flight, outputs, preemption, staging, step_actions, types
-from jaxloop import prefetch as prefetch_lib
 from jaxloop import step as step_lib
+from jaxloop import types
+from jaxloop.engine import in_flight, outputs, staging, step_actions
+from jaxloop.engine import prefetch as prefetch_lib
+from jaxloop.engine.host_count import host_step, remember_step
+from jaxloop.launch import preemption
 
 Output = types.Output
 State = types.TrainState
 Step = step_lib.Step
 # Names kept here for code that imports them from the loop module.
 MetricList = outputs.MetricList
-
-
-# id(state) -> (weak reference, train step) for the states loops returned.
-_host_steps: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def host_step(state: Any) -> int:
-    """The train step of `state`: counted on the host for a state a training loop returned
-    (one step per batch; its last steps may still be running), else read from the device."""
-    entry = _host_steps.get(id(state))
-    if entry is not None and entry[0]() is state:
-        return entry[1]
-    return int(state.step)
-
-
-def remember_step(state: Any, step: int) -> None:
-    """Records `state`'s train step for `host_step` (if it takes a weak reference)."""
-    key = id(state)
-    try:
-        ref = weakref.ref(state, lambda _: _host_steps.pop(key, None))
-    except TypeError:
-        return
-    _host_steps[key] = (ref, step)
 
 
 @functools.lru_cache(maxsize=32)

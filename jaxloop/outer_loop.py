@@ -21,18 +21,26 @@ from typing import Any
 import jax
 
 from jaxloop import actions as actions_lib
-from jaxloop import async_action_context, evaluation, preemption, stop_handler, stop_marker, types
-from jaxloop import continuous_eval as continuous_eval_lib
-from jaxloop import debugging as debugging_lib
+from jaxloop import async_action_context, stop_handler, types
 from jaxloop import eval_loop as eval_loop_lib
-from jaxloop import history as history_lib
-from jaxloop import loop as loop_lib
-from jaxloop import param_table as param_table_lib
-from jaxloop import prefetch as prefetch_lib
-from jaxloop import resume as resume_lib
 from jaxloop import train_loop as train_loop_lib
-from jaxloop.continuous_eval import CheckpointSpec
-from jaxloop.evaluation import STOP_LOOP, EvalContext, EvalSpec, Evaluations, LoopEndEvaluations
+from jaxloop.diagnostics import debugging as debugging_lib
+from jaxloop.diagnostics import param_table as param_table_lib
+from jaxloop.engine import host_count
+from jaxloop.engine import prefetch as prefetch_lib
+from jaxloop.launch import preemption
+from jaxloop.metrics import history as history_lib
+from jaxloop.orchestration import continuous_eval as continuous_eval_lib
+from jaxloop.orchestration import evaluation, stop_marker
+from jaxloop.orchestration import resume as resume_lib
+from jaxloop.orchestration.continuous_eval import CheckpointSpec
+from jaxloop.orchestration.evaluation import (
+    STOP_LOOP,
+    EvalContext,
+    EvalSpec,
+    Evaluations,
+    LoopEndEvaluations,
+)
 
 Output = types.Output
 State = types.TrainState
@@ -54,7 +62,7 @@ class OuterLoop:
       progress: show a progress bar (None: only when interactive).
       prefetch: batches read ahead in a background thread (`Loop.prefetching`); None:
         `prefetch.default_size`.
-      disable_jit / post_mortem: `jaxloop.debugging` switches; None: from
+      disable_jit / post_mortem: `jaxloop.diagnostics.debugging` switches; None: from
         ``JAXLOOP_DISABLE_JIT`` / ``JAXLOOP_POST_MORTEM``.
       resume: resume from the latest checkpoint of `checkpoint_spec`'s directory, else of
         the train loop's `CheckpointAction`'s, when it is at or after the given state's
@@ -143,7 +151,7 @@ class OuterLoop:
         if not self._eval_loops:
             raise ValueError("OuterLoop has neither a train loop nor eval loops")
         if self._checkpoint_spec is None:
-            context = EvalContext(False, loop_lib.host_step(state), 1)
+            context = EvalContext(False, host_count.host_step(state), 1)
             results, _ = self._evals.run(state, specs, context)
             return state, evaluation.last(results)
         return continuous_eval_lib.ContinuousEval(self._checkpoint_spec, self._evals)(state, specs)
@@ -231,7 +239,7 @@ class OuterLoop:
                     break
                 self._state = state
                 # A loop that ran no step keeps the outputs of the last one that trained.
-                new_step = loop_lib.host_step(state)
+                new_step = host_count.host_step(state)
                 advanced = new_step != step
                 if advanced or outputs is None:
                     outputs = new_outputs
@@ -267,7 +275,7 @@ class OuterLoop:
         """Saves, flushes the writers and raises `preemption.stopped` with the live state."""
         self.preempted = True
         self.stopped_state = self._state = state
-        step = loop_lib.host_step(state)
+        step = host_count.host_step(state)
         self._ended = (step, self._metadata.loop_partial())
         saved = self._train_loop.save_checkpoint(state, outputs)
         writers, _ = self._writers_and_managers()

@@ -25,8 +25,8 @@ from flax.core import spmd as core_spmd
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxloop import annotations, staging
-from jaxloop import program as program_lib
+from jaxloop.engine import annotations, staging
+from jaxloop.engine import program as program_lib
 
 PyTree = Any
 Axes = str | tuple[str, ...]

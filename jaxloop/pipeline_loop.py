@@ -22,8 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxloop import eval_loop, metric_values, types
+from jaxloop import eval_loop, types
 from jaxloop import loop as loop_lib
+from jaxloop.engine import metric_values
 
 try:
     from ml_metrics import chainable

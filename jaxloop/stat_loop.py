@@ -21,8 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxloop import agreement, goodput, staging, types
 from jaxloop import loop as loop_lib
+from jaxloop import types
+from jaxloop.diagnostics import goodput
+from jaxloop.engine import staging
+from jaxloop.launch import agreement
 
 Output = types.Output
 State = types.TrainState
@@ -84,7 +87,7 @@ class StatLoop(loop_lib.Loop):
       model_flops_per_example: training flops per example, for ``jaxloop/mfu`` and
         ``jaxloop/model_tflops_per_sec_per_device`` (needs `global_batch_size`), or
         ``'xla'`` for ``jaxloop/mfu_xla_cost_analysis`` from the compiled step. MFU needs
-        the device's peak (`jaxloop.goodput`, or `peak_flops_per_device`).
+        the device's peak (`jaxloop.diagnostics.goodput`, or `peak_flops_per_device`).
       model_flops_per_token: training flops per token (``6 * num_params`` for a
         transformer), instead of per example; needs `tokens_key`.
       tokens_key: the batch entry (or path) holding a token mask or count

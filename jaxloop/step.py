@@ -1,7 +1,7 @@
 """Step: what happens to one batch. Users subclass it and override `run`.
 
 A call runs ``preprocess_batch -> begin actions -> begin -> compiled run -> end -> end
-actions``; `run` is compiled once (`jaxloop.program`). `call_steps` runs up to k batches in
+actions``; `run` is compiled once (`jaxloop.engine.program`). `call_steps` runs up to k batches in
 one compiled call (a loop's ``steps_per_execution=k``).
 
 Example::
@@ -30,12 +30,14 @@ from typing import Any
 import jax
 import optax
 
-from jaxloop import model as model_lib
-from jaxloop import model_state, specs, staging, step_actions, step_state, types
 from jaxloop import partition as partition_lib
-from jaxloop import precision as precision_lib
-from jaxloop import program as program_lib
-from jaxloop import sown as sown_lib
+from jaxloop import types
+from jaxloop.engine import program as program_lib
+from jaxloop.engine import staging, step_actions
+from jaxloop.recipes import precision as precision_lib
+from jaxloop.state import model as model_lib
+from jaxloop.state import model_state, specs, step_state
+from jaxloop.state import sown as sown_lib
 
 Batch = types.Batch
 Output = types.Output
@@ -68,7 +70,7 @@ class Step(step_state.StepState):
       should_shard_batch: False when batches arrive already on the devices.
       begin_actions / end_actions: run before / after the steps they fire on.
       dtype_policy: mixed precision (`precision.get_policy`); None leaves the model as is.
-      sown: flax collections the model sows into, added to the outputs (`jaxloop.sown`).
+      sown: flax collections the model sows into, added to the outputs (`jaxloop.state.sown`).
     """
 
     def __init__(self, base_prng: types.PRNGType, model: model_lib.Model,

@@ -31,7 +31,7 @@ class TrainLoop(action_loop.ActionLoop):
         unless its step is saved, and waits; returns whether this step is saved (False, with
         a warning, without such an action). A stopped run calls it before it ends."""
         # Here: a train loop without checkpoints never imports orbax.
-        from jaxloop import checkpoint_actions  # noqa: PLC0415
+        from jaxloop.checkpointing import checkpoint_actions  # noqa: PLC0415
 
         step = loop.host_step(state)
         for action in self.end_actions:

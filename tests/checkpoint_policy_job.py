@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from jaxloop import distributed  # noqa: E402
+from jaxloop.launch import distributed  # noqa: E402
 
 if os.environ.get("JAXLOOP_COORDINATOR"):
     distributed.initialize()
@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from models import ClassifierStep, LinenMLP, toy_data  # noqa: E402
 
-from jaxloop import actions, checkpoint, data, partition, train_loop  # noqa: E402
+from jaxloop import actions, data, partition, train_loop  # noqa: E402
+from jaxloop.checkpointing import checkpoint  # noqa: E402
 
 
 class LoopClock:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from jaxloop import distributed  # noqa: E402
+from jaxloop.launch import distributed  # noqa: E402
 
 if os.environ.get("JAXLOOP_COORDINATOR"):
     distributed.initialize()
@@ -46,18 +46,10 @@ import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from models import ClassifierStep, LinenMLP, toy_data  # noqa: E402
 
-from jaxloop import (  # noqa: E402
-    actions,
-    checkpoint,
-    data,
-    eval_loop,
-    outer_loop,
-    partition,
-    preemption,
-    train_loop,
-    types,
-    writers,
-)
+from jaxloop import actions, data, eval_loop, outer_loop, partition, train_loop, types  # noqa: E402
+from jaxloop.checkpointing import checkpoint  # noqa: E402
+from jaxloop.launch import preemption  # noqa: E402
+from jaxloop.metrics import writers  # noqa: E402
 
 
 class NullWriter:
@@ -278,8 +270,8 @@ def digits_job(argv: list[str]) -> dict:
     signal.signal(signal.SIGUSR1, lambda *_: preemption.request())
     steps = _Steps()
     logging.getLogger("digits").addHandler(steps)
-    logging.getLogger("jaxloop.checkpoint").addHandler(steps)
-    logging.getLogger("jaxloop.checkpoint").setLevel(logging.INFO)
+    logging.getLogger("jaxloop.checkpointing.checkpoint").addHandler(steps)
+    logging.getLogger("jaxloop.checkpointing.checkpoint").setLevel(logging.INFO)
     try:
         results = digits.main(argv)
     except SystemExit as e:

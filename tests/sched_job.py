@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from jaxloop import distributed  # noqa: E402
+from jaxloop.launch import distributed  # noqa: E402
 
 if os.environ.get("JAXLOOP_COORDINATOR"):
     distributed.initialize()
@@ -34,7 +34,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from models import ClassifierStep, LinenMLP, toy_data  # noqa: E402
 
-from jaxloop import actions, data, integrity, partition, train_loop, triggers  # noqa: E402
+from jaxloop import actions, data, partition, train_loop  # noqa: E402
+from jaxloop.diagnostics import integrity  # noqa: E402
+from jaxloop.engine import triggers  # noqa: E402
 
 
 def counting_clock(rate: float):

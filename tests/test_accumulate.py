@@ -9,8 +9,9 @@ import pytest
 from jax.sharding import Mesh
 from models import LinenMLP, toy_data
 
-from jaxloop import accumulate, partition
+from jaxloop import partition
 from jaxloop import step as step_lib
+from jaxloop.recipes import accumulate
 
 
 class AccumStep(step_lib.Step):

@@ -19,8 +19,10 @@ import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, outer_loop, train_loop, writers
+from jaxloop import actions, outer_loop, train_loop
 from jaxloop.async_action_context import AsyncActionContext, get_async_action_context
+from jaxloop.checkpointing import checkpoint
+from jaxloop.metrics import writers
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 from models import ClassifierStep, LinenMLP, NnxMLP, toy_data
 
-from jaxloop import actions, checkpoint, data, partition, train_loop
+from jaxloop import actions, data, partition, train_loop
+from jaxloop.checkpointing import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -176,7 +177,7 @@ def _equal(a, b):
 def test_warm_start_new_head_loads_backbone_keeps_head_and_optimizer_fresh(run_a, caplog):
     ckpt, params_a = run_a
     step_b, fresh = _fresh_b()
-    with caplog.at_level("WARNING", logger="jaxloop.checkpoint"):
+    with caplog.at_level("WARNING", logger="jaxloop.checkpointing.checkpoint"):
         warm = checkpoint.warm_start(fresh, ckpt, rename={"head/": None}, strict=False)
     assert _equal(warm.params["backbone"], params_a["backbone"])
     assert not _equal(fresh.params["backbone"], params_a["backbone"])

@@ -17,9 +17,11 @@ import pytest
 from flax.training import train_state
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, data, outer_loop, preemption
+from jaxloop import actions, data, outer_loop
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import train_loop as train_loop_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.launch import preemption
 
 DATA = toy_data(200)
 

@@ -14,11 +14,13 @@ import orbax.checkpoint as ocp
 import pytest
 from models import ClassifierStep, LinenMLP, PlacingClassifierStep, toy_data
 
-from jaxloop import actions, checkpoint, data, outer_loop, partition, writers
+from jaxloop import actions, data, outer_loop, partition
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
 from jaxloop import types as types_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.metrics import writers
 
 DATA = toy_data(256)
 BATCHES = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 256, 16)]

@@ -58,7 +58,7 @@ def test_second_start_loads_compiled_programs(tmp_path):
 def test_enable_sets_jax_config(tmp_path):
     import jax
 
-    from jaxloop import compilation_cache
+    from jaxloop.launch import compilation_cache
 
     old = {k: getattr(jax.config, k) for k in (
         "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",

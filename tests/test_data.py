@@ -646,7 +646,8 @@ def test_prefetch_state_of_stateless_source():
 
 
 def test_a_loops_prefetcher_and_prefetch_to_device_are_one_mechanism():
-    from jaxloop import data, prefetch
+    from jaxloop import data
+    from jaxloop.engine import prefetch
 
     source = iter(GlobalBatchDataset(example_arrays(40), 8, process_index=0, process_count=1))
     it = data.prefetch_to_device(source, jax.device_put, size=2)
@@ -660,7 +661,7 @@ def test_a_loops_prefetcher_and_prefetch_to_device_are_one_mechanism():
 
 
 def test_a_loops_prefetcher_starts_at_its_first_read():
-    from jaxloop import prefetch
+    from jaxloop.engine import prefetch
 
     source = iter(GlobalBatchDataset(example_arrays(40), 8, process_index=0, process_count=1))
     next(source)  # the loop read a batch itself, before the prefetcher's first read

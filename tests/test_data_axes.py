@@ -5,7 +5,8 @@ import jax
 import numpy as np
 from models import toy_data
 
-from jaxloop import data, meshes, partition
+from jaxloop import data, partition
+from jaxloop.launch import meshes
 
 
 def _global_batches(partitioner, n=3):

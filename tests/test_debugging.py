@@ -18,7 +18,8 @@ import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import debugging, outer_loop, train_loop
+from jaxloop import outer_loop, train_loop
+from jaxloop.diagnostics import debugging
 
 HERE = Path(__file__).resolve().parent
 DATA = toy_data(16, din=8)

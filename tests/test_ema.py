@@ -9,8 +9,10 @@ import pytest
 from jax.sharding import Mesh
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import checkpoint, ema, eval_loop, partition, train_loop
+from jaxloop import eval_loop, partition, train_loop
 from jaxloop import step as step_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.recipes import ema
 
 
 class EmaStep(ClassifierStep):

@@ -65,8 +65,8 @@ def test_features_under_two_processes_match_one_process(tmp_path):
 
 
 def test_bad_config_overrides_name_the_field(capsys):
-    from jaxloop import config as config_lib
     from jaxloop.examples import digits, transformer
+    from jaxloop.launch import config as config_lib
 
     for module in (digits, transformer):
         with pytest.raises(SystemExit):

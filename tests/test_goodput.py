@@ -8,7 +8,9 @@ import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, eval_loop, goodput, outer_loop, stat_loop, train_loop
+from jaxloop import actions, eval_loop, outer_loop, stat_loop, train_loop
+from jaxloop.checkpointing import checkpoint
+from jaxloop.diagnostics import goodput
 
 
 def test_peak_table_and_mfu():

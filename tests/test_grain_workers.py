@@ -19,7 +19,8 @@ import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import checkpoint, data, outer_loop, train_loop
+from jaxloop import data, outer_loop, train_loop
+from jaxloop.checkpointing import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -8,8 +8,10 @@ import pytest
 from jax.sharding import Mesh
 from models import LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, guard, outer_loop, partition, train_loop
+from jaxloop import actions, outer_loop, partition, train_loop
 from jaxloop import step as step_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.recipes import guard
 
 
 @jax.custom_vjp

@@ -8,10 +8,11 @@ import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
 from jaxloop import actions as actions_lib
-from jaxloop import checkpoint, data, outer_loop
+from jaxloop import data, outer_loop
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import train_loop as train_loop_lib
-from jaxloop.history import History
+from jaxloop.checkpointing import checkpoint
+from jaxloop.metrics.history import History
 
 matplotlib.use("Agg")
 

@@ -19,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 from models import ClassifierStep, LinenMLP, toy_data
 from test_tensor_parallel import LogicalMLP
 
-from jaxloop import eval_loop, meshes, outer_loop, partition, specs, train_loop
+from jaxloop import eval_loop, outer_loop, partition, train_loop
+from jaxloop.launch import meshes
+from jaxloop.state import specs
 
 
 class Wide(nn.Module):

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxloop import integrity, partition
+from jaxloop import partition
+from jaxloop.diagnostics import integrity
 from jaxloop.examples import transformer
 
 

@@ -24,7 +24,9 @@ import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, eval_loop, outer_loop, preemption, train_loop
+from jaxloop import actions, eval_loop, outer_loop, train_loop
+from jaxloop.checkpointing import checkpoint
+from jaxloop.launch import preemption
 
 SPEC = [1, 16]
 

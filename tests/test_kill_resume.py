@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxloop import checkpoint
+from jaxloop.checkpointing import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -11,7 +11,9 @@ import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, data, eval_loop, outer_loop, train_loop, writers
+from jaxloop import actions, data, eval_loop, outer_loop, train_loop
+from jaxloop.checkpointing import checkpoint
+from jaxloop.metrics import writers
 
 eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 pytestmark = pytest.mark.timeout(300)

@@ -11,9 +11,11 @@ import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxloop import actions, checkpoint, loop, outer_loop, stat_loop, writers
+from jaxloop import actions, loop, outer_loop, stat_loop
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import train_loop as train_loop_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.metrics import writers
 
 DATA = toy_data(256)
 BATCHES = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 256, 16)]

@@ -11,7 +11,8 @@ import optax
 import pytest
 from models import ClassifierStep, NnxMLP
 
-from jaxloop import memory, partition
+from jaxloop import partition
+from jaxloop.diagnostics import memory
 from jaxloop.examples import transformer
 
 SPEC = {"x": [64, 1024], "y": ([64], "int32")}

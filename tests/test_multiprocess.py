@@ -26,7 +26,8 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from jaxloop import checkpoint, distributed
+from jaxloop.checkpointing import checkpoint
+from jaxloop.launch import distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

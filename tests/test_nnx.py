@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 from models import toy_data
 
-from jaxloop import checkpoint
 from jaxloop import step as step_lib
+from jaxloop.checkpointing import checkpoint
 
 
 class DropoutNet(nnx.Module):

@@ -6,10 +6,11 @@ import jax
 import optax
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, eval_loop, outer_loop, train_loop
-from jaxloop.continuous_eval import CheckpointSpec, ContinuousEval
-from jaxloop.evaluation import STOP_LOOP, EvalContext, EvalSpec, Evaluations
-from jaxloop.stop_marker import FILE_NAME
+from jaxloop import actions, eval_loop, outer_loop, train_loop
+from jaxloop.checkpointing import checkpoint
+from jaxloop.orchestration.continuous_eval import CheckpointSpec, ContinuousEval
+from jaxloop.orchestration.evaluation import STOP_LOOP, EvalContext, EvalSpec, Evaluations
+from jaxloop.orchestration.stop_marker import FILE_NAME
 
 DATA = toy_data(64)
 BATCHES = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 64, 16)]

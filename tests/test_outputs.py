@@ -6,7 +6,7 @@ import numpy as np
 from clu import metrics as clu_metrics
 from flax import struct
 
-from jaxloop import outputs
+from jaxloop.engine import outputs
 
 
 def test_metric_lists_of_two_lengths_merge_with_one_program_and_clu_s_result():

@@ -14,8 +14,10 @@ import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import outer_loop, param_table, run_record, train_loop, writers
+from jaxloop import outer_loop, train_loop
+from jaxloop.diagnostics import param_table, run_record
 from jaxloop.examples import transformer
+from jaxloop.metrics import writers
 
 eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -71,12 +73,13 @@ def test_outer_loop_logs_the_table_and_run_record_writes_it(tmp_path, caplog):
     state = step.initialize_model([1, 8])
     data = toy_data(16, din=8)
     outer = outer_loop.OuterLoop(train_loop.TrainLoop(step), progress=False)
-    with caplog.at_level(logging.INFO, logger="jaxloop.param_table"):
+    with caplog.at_level(logging.INFO, logger="jaxloop.diagnostics.param_table"):
         state, _ = outer(state, itertools.repeat(data), train_total_steps=2,
                          train_loop_steps=2)
         # The training cell run again: the same state's layout is not logged again.
         outer(state, itertools.repeat(data), train_total_steps=4, train_loop_steps=2)
-    (logged,) = [r.getMessage() for r in caplog.records if r.name == "jaxloop.param_table"]
+    (logged,) = [r.getMessage() for r in caplog.records
+                 if r.name == "jaxloop.diagnostics.param_table"]
     assert "params/dense1/kernel" in logged and "(8, 8)" in logged and "162 parameters" in logged
 
     writer = writers.SummaryWriter(str(tmp_path / "train"))

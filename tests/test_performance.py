@@ -18,9 +18,12 @@ from jax.sharding import PartitionSpec as P
 from models import ClassifierStep, LinenMLP, toy_data
 
 from jaxloop import eval_loop as eval_loop_lib
-from jaxloop import loop, outer_loop, partition, preemption, profiling, staging
+from jaxloop import loop, outer_loop, partition
 from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
+from jaxloop.diagnostics import profiling
+from jaxloop.engine import staging
+from jaxloop.launch import preemption
 
 DATA = toy_data(256)
 BATCHES = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 256, 16)]

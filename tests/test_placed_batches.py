@@ -15,7 +15,8 @@ import pytest
 from jax.sharding import Mesh
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, outer_loop, partition, program, train_loop
+from jaxloop import actions, outer_loop, partition, train_loop
+from jaxloop.engine import program
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -182,7 +183,8 @@ def test_a_run_that_changes_the_state_structure_names_the_leaves():
 
 
 def test_outer_loop_with_prefetch_checkpoints_the_position_of_the_batches_trained_on(tmp_path):
-    from jaxloop import checkpoint, data  # noqa: PLC0415
+    from jaxloop import data  # noqa: PLC0415
+    from jaxloop.checkpointing import checkpoint  # noqa: PLC0415
 
     ds = data.GlobalBatchDataset(toy_data(256), 16, seed=3)
     step = CountingStep(jax.random.key(0), LinenMLP(), optimizer=optax.sgd(0.1),

@@ -11,8 +11,9 @@ from flax import nnx
 from models import ClassifierStep, LinenMLP, NnxMLP, toy_data
 from test_digits import run_digits
 
-from jaxloop import partition, precision
+from jaxloop import partition
 from jaxloop import step as step_lib
+from jaxloop.recipes import precision
 
 BF16 = jnp.dtype(jnp.bfloat16)
 F32 = jnp.dtype(jnp.float32)

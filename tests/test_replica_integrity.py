@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import Mesh
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import integrity, partition, train_loop
+from jaxloop import partition, train_loop
+from jaxloop.diagnostics import integrity
 
 
 def make_loop(interval=1):

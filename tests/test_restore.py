@@ -9,7 +9,8 @@ import orbax.checkpoint as ocp
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, eval_loop, outer_loop, partition, train_loop
+from jaxloop import actions, eval_loop, outer_loop, partition, train_loop
+from jaxloop.checkpointing import checkpoint
 
 DATA = toy_data(64)
 BATCHES = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 64, 16)]

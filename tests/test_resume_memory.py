@@ -17,8 +17,10 @@ import pytest
 from jax.sharding import Mesh
 from models import ClassifierStep
 
-from jaxloop import actions, checkpoint, memory, outer_loop, partition, train_loop
+from jaxloop import actions, outer_loop, partition, train_loop
 from jaxloop import step as step_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.diagnostics import memory
 
 SPEC = [1, 256]
 

@@ -13,9 +13,11 @@ import orbax.checkpoint as ocp
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, outer_loop, preemption, stop_handler
+from jaxloop import actions, outer_loop, stop_handler
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import train_loop as train_loop_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.launch import preemption
 
 DATA = toy_data(256)
 BATCHES = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 256, 16)]

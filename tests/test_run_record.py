@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxloop import partition, run_record, writers
+from jaxloop import partition
+from jaxloop.diagnostics import run_record
+from jaxloop.metrics import writers
 
 eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

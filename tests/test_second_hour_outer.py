@@ -14,16 +14,10 @@ import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import (
-    actions,
-    checkpoint,
-    data,
-    eval_loop,
-    outer_loop,
-    preemption,
-    train_loop,
-    writers,
-)
+from jaxloop import actions, data, eval_loop, outer_loop, train_loop
+from jaxloop.checkpointing import checkpoint
+from jaxloop.launch import preemption
+from jaxloop.metrics import writers
 
 DATA = toy_data(256)
 BATCHES = [{k: v[i:i + 16] for k, v in DATA.items()} for i in range(0, 256, 16)]

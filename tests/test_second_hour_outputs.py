@@ -15,8 +15,9 @@ import pytest
 from clu import metrics as clu_metrics
 from models import LinenMLP, toy_data
 
-from jaxloop import actions, eval_loop, outer_loop, stat_loop, train_loop, writers
+from jaxloop import actions, eval_loop, outer_loop, stat_loop, train_loop
 from jaxloop import step as step_lib
+from jaxloop.metrics import writers
 
 USER_KEYS = {"loss", "accuracy"}
 # What google/jaxloop's API documents a loop may add: its statistics and the stop marker.

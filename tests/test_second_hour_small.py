@@ -15,8 +15,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, debugging, guard, outer_loop, partition, train_loop
+from jaxloop import actions, outer_loop, partition, train_loop
 from jaxloop import step as step_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.diagnostics import debugging
+from jaxloop.recipes import guard
 
 
 class TokenLM(nn.Module):

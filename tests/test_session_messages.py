@@ -13,9 +13,10 @@ import optax
 import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
-from jaxloop import actions, checkpoint, data, outer_loop
+from jaxloop import actions, data, outer_loop
 from jaxloop import train_loop as train_loop_lib
-from jaxloop.history import History
+from jaxloop.checkpointing import checkpoint
+from jaxloop.metrics.history import History
 
 DATA = toy_data(128)
 

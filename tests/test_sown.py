@@ -14,8 +14,9 @@ import pytest
 from flax import nnx
 from models import ClassifierStep, toy_data
 
-from jaxloop import actions, train_loop, writers
+from jaxloop import actions, train_loop
 from jaxloop import step as step_lib
+from jaxloop.metrics import writers
 
 eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -215,7 +215,7 @@ def test_restore_model_without_checkpoint_returns_state(tmp_path, caplog):
 
 
 def test_restore_model_round_trip_and_shape_mismatch(tmp_path):
-    from jaxloop import checkpoint
+    from jaxloop.checkpointing import checkpoint
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     part = partition.FSDPPartitioner(mesh, "data", min_weight_size=64)

@@ -6,8 +6,10 @@ import optax
 import pytest
 from models import LinenMLP, toy_data
 
-from jaxloop import actions, telemetry, train_loop, writers
+from jaxloop import actions, train_loop
 from jaxloop import step as step_lib
+from jaxloop.metrics import writers
+from jaxloop.recipes import telemetry
 
 eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -12,7 +12,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import ClassifierStep, toy_data
 
-from jaxloop import checkpoint, partition
+from jaxloop import partition
+from jaxloop.checkpointing import checkpoint
 
 RULES = [("batch", "data"), ("embed", None), ("mlp", "model"), ("vocab", "model")]
 

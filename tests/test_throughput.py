@@ -12,7 +12,8 @@ from jax.sharding import Mesh
 from models import ClassifierStep, LinenMLP, toy_data
 from test_trainers import TinyLM
 
-from jaxloop import goodput, partition, stat_loop, train_loop
+from jaxloop import partition, stat_loop, train_loop
+from jaxloop.diagnostics import goodput
 from jaxloop.trainers.transformer_step import TransformerStep
 
 
@@ -38,7 +39,7 @@ def test_unknown_peak_gives_tflops_and_one_notice(caplog):
     loop = stat_loop.StatLoop(step, global_batch_size=32, model_flops_per_example=1e6)
     state, out = loop(state, iter([toy_data(32)] * 2), num_steps=2)
     assert stat_loop.STAT_MFU not in out and out[stat_loop.STAT_MODEL_TFLOPS] > 0
-    with caplog.at_level(logging.WARNING, logger="jaxloop.goodput"):
+    with caplog.at_level(logging.WARNING, logger="jaxloop.diagnostics.goodput"):
         assert goodput.resolved_peak(None, "Made-up accelerator 9") is None
         assert goodput.resolved_peak(None, "Made-up accelerator 9") is None
         assert goodput.resolved_peak(5e14, "Made-up accelerator 9") == 5e14

@@ -11,7 +11,9 @@ import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 from PIL import Image
 
-from jaxloop import actions, checkpoint, outer_loop, trackers, train_loop
+from jaxloop import actions, outer_loop, train_loop
+from jaxloop.checkpointing import checkpoint
+from jaxloop.metrics import trackers
 
 
 class Losses(ClassifierStep):

@@ -14,17 +14,9 @@ from flax import struct
 from models import ClassifierStep, LinenMLP, toy_data
 
 import jaxloop
-from jaxloop import (
-    actions,
-    checkpoint,
-    eval_loop,
-    outer_loop,
-    partition,
-    stop_handler,
-    train_loop,
-    types,
-)
+from jaxloop import actions, eval_loop, outer_loop, partition, stop_handler, train_loop, types
 from jaxloop import step as step_lib
+from jaxloop.checkpointing import checkpoint
 
 SPEC = [1, 16]
 

@@ -15,7 +15,8 @@ from jax.experimental import io_callback
 from models import ClassifierStep, LinenMLP
 from test_performance import BATCHES, forever
 
-from jaxloop import actions, eval_loop, outer_loop, partition, program, stat_loop, train_loop
+from jaxloop import actions, eval_loop, outer_loop, partition, stat_loop, train_loop
+from jaxloop.engine import program
 
 
 class SilentStep(ClassifierStep):

@@ -1,4 +1,4 @@
-"""Tests for jaxloop.writers: events are written for real and read back with TensorBoard."""
+"""Tests for jaxloop.metrics.writers: events are written for real and read back with TensorBoard."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxloop import writers
+from jaxloop.metrics import writers
 
 eam = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 from tensorboard.backend.event_processing import plugin_event_accumulator  # noqa: E402
@@ -220,7 +220,7 @@ def test_videos_bad_shape_raises(tmp_path, shape):
 def test_videos_without_moviepy_warn_once_and_skip(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "moviepy", None)  # makes `import moviepy` fail
     with writers.SummaryWriter(tmp_path) as w:
-        with caplog.at_level(logging.WARNING, logger="jaxloop.writers"):
+        with caplog.at_level(logging.WARNING, logger="jaxloop.metrics.writers"):
             w.write_videos(0, {"v": np.zeros((2, 4, 4, 3))})
             w.write_videos(1, {"v": np.zeros((2, 4, 4, 3))})
         w.write_scalars(1, {"still_works": 1.0})
@@ -440,7 +440,7 @@ def test_writers_satisfy_the_protocol(tmp_path):
 
 def test_logging_writer_lines(caplog):
     w = writers.LoggingWriter("train")
-    with caplog.at_level(logging.INFO, logger="jaxloop.writers"):
+    with caplog.at_level(logging.INFO, logger="jaxloop.metrics.writers"):
         w.write_scalars(np.int32(10), {"loss": jnp.float32(0.25), "acc": 1})
         w.write_images(10, {"img": jnp.zeros((2, 8, 8, 3))})
         w.write_histograms(10, {"w": np.zeros((3, 4))})
@@ -481,7 +481,7 @@ def test_multi_writer_forwards_to_every_writer(tmp_path, caplog):
     w = writers.MultiWriter(
         [writers.SummaryWriter(a), writers.SummaryWriter(b), writers.LoggingWriter(), recorder]
     )
-    with caplog.at_level(logging.INFO, logger="jaxloop.writers"), w:
+    with caplog.at_level(logging.INFO, logger="jaxloop.metrics.writers"), w:
         w.write_scalars(jnp.int32(1), {"loss": jnp.float32(0.5)})
         w.write_texts(1, {"t": "x"})
         w.write_images(1, {"i": jnp.zeros((2, 2))})
@@ -657,7 +657,7 @@ def test_abandoned_async_writer_is_closed_when_collected(tmp_path):
 def test_create_default_writer_async_with_collection(tmp_path, caplog):
     w = writers.create_default_writer(tmp_path, collection="train")
     assert isinstance(w, writers.AsyncWriter)
-    with caplog.at_level(logging.INFO, logger="jaxloop.writers"):
+    with caplog.at_level(logging.INFO, logger="jaxloop.metrics.writers"):
         w.write_scalars(3, {"loss": 0.5})
         w.close()
     assert [(e.step, e.value) for e in load(tmp_path / "train").Scalars("loss")] == [(3, 0.5)]
@@ -689,7 +689,7 @@ def test_create_default_writer_just_logging(tmp_path):
 def test_import_and_writing_do_not_import_tensorflow(tmp_path):
     code = (
         "import sys, numpy as np\n"
-        "import jaxloop.writers as w\n"
+        "import jaxloop.metrics.writers as w\n"
         "assert 'tensorflow' not in sys.modules, 'import'\n"
         "x = w.create_default_writer(sys.argv[1], collection='c')\n"
         "x.write_scalars(0, {'a': 1.0})\n"

@@ -21,7 +21,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from models import ClassifierStep, LinenMLP, toy_data  # noqa: E402
 
-from jaxloop import actions, checkpoint, data, outer_loop, train_loop  # noqa: E402
+from jaxloop import actions, data, outer_loop, train_loop  # noqa: E402
+from jaxloop.checkpointing import checkpoint  # noqa: E402
 
 
 def augment(example):

@@ -21,9 +21,9 @@ from jaxloop.data.iterators import (
     restore_iterator_state,
 )
 from jaxloop.data.padding import pad_to_global_batches
+from jaxloop.data.read_ahead import Prefetcher as DevicePrefetchIterator
+from jaxloop.data.read_ahead import prefetch_to_device
 from jaxloop.data.sources import ArraySource
-from jaxloop.read_ahead import Prefetcher as DevicePrefetchIterator
-from jaxloop.read_ahead import prefetch_to_device
 
 __all__ = [
     "ArraySource",

@@ -30,27 +30,15 @@ import optax
 from clu import metrics as clu_metrics
 from jax.experimental import multihost_utils
 
-from jaxloop import (
-    accumulate,
-    actions,
-    agreement,
-    checkpoint,
-    data,
-    ema,
-    eval_loop,
-    guard,
-    meshes,
-    outer_loop,
-    partition,
-    preemption,
-    run_record,
-    telemetry,
-    train_loop,
-    writers,
-)
-from jaxloop import config as config_lib
+from jaxloop import actions, data, eval_loop, outer_loop, partition, train_loop
 from jaxloop import step as step_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.diagnostics import run_record
 from jaxloop.examples import dry_run
+from jaxloop.launch import agreement, meshes, preemption
+from jaxloop.launch import config as config_lib
+from jaxloop.metrics import writers
+from jaxloop.recipes import accumulate, ema, guard, telemetry
 
 log = logging.getLogger("digits")
 
@@ -186,7 +174,8 @@ def memory_report(
 
 @dataclasses.dataclass
 class Config(dry_run.Flags):
-    """The digits run; every field is a flag (``--train-steps 200``, see `jaxloop.config`)."""
+    """The digits run; every field is a flag (``--train-steps 200``, see
+    `jaxloop.launch.config`)."""
 
     workdir: str = "workdir/digits"
     train_steps: int = 600
@@ -243,11 +232,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         or args.process_id is not None or os.environ.get("JAXLOOP_COORDINATOR")
     )
     if joins_job:
-        from jaxloop import distributed  # noqa: PLC0415
+        from jaxloop.launch import distributed  # noqa: PLC0415
 
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     if args.compilation_cache:
-        from jaxloop import compilation_cache  # noqa: PLC0415
+        from jaxloop.launch import compilation_cache  # noqa: PLC0415
 
         compilation_cache.enable(args.compilation_cache)
     is_main = jax.process_index() == 0

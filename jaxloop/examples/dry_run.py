@@ -1,6 +1,6 @@
 """The examples' mixed-precision and dry-run flags, and the dry run itself: compile the
 train and eval steps from abstract states and print their per-device memory, training
-nothing (see `jaxloop.precision` and `Step.memory_estimate`).
+nothing (see `jaxloop.recipes.precision` and `Step.memory_estimate`).
 
 Example::
 
@@ -25,7 +25,7 @@ from jaxloop import types
 @dataclasses.dataclass
 class Flags:
     """``--precision`` (float32 or bfloat16) and ``--dry-run``: a base of the examples'
-    configuration dataclasses (`jaxloop.config`)."""
+    configuration dataclasses (`jaxloop.launch.config`)."""
 
     precision: Literal["float32", "bfloat16"] = "float32"
     """compute dtype (bfloat16: params, optimizer and loss stay float32)"""

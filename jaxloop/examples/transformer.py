@@ -56,24 +56,16 @@ import numpy as np
 import optax
 from clu import metrics as clu_metrics
 
-from jaxloop import (
-    accumulate,
-    actions,
-    checkpoint,
-    data,
-    eval_loop,
-    guard,
-    meshes,
-    outer_loop,
-    partition,
-    run_record,
-    train_loop,
-    writers,
-)
-from jaxloop import config as config_lib
+from jaxloop import actions, data, eval_loop, outer_loop, partition, train_loop
 from jaxloop import step as step_lib
-from jaxloop import telemetry as telemetry_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.diagnostics import run_record
 from jaxloop.examples import dry_run
+from jaxloop.launch import config as config_lib
+from jaxloop.launch import meshes
+from jaxloop.metrics import writers
+from jaxloop.recipes import accumulate, guard
+from jaxloop.recipes import telemetry as telemetry_lib
 
 log = logging.getLogger("transformer")
 
@@ -395,7 +387,7 @@ def make_partitioner(
 @dataclasses.dataclass
 class Config(dry_run.Flags):
     """The transformer run; every field is a flag (``--train-steps 300``, see
-    `jaxloop.config`)."""
+    `jaxloop.launch.config`)."""
 
     partitioner: Literal["dp", "fsdp", "spmd", "fsdp_tp"] = "dp"
     train_steps: int = 150
@@ -496,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     start = time.perf_counter()
     if args.compilation_cache:
-        from jaxloop import compilation_cache  # noqa: PLC0415
+        from jaxloop.launch import compilation_cache  # noqa: PLC0415
 
         compilation_cache.enable(args.compilation_cache)
     config = LMConfig(

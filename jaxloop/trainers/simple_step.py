@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxloop import model as model_lib
 from jaxloop import partition, types
 from jaxloop import step as step_lib
+from jaxloop.state import model as model_lib
 
 Batch = types.Batch
 Output = types.Output

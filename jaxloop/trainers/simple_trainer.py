@@ -27,11 +27,13 @@ import jax
 import optax
 from flax import nnx
 
-from jaxloop import action_loop, checkpoint, outer_loop, partition, types, writers
+from jaxloop import action_loop, outer_loop, partition, types
 from jaxloop import actions as actions_lib
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
+from jaxloop.checkpointing import checkpoint
+from jaxloop.metrics import writers
 from jaxloop.trainers import simple_step, trainer_utils
 
 State = types.TrainState

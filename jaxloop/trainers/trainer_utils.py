@@ -83,7 +83,7 @@ class SummaryConfig:
     """Where and how often a trainer writes TensorBoard summaries.
 
     Training summaries go to ``<path>/train`` and evaluation summaries to ``<path>/eval``
-    (two runs in TensorBoard), written with `jaxloop.writers.create_default_writer`.
+    (two runs in TensorBoard), written with `jaxloop.metrics.writers.create_default_writer`.
 
     Args:
       path: the summary directory.

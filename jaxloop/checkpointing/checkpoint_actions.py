@@ -1,0 +1,152 @@
+"""Checkpoint actions: the train state saved at loop ends (`CheckpointAction`), and the best
+k states by an eval metric (`BestCheckpointAction`). Their own module because they are the
+only actions that import orbax; users reach them as ``actions.CheckpointAction``.
+
+Example::
+
+    manager = checkpoint.make_manager(workdir / 'ckpt')
+    train_loop = TrainLoop(step, end_actions=[actions.CheckpointAction(manager, interval=5)])
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from jaxloop import types
+from jaxloop.checkpointing import checkpoint
+from jaxloop.engine import host_count
+from jaxloop.engine.action import Action
+from jaxloop.engine.metric_values import scalar_metrics
+from jaxloop.launch import agreement
+
+Output = types.Output
+State = types.TrainState
+
+# The logger of `actions.py`, so logging configured for it still applies.
+log = logging.getLogger("jaxloop.actions")
+
+
+class CheckpointAction(Action):
+    """Saves the training state, the train iterator's position and the loop count with the
+    user's orbax `CheckpointManager`; scalar outputs are the save's metrics. `meta` adds
+    JSON values (or a function returning them) to each checkpoint's metadata. With
+    `every_secs` it saves only that often, whatever the manager's policy. Example::
+
+        CheckpointAction(manager, interval=1, every_secs=600)  # at most every ten minutes
+    """
+
+    def __init__(self, ckpt_manager: ocp.CheckpointManager, interval: int = 1,
+                 meta: Mapping[str, Any] | Any = None, every_secs: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__(interval)
+        bad = isinstance(every_secs, bool) or not isinstance(every_secs, int | float)
+        if every_secs is not None and (bad or not every_secs > 0):
+            raise ValueError(
+                f"`every_secs` must be a positive number of seconds, got {every_secs!r}")
+        if not callable(clock):
+            raise TypeError(f"`clock` must be a callable returning seconds, got {clock!r}")
+        self._every_secs = every_secs
+        self._clock = clock
+        self._last_save_time = clock()
+        self._ckpt_manager = ckpt_manager
+        self._warned_no_position = False
+        self._warned_later = False
+        self._extra_meta = meta
+        self._resume_metadata: Any = None
+
+    @property
+    def every_secs(self) -> float | None:
+        return self._every_secs
+
+    def _time_due(self) -> bool:
+        # Every process calls the action at the same loop boundaries, so each reaches this.
+        return bool(agreement.agreed(
+            lambda: self._clock() - self._last_save_time >= self._every_secs))
+
+    @property
+    def ckpt_manager(self) -> ocp.CheckpointManager:
+        return self._ckpt_manager
+
+    def save(self, step: int, state: State, outputs: Output | None = None) -> bool:
+        """Saves `state` alone as the manager's one PyTree item (google/jaxloop's way). A
+        subclass overriding it saves its own way in `__call__`, without the data position."""
+        return self._ckpt_manager.save(
+            step, args=ocp.args.PyTreeSave(state), metrics=scalar_metrics(outputs))
+
+    def set_resume_metadata(self, metadata: Any) -> None:
+        """Saves ``metadata.save()`` (JSON) in each checkpoint's metadata (an `OuterLoop`'s
+        `resume.ResumeMetadata`); None stops it."""
+        self._resume_metadata = metadata
+
+    def __call__(self, state: State, outputs: Output | None, loop: Any = None,
+                 force: bool = False, **kwargs: Any) -> bool:
+        """Saves `state` at its step; `force` saves even where the manager's policy would
+        skip this step (preemption)."""
+        step = host_count.host_step(state)
+        if not self._ckpt_manager.is_saving_in_progress():
+            # A finished background save that failed raises here, on the loop's thread.
+            self._ckpt_manager.wait_until_finished()
+        if self._every_secs is not None and not force:
+            if not self._time_due() or step in self._ckpt_manager.all_steps():
+                return False
+            force = True  # the time policy decides, not the manager's step policy
+        if self._every_secs is not None:
+            self._last_save_time = self._clock()
+        from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
+
+        iterator = getattr(loop, "dataset", None)
+        position = getattr(loop, "data_position", None)  # knows about prefetched batches
+        dataset_state = position(iterator) if callable(position) else data.iterator_state(iterator)
+        if dataset_state is None and iterator is not None and not self._warned_no_position:
+            self._warned_no_position = True
+            log.warning(
+                "The train iterator (%s) cannot report its position, so checkpoints hold no "
+                "data position: a resumed run will replay the data from the start. Use a "
+                "grain dataset or data.GlobalBatchDataset to resume the data exactly.",
+                data.describe_iterator(iterator))
+        extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
+        meta = {**(extra or {}), "loop_count": getattr(loop, "loop_count", None)}
+        if self._resume_metadata is not None:
+            meta.update(self._resume_metadata.save())
+        if type(self).save is not CheckpointAction.save:
+            saved = self.save(step, state, outputs)  # code written against the reference
+        else:
+            saved = checkpoint.save(self._ckpt_manager, step, state, meta=meta,
+                                    metrics=scalar_metrics(outputs, loop=loop), force=force,
+                                    dataset_state=dataset_state)
+        if saved:
+            log.info("Saving checkpoint for step %d to %s.", step, self._ckpt_manager.directory)
+        elif not self._warned_later:
+            latest = self._ckpt_manager.latest_step()  # the manager's own record: no listing
+            if latest is not None and latest > step:
+                self._warned_later = True
+                log.warning(
+                    "CheckpointAction saves nothing at step %d: %s already holds a later "
+                    "checkpoint (step %d), and orbax saves only steps after the latest. Use a "
+                    "new directory, or resume from it (OuterLoop's checkpoint_spec).",
+                    step, self._ckpt_manager.directory, latest)
+        return saved
+
+
+class BestCheckpointAction(CheckpointAction):
+    """Keeps the best k checkpoints by an eval metric (the manager from
+    `checkpoint.make_best_manager` decides), on an eval loop; no data position is saved.
+    Example::
+
+        best = checkpoint.make_best_manager(workdir / 'best', 'accuracy', mode='max', k=2)
+        eval_loop = EvalLoop(eval_step, end_actions=[BestCheckpointAction(best)])
+        state = checkpoint.restore_best(state, workdir / 'best', 'accuracy', mode='max')
+    """
+
+    def __call__(self, state: State, outputs: Output | None, loop: Any = None,
+                 force: bool = False, **kwargs: Any) -> bool:
+        if host_count.host_step(state) in self._ckpt_manager.all_steps():
+            return False  # several evals after one train loop: the first one is offered
+        # Reduced here, where the eval loop's example counts weight the means; the loop is
+        # not passed on (its data position and count are not saved).
+        return super().__call__(state, scalar_metrics(outputs, loop=loop), force=force)

@@ -1,0 +1,191 @@
+"""MFU and goodput: how much of the hardware and of the wall time went into training.
+
+* **MFU**: model flop/s per device over the device's dense bf16 peak (`PEAK_FLOPS`), which
+  `StatLoop(model_flops_per_example=...)` reports as ``jaxloop/mfu`` where the peak is known.
+* **Goodput**: a `Recorder` splits the wall time into `CATEGORIES` (the rest is ``other``);
+  `StatLoop(recorder=...)` reports them and ``jaxloop/goodput`` (compute / wall).
+
+Example::
+
+    recorder = goodput.Recorder()
+    ckpt_start, ckpt_stop = recorder.span('checkpoint')
+    train = TrainLoop(step, recorder=recorder, model_flops_per_example=3 * 2 * 784 * 256,
+                      global_batch_size=128,
+                      end_actions=[summary, ckpt_start, checkpoint_action, ckpt_stop])
+    recorder.totals()   # the whole run: {'compile': ..., 'compute': ..., 'wall': ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from jaxloop.engine.action import Action
+
+__all__ = ["CATEGORIES", "PEAK_FLOPS", "Recorder", "compile_seconds", "mfu", "peak_flops",
+           "resolved_peak"]
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peak flop/s per chip from the vendors' data sheets; the first substring of
+# `jax.Device.device_kind` found wins.
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("h100 pcie", 756e12), ("h100", 989e12), ("h200", 989e12), ("a100", 312e12),
+    # v6e and v5e may report 'TPU v6 lite' / 'TPU v5 lite'; v5p reports 'TPU v5'.
+    ("tpu v6 lite", 918e12), ("tpu v6e", 918e12), ("tpu v5 lite", 197e12), ("tpu v5e", 197e12),
+    ("tpu v5p", 459e12), ("tpu v5", 459e12), ("tpu v4", 275e12),
+)
+
+CATEGORIES = ("compile", "input", "compute", "checkpoint", "evaluation")
+"""The measured parts of the wall time; the rest is reported as ``other``."""
+
+_COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+})
+_compile_lock = threading.Lock()
+_compile_total = [0.0]
+_listening = [False]
+_noticed: set[str] = set()  # device kinds whose unknown peak was logged
+
+
+def _on_duration(event: str, duration: float, **kwargs: Any) -> None:
+    if event in _COMPILE_EVENTS:
+        with _compile_lock:
+            _compile_total[0] += duration
+
+
+def compile_seconds() -> float:
+    """Seconds spent tracing, lowering and compiling JAX programs since the first call
+    (JAX's compile-duration events)."""
+    with _compile_lock:
+        if not _listening[0]:
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            _listening[0] = True
+        return _compile_total[0]
+
+
+def peak_flops(device: jax.Device | str | None = None) -> float | None:
+    """Peak dense bf16 flop/s of a device or device kind (default: the first device), or
+    None when unknown: ``peak_flops('NVIDIA H100 80GB HBM3') == 9.89e14``."""
+    if device is None:
+        device = jax.devices()[0]
+    kind = (device if isinstance(device, str) else device.device_kind).lower()
+    for name, flops in PEAK_FLOPS:
+        if name in kind:
+            return flops
+    return None
+
+
+def resolved_peak(peak: float | None = None,
+                  device: jax.Device | str | None = None) -> float | None:
+    """`peak` when given, else `peak_flops(device)`; when neither is known, None, and a
+    notice is logged once per device kind."""
+    if peak is not None:
+        return float(peak)
+    found = peak_flops(device)
+    if found is None:
+        kind = device if isinstance(device, str) else (device or jax.devices()[0]).device_kind
+        if kind not in _noticed:
+            _noticed.add(kind)
+            log.warning(
+                "No peak flop/s known for device kind %r, so MFU is not reported; give the "
+                "peak as StatLoop(peak_flops_per_device=...). Model TFLOP/s per device is "
+                "reported without it.", kind)
+    return found
+
+
+def mfu(flops_per_sec_per_device: float, device: jax.Device | str | None = None,
+        peak: float | None = None) -> float | None:
+    """Achieved flop/s per device over `peak` or the device's peak (None when unknown)."""
+    peak = peak if peak is not None else peak_flops(device)
+    return None if peak is None else flops_per_sec_per_device / peak
+
+
+def _with_rest(measured: dict[str, float], compile_secs: float, wall: float) -> dict[str, float]:
+    out = {**measured, "compile": compile_secs, "wall": wall}
+    out["other"] = wall - sum(out[c] for c in CATEGORIES)
+    return out
+
+
+class Recorder:
+    """Accumulates where the wall time goes: compile time from JAX's events, input and
+    compute from the train loop, the rest from `span` actions (less their compile time)."""
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+        self._compile_start = compile_seconds()
+        self._totals = dict.fromkeys(CATEGORIES, 0.0)
+        self._window_start = self._started
+        self._window_compile = self._compile_start
+        self._window = dict.fromkeys(CATEGORIES, 0.0)
+        self._open: dict[str, tuple[float, float]] = {}
+
+    def add(self, category: str, seconds: float) -> None:
+        """Adds `seconds` of wall time to `category` (one of `CATEGORIES`, not compile)."""
+        if category not in CATEGORIES or category == "compile":
+            raise ValueError(f"category must be one of {CATEGORIES[1:]}, got {category!r}")
+        self._totals[category] += seconds
+        self._window[category] += seconds
+
+    @contextlib.contextmanager
+    def measure(self, category: str) -> Iterator[None]:
+        """Times a block as `category`, less any compilation inside it."""
+        start, compiled = time.perf_counter(), compile_seconds()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self.add(category, max(0.0, elapsed - (compile_seconds() - compiled)))
+
+    def start(self, category: str) -> None:
+        """Opens a timed span, closed by `stop`."""
+        self._open[category] = (time.perf_counter(), compile_seconds())
+
+    def stop(self, category: str) -> None:
+        """Closes the span opened by `start`; does nothing if none is open."""
+        opened = self._open.pop(category, None)
+        if opened is not None:
+            elapsed = time.perf_counter() - opened[0]
+            self.add(category, max(0.0, elapsed - (compile_seconds() - opened[1])))
+
+    def span(self, category: str, interval: int = 1) -> tuple[Any, Any]:
+        """Two actions, (start, stop), that time what runs between them (e.g. around a
+        checkpoint action, or as an eval loop's first begin and last end action)."""
+
+        recorder = self
+
+        class _Start(Action):
+            def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
+                recorder.start(category)
+
+        class _Stop(Action):
+            def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
+                recorder.stop(category)
+
+        return _Start(interval), _Stop(interval)
+
+    def window(self) -> dict[str, float]:
+        """Seconds per category since the last `window` call, with ``other`` and ``wall``;
+        starts a new window."""
+        now, compiled = time.perf_counter(), compile_seconds()
+        out = _with_rest(self._window, compiled - self._window_compile, now - self._window_start)
+        self._window = dict.fromkeys(CATEGORIES, 0.0)
+        self._window_start, self._window_compile = now, compiled
+        return out
+
+    def totals(self) -> dict[str, float]:
+        """The split of the wall time since the recorder was created (like `window`)."""
+        return _with_rest(self._totals, compile_seconds() - self._compile_start,
+                          time.perf_counter() - self._started)
+
+    def train_loop(self, seconds: float, input_seconds: float, compile_secs: float) -> None:
+        """Records a train loop's compute: `seconds` less input waits and compiling."""
+        self.add("compute", max(0.0, seconds - input_seconds - compile_secs))

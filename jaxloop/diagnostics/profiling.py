@@ -1,0 +1,86 @@
+"""Profiling: capture a `jax.profiler` trace of a chosen range of steps.
+
+`ProfileAction`, given to a Step as both a begin and an end action, traces steps
+``start_step .. start_step + num_steps - 1`` (numbered within their loop, from 1) of the first
+loop that reaches them, into TensorBoard's profile plugin files under `logdir`. It waits for
+the device at both ends of the range only, so the trace holds exactly those steps' work.
+
+Example::
+
+    profile = profiling.ProfileAction(workdir / 'profile', start_step=10, num_steps=5)
+    train_step = MyStep(key, model, optimizer, train=True,
+                        begin_actions=[profile], end_actions=[profile])
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+
+from jaxloop import types
+from jaxloop.engine.action import Action
+
+log = logging.getLogger(__name__)
+
+
+class ProfileAction(Action):
+    """Traces steps ``start_step .. start_step + num_steps - 1`` of a loop, once.
+
+    A step action only (a Step's begin and end actions). If the loop ends inside the range,
+    the trace stops before the next loop's first step (or at `close`).
+    """
+
+    def __init__(self, logdir: str | os.PathLike[str], start_step: int = 2, num_steps: int = 5):
+        super().__init__(interval=1)
+        if not isinstance(start_step, int) or start_step < 1:
+            raise ValueError(f"start_step must be a positive integer, got {start_step!r}")
+        if not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
+        self._logdir = os.fspath(logdir)
+        self._start = start_step
+        self._stop = start_step + num_steps - 1
+        self._tracing = False
+        self._done = False
+
+    @property
+    def logdir(self) -> str:
+        return self._logdir
+
+    @property
+    def done(self) -> bool:
+        """Whether the trace has been captured."""
+        return self._done
+
+    def fires_at(self, per_loop_step_number: int, begin: bool) -> bool:
+        """Before `start_step` and after the last traced step; while tracing, also before
+        a new loop's early steps, to stop a trace the previous loop left running."""
+        if self._done:
+            return False
+        if begin:
+            return per_loop_step_number == self._start or (
+                self._tracing and per_loop_step_number < self._start
+            )
+        return per_loop_step_number == self._stop
+
+    def __call__(self, state: types.TrainState, outputs: types.Output | None,
+                 **kwargs: Any) -> None:
+        # A Step gives begin actions the step's batch and end actions its outputs.
+        begin = "batch" in kwargs
+        if begin and not self._tracing:
+            jax.block_until_ready(state)  # earlier steps' device work stays out of the trace
+            jax.profiler.start_trace(self._logdir)
+            self._tracing = True
+        elif self._tracing:
+            jax.block_until_ready((state, outputs))
+            self.close()
+
+    def close(self) -> None:
+        """Stops a trace still running."""
+        if self._tracing:
+            jax.profiler.stop_trace()
+            self._tracing = False
+            self._done = True
+            log.info("Wrote a profile to %s", self._logdir)

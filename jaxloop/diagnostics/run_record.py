@@ -1,0 +1,151 @@
+"""Run record: what a run was, written once when it starts.
+
+`write` records the configuration, package versions, devices and mesh as ``run.json`` in the
+work directory and as TensorBoard hparams, so a result can be traced to its code and hardware.
+
+Example::
+
+    record = run_record.write(workdir, config={'lr': 1e-3, 'batch_size': 128},
+                              mesh=partitioner.mesh, writer=train_writer, state=state)
+    record['devices']['kinds']  # {'cpu': 8}
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from jaxloop.diagnostics import param_table
+
+__all__ = ["FILE_NAME", "PACKAGES", "collect", "hparams", "write"]
+
+FILE_NAME = "run.json"
+
+PACKAGES = ("jaxloop", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "clu",
+            "numpy", "tensorflow-datasets", "tensorflow", "tensorflow-cpu", "jax-cuda12-plugin",
+            "libtpu", "mlflow-skinny", "mlflow", "wandb")
+"""Packages whose installed versions are recorded (read from metadata, not imported)."""
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-safe copy of a config value (dataclasses, namespaces, ConfigDicts, arrays)."""
+    if hasattr(value, "to_dict") and callable(value.to_dict):  # ml_collections.ConfigDict
+        value = value.to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, argparse.Namespace):
+        value = vars(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if hasattr(value, "item") and getattr(value, "size", 2) == 1:  # numpy / jax scalars
+        return value.item()
+    return str(value)
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _devices() -> dict[str, Any]:
+    return {
+        "platform": jax.default_backend(),
+        "kinds": dict(collections.Counter(d.device_kind for d in jax.devices())),
+        "count": jax.device_count(),
+        "local_count": jax.local_device_count(),
+        "process_count": jax.process_count(),
+    }
+
+
+def _mesh(mesh: Any) -> dict[str, Any] | None:
+    mesh = getattr(mesh, "mesh", mesh)  # a Partitioner carries its mesh
+    if mesh is None:
+        return None
+    return {"axis_names": list(mesh.axis_names), "shape": dict(mesh.shape)}
+
+
+def collect(config: Any = None, mesh: Any = None) -> dict[str, Any]:
+    """The run record as a JSON-safe dict (see `write`).
+
+    `config` may be a mapping, dataclass, `argparse.Namespace` or ``ConfigDict``; `mesh` a
+    `jax.sharding.Mesh` or a partitioner.
+    """
+    return {
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": [sys.executable, *sys.argv],
+        "host": socket.gethostname(),
+        "config": _plain(config) if config is not None else {},
+        "versions": _versions(),
+        "devices": _devices(),
+        "mesh": _mesh(mesh),
+    }
+
+
+def hparams(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The flat view of a record given to ``write_hparams``: the config under its own
+    names, the rest under ``run.``."""
+    flat = dict(record["config"])
+    flat["run.versions"] = dict(record["versions"])
+    flat["run.devices"] = {
+        "platform": record["devices"]["platform"],
+        "kinds": ", ".join(f"{k} x{n}" for k, n in record["devices"]["kinds"].items()),
+        "count": record["devices"]["count"],
+        "process_count": record["devices"]["process_count"],
+    }
+    mesh = record["mesh"]
+    if mesh is not None:
+        flat["run.mesh"] = " x ".join(f"{k}={v}" for k, v in mesh["shape"].items())
+    return flat
+
+
+def write(workdir: str | os.PathLike[str] | None, config: Any = None, mesh: Any = None,
+          writer: Any = None, state: Any = None) -> dict[str, Any]:
+    """Records this run: ``workdir/run.json`` and hparams through `writer`; returns it.
+
+    With `state` (arrays or abstract), the record holds its `param_table.totals` and
+    `writer` gets the parameter table as the text ``parameters`` at step 0. Only process 0
+    writes. A resumed run keeps the earlier record as ``run.<started>.json``.
+    """
+    record = collect(config, mesh)
+    if state is not None:
+        record["state"] = param_table.totals(state)
+    if jax.process_index() != 0:
+        return record
+    if workdir is not None:
+        os.makedirs(workdir, exist_ok=True)
+        path = os.path.join(os.fspath(workdir), FILE_NAME)
+        if os.path.exists(path):
+            with open(path) as f:
+                started = str(json.load(f).get("started", "earlier")).replace(":", "-")
+            os.replace(path, os.path.join(os.fspath(workdir), f"run.{started}.json"))
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+    if writer is not None:
+        writer.write_hparams(hparams(record))
+        if state is not None:
+            writer.write_texts(0, {"parameters": param_table.markdown(state)})
+        writer.flush()
+    return record

@@ -1,0 +1,291 @@
+"""The compiled program of a step: ``jax.jit(fn, in_shardings=(state, batch, ...),
+out_shardings=(state, ...), donate_argnums=...)``, built on the first call from the state's
+and the batch's shardings, then called directly every step (jit places a host batch). Jit
+flags use the positions and names of `fn`'s own signature.
+
+Example::
+
+    train = Program(step_fn, partitioner, donate_argnums=(0,))
+    state, outputs = train(state, batch)
+
+    train_k = Program(step_fn, partitioner, steps=16, donate_argnums=(0,))
+    state, stacked_outputs = train_k(state, stacked_batches, 5)  # the first 5 of 16
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxloop.engine import annotations
+
+PyTree = Any
+
+
+def check_state_structure(new: PyTree, state: PyTree) -> None:
+    """Raises a ValueError naming the leaves added or missing unless `new` (a step's new
+    state) has the tree structure of `state`."""
+    if jax.tree.structure(new) == jax.tree.structure(state):
+        return
+
+    def paths(tree: PyTree) -> set[str]:
+        return {annotations.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    old, now = paths(state), paths(new)
+    added, missing = sorted(now - old), sorted(old - now)
+    detail = (f"leaves added: {added or 'none'}; leaves missing: {missing or 'none'}"
+              if added or missing else
+              f"same leaves, other containers: {jax.tree.structure(state)} became "
+              f"{jax.tree.structure(new)}")
+    raise ValueError(
+        "The step returned a state whose tree structure differs from the state it was "
+        f"given ({detail}). The compiled program pins the new state to the given state's "
+        "shardings, so run(state, batch) must return a state of the same structure; "
+        "create new fields when the state is built (initialize_model).")
+
+
+def _as_tuple(value: Any, kind: type) -> tuple:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, kind) else tuple(value)
+
+
+class Program:
+    """`fn(state, batch, ...)` compiled as one `jax.jit` with the state's shardings in and out;
+    `last_token` is a scalar of the last call's execution (to bound the steps in flight).
+
+    Args:
+      fn: returns ``(new_state, outputs)``, the new state of the given one's structure.
+      partitioner: gives the state's and batch's shardings and the trace context.
+      steps: k for executions called as ``program(state, stacked, count, ...)``, outputs
+        stacked (entries from `count` on are padding); None for one step.
+      carry_state: False runs every step on the given state and returns None for it.
+      unroll: inline the k steps (those past `count` run, their state dropped), not a loop.
+      separate: the k batches come as a sequence, not stacked on a leading axis.
+      returns_state: None accepts any result (a pair's first item is pinned as a state).
+      **jit_kwargs: flags of `jax.jit` except `in_shardings` and `out_shardings`.
+
+    Raises TypeError for an unknown jit flag, `in_shardings`/`out_shardings` or a non-bool
+    `unroll`; ValueError for a static state or batch (`static_argnums` 0 or 1)."""
+
+    def __init__(self, fn: Callable[..., Any], partitioner: Any, *, steps: int | None = None,
+                 carry_state: bool = True, unroll: bool = False, separate: bool = False,
+                 returns_state: bool | None = True, **jit_kwargs: Any):
+        given = [flag for flag in ("in_shardings", "out_shardings") if flag in jit_kwargs]
+        if given:
+            raise TypeError(
+                f"Program sets {' and '.join(given)} from the partitioner's shardings; "
+                "place the state with the partitioner instead of passing them")
+        if not isinstance(unroll, bool):
+            raise TypeError(f"unroll must be True or False, got {unroll!r}")
+        jax.jit(fn, **jit_kwargs)  # an unknown jit flag is a TypeError here, not at first use
+        flags = dict(jit_kwargs)
+        self._static_nums = _as_tuple(flags.pop("static_argnums", None), int)
+        self._donate_nums = _as_tuple(flags.pop("donate_argnums", None), int)
+        if {0, 1} & set(self._static_nums):
+            raise ValueError(
+                f"static_argnums={self._static_nums}: the state (0) and the batch (1) are "
+                "arrays and cannot be static")
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        # Names that may arrive by position: a flag naming one applies there too.
+        self._positional_names = [p.name for p in params if p.kind in (
+            p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self._static_names = set(_as_tuple(flags.pop("static_argnames", None), str))
+        self._donate_names = set(_as_tuple(flags.pop("donate_argnames", None), str))
+        self._fn = fn
+        self._partitioner = partitioner
+        self._steps = steps
+        self._carry_state = carry_state
+        self._unroll = unroll
+        self._separate = separate
+        self._returns_state = returns_state
+        self._flags = flags
+        # (positional count, keyword names) -> (jit, state and batch structures it is for).
+        self._jitted: dict[tuple, tuple[Callable[..., Any], Any, Any]] = {}
+        self.last_token: jax.Array | None = None
+
+    def _positions(self, nums: tuple[int, ...], names: set[str], num_args: int,
+                   kw_names: tuple[str, ...]) -> tuple[int, ...]:
+        """Positions in the jitted call ``(state, *args, *kwarg values)`` of `fn`'s arguments
+        given by number or name (a fused execution's count sits at 2)."""
+        shift = 1 if self._steps is not None else 0
+        positional = self._positional_names
+        names = names | {positional[n] for n in nums if n < len(positional)}
+        given = num_args - shift  # `fn`'s own positional arguments after the state
+        found = {n + shift if n >= 2 else n for n in nums if n <= given}
+        found |= {i + shift if i >= 2 else i for i, name in enumerate(positional)
+                  if name in names and i <= given}
+        found |= {1 + num_args + i for i, name in enumerate(kw_names) if name in names}
+        return tuple(sorted(found))
+
+    def _batch_shardings(self, batch: PyTree) -> PyTree:
+        """The partitioner's shardings for `batch`, a placed leaf keeping its own."""
+        if self._separate:
+            return tuple(self._batch_shardings_of(b, False) for b in batch)
+        return self._batch_shardings_of(batch, self._steps is not None)
+
+    def _batch_shardings_of(self, batch: PyTree, stacked: bool) -> PyTree:
+        rule = self._partitioner.batch_shardings(batch, stacked=stacked)
+        return jax.tree.map(
+            lambda x, s: x.sharding if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+            and isinstance(getattr(x, "sharding", None), jax.sharding.Sharding) else s,
+            batch, rule,
+        )
+
+    def _build(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> Callable[..., Any]:
+        kw_names = tuple(kwargs)
+        num_args = len(args)
+        shardings = self._partitioner.state_shardings(state)
+        body = self._body(shardings)
+        partitioner = self._partitioner
+        returns_state = self._returns_state
+
+        def step(state: PyTree, *flat: Any) -> tuple[Any, jax.Array]:
+            named = dict(zip(kw_names, flat[num_args:], strict=True))
+            with partitioner.trace_context():
+                result = body(state, *flat[:num_args], **named)
+            return result, jnp.zeros((), jnp.int32)  # `last_token`
+
+        # Named after the step function, as compile events and profiles show it.
+        step.__name__ = getattr(self._fn, "__name__", "step")
+        static = self._positions(self._static_nums, self._static_names, num_args, kw_names)
+        donate = self._positions(self._donate_nums, self._donate_names, num_args, kw_names)
+        batch = (self._batch_shardings(args[0]),) if args else ()
+        count = (jax.sharding.NamedSharding(partitioner.mesh, jax.sharding.PartitionSpec()),
+                 ) if self._steps is not None else ()
+        rest = [None] * (num_args - len(batch) - len(count) + len(kw_names))
+        in_shardings = (shardings, *batch, *count, *rest)
+        in_shardings = tuple(s for i, s in enumerate(in_shardings) if i not in static)
+        flags = dict(in_shardings=in_shardings, static_argnums=static, donate_argnums=donate,
+                     **self._flags)
+        if returns_state is None:
+            # Whether the result is a (state, outputs) pair is known once traced.
+            traced = jax.jit(step, **flags).trace(state, *args, *kwargs.values()).out_info[0]
+            returns_state = isinstance(traced, tuple) and len(traced) == 2
+        if not returns_state:
+            return jax.jit(step, **flags)
+        state_out = shardings if self._steps is None or self._carry_state else None
+        return jax.jit(step, out_shardings=((state_out, None), None), **flags)
+
+    def _body(self, shardings: PyTree) -> Callable[..., Any]:
+        """The function jit traces: one step, or an execution of up to `steps` steps."""
+        fn, check = self._fn, self._returns_state is not False
+
+        def one_step(state: PyTree, *args: Any, **kwargs: Any) -> Any:
+            result = fn(state, *args, **kwargs)
+            if check and isinstance(result, tuple) and len(result) == 2:
+                check_state_structure(result[0], state)
+            return result
+
+        if self._steps is None:
+            return one_step
+
+        def pin(state: PyTree) -> PyTree:
+            return jax.lax.with_sharding_constraint(state, shardings)
+
+        def execution(state: PyTree, batches: PyTree, count: jax.Array, *args: Any,
+                      **kwargs: Any) -> Any:
+            carry_state = self._carry_state
+            if self._separate and not self._unroll:  # stacked here for the loop body
+                batches = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+
+            def batch_at(i: Any) -> PyTree:
+                if self._separate and self._unroll:
+                    return batches[i]
+                return jax.tree.map(lambda x: x[i], batches)
+
+            def run_at(i: Any, current: PyTree) -> tuple[PyTree, Any]:
+                # Pinned on entry too, so each step partitions as a single step does.
+                current = pin(current) if carry_state else state
+                new, outputs = one_step(current, batch_at(i), *args, **kwargs)
+                return (pin(new) if carry_state else new), outputs
+
+            if self._unroll:
+                carry, per_step = state, []
+                for i in range(self._steps):
+                    new, outputs = run_at(i, carry)
+                    if carry_state:
+                        carry = jax.tree.map(lambda a, b, i=i: jnp.where(i < count, a, b),
+                                             new, carry)
+                    per_step.append(outputs)
+                stacked_outputs = jax.tree.map(lambda *xs: jnp.stack(xs), *per_step)
+                return (carry if carry_state else None), stacked_outputs
+
+            # A while loop of `count` iterations writing each step's outputs into k buffers.
+            shapes = jax.eval_shape(lambda s: run_at(0, s), state)[1]
+            buffers = jax.tree.map(lambda x: jnp.zeros((self._steps, *x.shape), x.dtype), shapes)
+
+            def body(i: jax.Array, carry: tuple[PyTree, Any]) -> tuple[PyTree, Any]:
+                current, written = carry
+                new, outputs = run_at(i, current)
+                written = jax.tree.map(
+                    lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0),
+                    written, outputs)
+                return (new if carry_state else None), written
+
+            carry, outputs = jax.lax.fori_loop(
+                0, count, body, (state if carry_state else None, buffers))
+            return (carry if carry_state else None), outputs
+
+        return execution
+
+    def _jit_for(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> Callable:
+        key = (len(args), tuple(kwargs))
+        entry = self._jitted.get(key)
+        if entry is None:
+            entry = (self._build(state, args, kwargs), jax.tree.structure(state),
+                     jax.tree.structure(args[0]) if args else None)
+            self._jitted[key] = entry
+        return entry[0]
+
+    def _rebuilt(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Makes a new jit if the state or batch structure changed; False if not."""
+        key = (len(args), tuple(kwargs))
+        _, state_def, batch_def = self._jitted[key]
+        if (jax.tree.structure(state) == state_def
+                and (not args or jax.tree.structure(args[0]) == batch_def)):
+            return False
+        del self._jitted[key]
+        self._jit_for(state, args, kwargs)
+        return True
+
+    def _arguments(self, args: tuple) -> tuple:
+        if self._steps is None:
+            return args
+        if len(args) < 2:
+            raise TypeError("An execution is called as program(state, stacked, count, ...)")
+        return (args[0], np.int32(args[1]), *args[2:])
+
+    def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
+        args = self._arguments(args)
+        if jax.config.jax_disable_jit:
+            # `fn` runs op by op (prints and breakpoints work); nothing is cached.
+            shardings = self._partitioner.state_shardings(state)
+            with self._partitioner.trace_context():
+                return self._body(shardings)(state, *args, **kwargs)
+        jitted = self._jit_for(state, args, kwargs)
+        try:
+            result, self.last_token = jitted(state, *args, *kwargs.values())
+        except (ValueError, TypeError):
+            if not self._rebuilt(state, args, kwargs):
+                if args:
+                    self._batch_shardings(args[0])  # names a batch leaf that does not split
+                raise
+            result, self.last_token = self._jit_for(state, args, kwargs)(
+                state, *args, *kwargs.values())
+        return result
+
+    def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """Lowers the program for these (possibly abstract) arguments, e.g. for XLA's cost
+        and memory analyses."""
+        args = self._arguments(args)
+        return self._jit_for(state, args, kwargs).lower(state, *args, *kwargs.values())
+

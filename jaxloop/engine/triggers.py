@@ -1,0 +1,132 @@
+"""Triggers: when an action fires, in global train steps (``state.step``) or in seconds.
+
+A loop's end action looks at the steps the loop ran, a begin action at the step it starts
+from, a Step's own action at each step (global in a train loop, else counted from 1). A
+time condition costs a small collective per look in a multi-process job. Example::
+
+    trigger = triggers.Trigger(at_steps=(1000, 5000), every_n_steps=10_000, every_secs=600)
+    train_loop = TrainLoop(step, end_actions=[CheckpointAction(manager).with_trigger(trigger)])
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from jaxloop.launch import agreement
+
+__all__ = ["Trigger"]
+
+# Time decisions kept per step, so a loop planning an execution and the step agree.
+_KEPT_DECISIONS = 256
+
+
+def _positive_int(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"Trigger `{name}` must be a positive integer, got {value!r}")
+    return value
+
+
+class Trigger:
+    """When an action fires; conditions are OR-ed (bobbin's ``CronTab``). `first_n_steps`
+    fires at steps 0 .. n, `first_n_process_steps` at the first n steps this process looks
+    at, `every_secs` when that many seconds of process 0's `clock` have passed since the
+    last firing. Example::
+
+        Trigger(every_n_steps=100).fires(100)        # True
+        Trigger(at_steps=(3, 7)).fires(first=1, last=5)  # True: step 3 is in 1..5
+    """
+
+    def __init__(self, every_n_steps: int | None = None, at_steps: Iterable[int] = (),
+                 first_n_steps: int | None = None, first_n_process_steps: int | None = None,
+                 every_secs: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self._every_n = _positive_int("every_n_steps", every_n_steps)
+        self._first_n = _positive_int("first_n_steps", first_n_steps)
+        self._first_process_n = _positive_int("first_n_process_steps", first_n_process_steps)
+        steps = tuple(at_steps)
+        bad = [s for s in steps if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad:
+            raise ValueError(f"Trigger `at_steps` must be non-negative integers, got {bad}")
+        self._at = frozenset(steps)
+        if every_secs is not None and (isinstance(every_secs, bool)
+                                       or not isinstance(every_secs, int | float)
+                                       or not every_secs > 0):
+            raise ValueError(f"Trigger `every_secs` must be positive seconds, got {every_secs!r}")
+        if not callable(clock):
+            raise TypeError(f"Trigger `clock` must be a callable returning seconds, got {clock!r}")
+        self._every_secs = every_secs
+        if (self._every_n, self._first_n, self._first_process_n, every_secs) == (
+                None, None, None, None) and not self._at:
+            raise ValueError("A Trigger needs a condition: every_n_steps, at_steps, "
+                             "first_n_steps, first_n_process_steps or every_secs")
+        self._clock = clock
+        self._last_fired = clock()
+        self._process_start: int | None = None
+        self._time_decisions: dict[int, bool] = {}
+        self._step_offset = 0
+
+    def __repr__(self) -> str:
+        parts = {"every_n_steps": self._every_n, "at_steps": tuple(sorted(self._at)) or None,
+                 "first_n_steps": self._first_n, "first_n_process_steps": self._first_process_n,
+                 "every_secs": self._every_secs}
+        return "Trigger(" + ", ".join(f"{k}={v!r}" for k, v in parts.items() if v) + ")"
+
+    def _step_matches(self, step: int) -> bool:
+        if self._every_n is not None and step % self._every_n == 0:
+            return True
+        if self._first_n is not None and step <= self._first_n:
+            return True
+        start, count = self._process_start, self._first_process_n
+        if count is not None and start <= step < start + count:
+            return True
+        return step in self._at
+
+    def _time_due(self) -> bool:
+        due = bool(agreement.agreed(lambda: self._clock() - self._last_fired >= self._every_secs))
+        if due:
+            self._last_fired = self._clock()
+        return due
+
+    def fires(self, first: int, last: int | None = None) -> bool:
+        """Whether any step of ``first .. last`` (default: `first` alone) matches, or the
+        time condition is due. The first step ever asked about is where this process
+        started (for ``first_n_process_steps``)."""
+        return self._fires(first, first if last is None else last, None)
+
+    def _fires(self, first: int, last: int, decisions: dict[int, bool] | None) -> bool:
+        if self._process_start is None:
+            self._process_start = first
+        if self._every_n is not None and last // self._every_n > (first - 1) // self._every_n:
+            return True
+        if any(self._step_matches(s) for s in self._candidates(first, last)):
+            return True
+        if self._every_secs is None:
+            return False
+        if decisions is None:
+            return self._time_due()
+        if last not in decisions:
+            decisions[last] = self._time_due()
+            while len(decisions) > _KEPT_DECISIONS:
+                del decisions[next(iter(decisions))]
+        return decisions[last]
+
+    def _candidates(self, first: int, last: int) -> Iterable[int]:
+        # The few steps where a condition other than every_n can first hold in the range.
+        points = {first} | {s for s in self._at if first <= s <= last}
+        if self._process_start is not None and first <= self._process_start <= last:
+            points.add(self._process_start)
+        return points
+
+    def start_loop(self, step_offset: int) -> None:
+        """A loop starts: a Step's own actions number its steps from ``step_offset + 1``."""
+        self._step_offset = step_offset
+        self._time_decisions.clear()
+
+    def fires_within_loop(self, per_loop_step_number: int) -> bool:
+        """Whether a Step's own action fires on this step of its loop (counted from 1), at
+        the global step ``step_offset + per_loop_step_number``; time is decided once per step."""
+        step = self._step_offset + per_loop_step_number
+        return self._fires(step, step, self._time_decisions)

@@ -1,0 +1,188 @@
+"""Multi-process (multi-host) start-up: one call before any other JAX work.
+
+`initialize` joins JAX's distributed runtime; arguments not given come from
+``JAXLOOP_COORDINATOR``, ``JAXLOOP_NUM_PROCESSES``, ``JAXLOOP_PROCESS_ID`` and the
+``JAXLOOP_*_TIMEOUT`` variables, then from JAX's cluster detection. A dead or early-exiting
+process aborts the others after the heartbeat or shutdown timeout (docs/multihost.md).
+Only JAX's public API is used, so a repeated call is checked against the address given here.
+
+Example::
+
+    distributed.initialize('127.0.0.1:12345', num_processes=2, process_id=i)  # process i
+    if distributed.is_main_process():
+        print(jax.device_count(), 'devices in', jax.process_count(), 'processes')
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+__all__ = ["initialize", "is_initialized", "is_main_process", "shutdown"]
+
+log = logging.getLogger(__name__)
+
+ENV_COORDINATOR = "JAXLOOP_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXLOOP_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXLOOP_PROCESS_ID"
+ENV_HEARTBEAT_TIMEOUT = "JAXLOOP_HEARTBEAT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "JAXLOOP_SHUTDOWN_TIMEOUT"
+ENV_INIT_TIMEOUT = "JAXLOOP_INIT_TIMEOUT"
+
+DEFAULT_HEARTBEAT_TIMEOUT = 100  # JAX's own defaults
+DEFAULT_SHUTDOWN_TIMEOUT = 300
+DEFAULT_INIT_TIMEOUT = 300
+
+# HOST:PORT, where HOST is a name, an IPv4 address or a bracketed IPv6 address.
+_ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.%\w]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
+
+# The coordinator address this module passed to JAX (JAX has no public accessor for it).
+_address: str | None = None
+
+
+def _or_env(value: Any, name: str, default: int | None = None) -> Any:
+    """`value`, else the integer in environment variable `name`, else `default`."""
+    if value is not None:
+        return value
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"Environment variable {name}={raw!r} is not an integer.") from None
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+    return value
+
+
+def _check_address(address: Any) -> str:
+    if not isinstance(address, str):
+        raise TypeError(
+            f"coordinator_address must be a 'HOST:PORT' string, got {address!r} of type "
+            f"{type(address).__name__}.")
+    match = _ADDRESS.match(address.strip())
+    if not match or not 1 <= int(match.group(1)) <= 65535:
+        raise ValueError(
+            f"coordinator_address must look like 'HOST:PORT' (e.g. '10.0.0.1:1234' or "
+            f"'[::1]:1234') with a port in 1..65535, got {address!r}.")
+    return address.strip()
+
+
+def is_initialized() -> bool:
+    """Whether JAX's distributed runtime is up in this process (by jaxloop or anyone)."""
+    return jax.distributed.is_initialized()
+
+
+def is_main_process() -> bool:
+    """True in process 0, the one that prints, logs and writes summaries (it starts JAX's
+    backends: call `initialize` first)."""
+    return jax.process_index() == 0
+
+
+def _check_same(requested: dict[str, Any]) -> None:
+    """Raises if the running job differs from `requested` (None: not requested)."""
+    running = {"coordinator_address": lambda: _address, "num_processes": jax.process_count,
+               "process_id": jax.process_index}
+    different = {}
+    for name, value in requested.items():
+        current = running[name]() if value is not None else None
+        if current is not None and value != current:
+            different[name] = (value, current)
+    if different:
+        detail = ", ".join(f"{k}={new!r} (running: {old!r})" for k, (new, old) in different.items())
+        raise RuntimeError(
+            f"jax.distributed is already initialised with other settings: {detail}. Call "
+            "jaxloop.launch.distributed.shutdown() first (before any JAX computation) to change "
+            "them.")
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *,
+               local_device_ids: int | Sequence[int] | None = None,
+               initialization_timeout: int | None = None,
+               heartbeat_timeout_seconds: int | None = None,
+               shutdown_timeout_seconds: int | None = None) -> None:
+    """Joins this process to a multi-process JAX job; call it before any JAX work.
+
+    Arguments not given come from the environment (module docstring), else JAX detects them
+    (TPU pods, SLURM, Open MPI, mpi4py, Kubernetes). ``coordinator_address`` is process 0's
+    ``HOST:PORT``, reachable from every host. With ``num_processes == 1`` and no address,
+    nothing is initialised; a second call with the same (or no) settings is a no-op.
+
+    Raises:
+      ValueError: a malformed or missing setting.
+      TypeError: an argument of the wrong type.
+      RuntimeError: the runtime is already up with different settings, or JAX already ran.
+    """
+    global _address
+
+    if coordinator_address is None:
+        coordinator_address = os.environ.get(ENV_COORDINATOR) or None
+    num_processes = _or_env(num_processes, ENV_NUM_PROCESSES)
+    process_id = _or_env(process_id, ENV_PROCESS_ID)
+    timeouts = {
+        "initialization_timeout": _or_env(
+            initialization_timeout, ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT),
+        "heartbeat_timeout_seconds": _or_env(
+            heartbeat_timeout_seconds, ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT),
+        "shutdown_timeout_seconds": _or_env(
+            shutdown_timeout_seconds, ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT),
+    }
+
+    if coordinator_address is not None:
+        coordinator_address = _check_address(coordinator_address)
+    if num_processes is not None:
+        _check_int("num_processes", num_processes, 1)
+    if process_id is not None:
+        _check_int("process_id", process_id, 0)
+        if num_processes is not None and process_id >= num_processes:
+            raise ValueError(
+                f"process_id must be in 0..{num_processes - 1} for num_processes="
+                f"{num_processes}, got process_id={process_id}.")
+    for name, value in timeouts.items():
+        _check_int(name, value, 1)
+
+    requested = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+                 "process_id": process_id}
+    if jax.distributed.is_initialized():
+        _check_same(requested)
+        return
+    if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
+        log.info("num_processes=1: running as a single process, nothing to initialise.")
+        return
+
+    given = {k: v for k, v in requested.items() if v is not None}
+    missing = [k for k in requested if k not in given]
+    log.info("Initialising jax.distributed with %s; JAX detects %s.", given, missing or "nothing")
+    try:
+        # Only the given values are passed: JAX detects the others.
+        jax.distributed.initialize(**given, local_device_ids=local_device_ids, **timeouts)
+    except ValueError as e:
+        if not missing:
+            raise
+        raise ValueError(
+            f"jaxloop.launch.distributed.initialize() was not given {', '.join(missing)}, and "
+            "JAX did not start with what it detected from the environment (it reads Cloud TPU "
+            f"pods, SLURM, Open MPI, mpi4py and Kubernetes). Pass them, or set {ENV_COORDINATOR}, "
+            f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}. JAX said: {e}"
+        ) from e
+    _address = coordinator_address
+
+
+def shutdown() -> None:
+    """Leaves the distributed job, waiting up to the shutdown timeout for the others (JAX
+    also does this at exit; nothing when not initialised)."""
+    global _address
+    jax.distributed.shutdown()
+    _address = None

@@ -1,0 +1,269 @@
+"""History: the scalars a run reported, per step, kept on the host for plots and tables.
+
+`OuterLoop.history` records the train loop's scalar outputs at the steps they were made and
+each eval loop's results at the step evaluated, as ``train/<key>``, ``eval/<key>`` and
+``eval_<i>/<key>``. It is saved with each checkpoint (so a resumed run has it up to the
+restored step); a value recorded at a step replaces what it held from that step on.
+Example, after an `OuterLoop` run::
+
+    outer.history['eval/accuracy'].values[-1]
+    outer.history.plot()             # a matplotlib figure: one panel per metric
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+from jaxloop import types
+from jaxloop.engine import host_count, metric_values
+from jaxloop.engine.action import Action
+
+TRAIN = "train"
+EVAL = "eval"
+_STATS_PREFIX = "jaxloop/"
+_WEIGHTS = _STATS_PREFIX + "example_weights"  # an eval loop's, pending beside its outputs
+
+
+class Series(NamedTuple):
+    """One metric's recorded values and their steps."""
+
+    steps: list[int]
+    values: list[float]
+
+
+class _Stacked(NamedTuple):
+    """Device scalars stacked by `metric_values.stack_groups`, read in one transfer."""
+
+    groups: tuple[jax.Array, ...]
+    count: int
+
+    def read(self) -> list[float]:
+        return metric_values.read_groups(self.groups, self.count)
+
+
+def _stacked(values: list[Any]) -> list[Any] | _Stacked:
+    """`values` stacked on the devices where `metric_values.stack_groups` applies."""
+    groups = metric_values.stack_groups(values)
+    return values if groups is None else _Stacked(groups, len(values))
+
+
+def eval_prefix(index: int) -> str:
+    """``eval``, then ``eval_1``, ``eval_2``, ..."""
+    return EVAL if index == 0 else f"{EVAL}_{index}"
+
+
+class History:
+    """The scalars of a run by name (``train/loss``, ``eval/accuracy``), each a `Series`."""
+
+    def __init__(self) -> None:
+        self._series: dict[str, Series] = {}
+        # Loop outputs not read yet: (prefix, step, scalar outputs, first_step).
+        self._pending: list[tuple[str, int, dict[str, Any], int | None]] = []
+
+    def _settled(self, ready_only: bool = False) -> dict[str, Series]:
+        """The series, with pending loop outputs read in order (with `ready_only`, only
+        those the device has finished)."""
+        while self._pending:
+            prefix, step, outputs, first_step = self._pending[0]
+            if ready_only and not all(x.is_ready() for x in jax.tree.leaves(outputs)
+                                      if isinstance(x, jax.Array)):
+                break
+            self._pending.pop(0)
+            self._read(prefix, step, outputs, first_step)
+        return self._series
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._settled()
+
+    def __getitem__(self, name: str) -> Series:
+        if name not in self._settled():
+            raise KeyError(f"No metric {name!r} in the history; it has {self.names}")
+        series = self._series[name]
+        # A copy: what a notebook took stays as it was when the next cell trains on.
+        return Series(list(series.steps), list(series.values))
+
+    def __len__(self) -> int:
+        return len(self._settled())
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{name}: {len(s.steps)}" for name, s in self._settled().items())
+        return f"History({sizes})"
+
+    @property
+    def names(self) -> list[str]:
+        """The recorded metrics' names, sorted."""
+        return sorted(self._settled())
+
+    def record(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
+        """Appends values at `steps` (ascending) to `name`, dropping what it held from
+        ``steps[0]`` on."""
+        if len(steps) != len(values):
+            raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
+        if not steps:
+            return
+        series = self._settled().setdefault(name, Series([], []))
+        # Steps ascend, so the values from steps[0] on are a tail.
+        keep = bisect.bisect_left(series.steps, steps[0])
+        del series.steps[keep:], series.values[keep:]
+        series.steps.extend(int(s) for s in steps)
+        series.values.extend(float(v) for v in values)
+
+    def record_outputs(self, prefix: str, step: int, outputs: types.Output | None,
+                       first_step: int | None = None, weights: Sequence[Any] | None = None) -> None:
+        """Records a loop's scalar outputs under ``prefix/<key>`` without waiting for the
+        device: a per-step list of ``step - first_step`` values gives one value per step,
+        any other scalar output (weighted per step by `weights`) one value at `step`."""
+        scalars = {k: _stacked(list(v)) if type(v) is list else v
+                   for k, v in (outputs or {}).items()
+                   if not k.startswith(_STATS_PREFIX) and _scalar_like(v)}
+        if weights:  # under a name no recorded output has (stats are left out)
+            scalars[_WEIGHTS] = list(weights)
+        self._settled(ready_only=True)  # what earlier loops recorded, where computed
+        self._pending.append((prefix, step, scalars, first_step))
+
+    def _read(self, prefix: str, step: int, outputs: dict[str, Any],
+              first_step: int | None) -> None:
+        outputs = {k: v.read() if isinstance(v, _Stacked) else v for k, v in outputs.items()}
+        weights = outputs.pop(_WEIGHTS, None)
+        if weights is not None:
+            weights = metric_values.scalar_values(weights)
+        if first_step is not None:
+            for key in list(outputs):
+                host = metric_values.scalar_values(outputs[key])
+                if isinstance(host, list) and len(host) == step - first_step:
+                    self.record(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
+                    del outputs[key]
+        for key, value in metric_values.scalar_metrics(outputs, weights).items():
+            self.record(f"{prefix}/{key}", [step], [value])
+
+    def steps_after(self, step: int) -> tuple[int, int, list[str]] | None:
+        """(first step, last step, metric names) of what is recorded after `step`, or None:
+        what a run restarted from `step` replaces, e.g. ``(201, 500, ['train/loss'])``."""
+        later = {name: [s for s in series.steps if s > step]
+                 for name, series in self._series.items()}
+        for prefix, last, outputs, first in self._pending:  # their steps, read on the host
+            for key, value in outputs.items():
+                if key != _WEIGHTS:
+                    count = value.count if isinstance(value, _Stacked) else (
+                        len(value) if type(value) is list else None)
+                    per_step = first is not None and count == last - first
+                    later.setdefault(f"{prefix}/{key}", []).extend(
+                        s for s in (range(first + 1, last + 1) if per_step else [last])
+                        if s > step)
+        later = {name: steps for name, steps in later.items() if steps}
+        if not later:
+            return None
+        return (min(min(s) for s in later.values()), max(max(s) for s in later.values()),
+                sorted(later))
+
+    def latest(self, prefix: str) -> dict[str, float]:
+        """The last value of each metric under `prefix` (``train``, ``eval``), by key."""
+        start = f"{prefix}/"
+        return {name[len(start):]: s.values[-1] for name, s in self._settled().items()
+                if name.startswith(start) and s.values}
+
+    def as_dict(self) -> dict[str, list[Any]]:
+        """A table, one row per value: ``{'name': [...], 'step': [...], 'value': [...]}``."""
+        table: dict[str, list[Any]] = {"name": [], "step": [], "value": []}
+        for name in self.names:
+            series = self._settled()[name]
+            table["name"] += [name] * len(series.steps)
+            table["step"] += series.steps
+            table["value"] += series.values
+        return table
+
+    def plot(self, names: Sequence[str] | None = None, **subplots_kwargs: Any) -> Any:
+        """A pyplot figure with one panel per metric (``loss``), its train and eval curves
+        against the step, each series in one colour everywhere; a script saves it with
+        ``history.plot().savefig('history.png')``."""
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (only when plotting)
+
+        panels: dict[str, list[str]] = {}
+        for name in self.names if names is None else list(names):
+            self[name]  # a KeyError naming the metrics there are
+            prefix, _, metric = name.partition("/")
+            panels.setdefault(metric or prefix, []).append(name)
+        if not panels:
+            raise ValueError("The history is empty: nothing to plot (train first)")
+        prefixes = sorted({n.partition("/")[0] for n in self.names},
+                          key=lambda p: (p != TRAIN, p != EVAL, p))
+        colours = {p: f"C{i % 10}" for i, p in enumerate(prefixes)}
+        columns = min(len(panels), 3)
+        rows = math.ceil(len(panels) / columns)
+        subplots_kwargs.setdefault("figsize", (4.5 * columns, 3.5 * rows))
+        fig, axes = plt.subplots(rows, columns, squeeze=False, **subplots_kwargs)
+        flat = list(axes.flat)
+        for ax, (metric, members) in zip(flat, panels.items(), strict=False):
+            for name in members:
+                series = self._series[name]
+                prefix = name.partition("/")[0]
+                ax.plot(series.steps, series.values, "-" if prefix == TRAIN else "o-",
+                        label=prefix, color=colours.get(prefix))
+            ax.set(title=metric, xlabel="step", ylabel=metric)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        for ax in flat[len(panels):]:
+            ax.set_visible(False)
+        fig.tight_layout()
+        return fig
+
+    def state_dict(self) -> dict[str, list[list[float]]]:
+        """The history as JSON (saved with each checkpoint's metadata)."""
+        return {name: [s.steps, s.values] for name, s in self._settled().items()}
+
+    def load_state_dict(self, saved: Mapping[str, Sequence[Sequence[float]]] | None) -> None:
+        """Replaces the history with one saved by `state_dict` (None: keeps it)."""
+        if saved is None:
+            return
+        self._pending = []
+        self._series = {name: Series([int(s) for s in steps], [float(v) for v in values])
+                        for name, (steps, values) in saved.items()}
+
+    @contextlib.contextmanager
+    def recording(self, train_loop: Any, eval_loops: Sequence[Any]) -> Iterator[None]:
+        """Records the loops' outputs while inside, first among each loop's end actions (so
+        a checkpoint saved at that loop's end holds its values)."""
+        recorders = [(lp, _Recorder(self, eval_prefix(i), per_step=False))
+                     for i, lp in enumerate(eval_loops)]
+        if train_loop is not None:
+            recorders.append((train_loop, _Recorder(self, TRAIN, per_step=True)))
+        for loop, recorder in recorders:
+            loop.end_actions.insert(0, recorder)
+        try:
+            yield
+        finally:
+            for loop, recorder in recorders:
+                loop.end_actions.remove(recorder)
+
+
+def _scalar_like(value: Any) -> bool:
+    """Whether `value` may hold a scalar, decided from shapes alone."""
+    if callable(getattr(value, "compute", None)):
+        return True  # a clu metric, or a loop's per-step list of them
+    if isinstance(value, list | tuple):
+        return bool(value) and metric_values.all_numbers(value)
+    if isinstance(value, Mapping):
+        return all(metric_values.is_number(v) for v in value.values())
+    return metric_values.is_number(value)
+
+
+class _Recorder(Action):
+    """Records one loop's outputs into a `History` at the loop's end."""
+
+    def __init__(self, history: History, prefix: str, per_step: bool):
+        super().__init__(interval=1)
+        self._history, self._prefix, self._per_step = history, prefix, per_step
+
+    def __call__(self, state: Any, outputs: types.Output | None, first_step: int | None = None,
+                 **kwargs: Any) -> None:
+        if state is None or not outputs:
+            return
+        self._history.record_outputs(self._prefix, host_count.host_step(state), outputs,
+                                     first_step if self._per_step else None,
+                                     getattr(kwargs.get("loop"), "example_counts", None))

@@ -1,0 +1,264 @@
+"""Experiment trackers as metric writers: MLflow and Weights & Biases.
+
+`MlflowWriter` and `WandbWriter` go wherever a `writers.MetricWriter` goes; each needs its
+extra (``pip install jaxloop[mlflow]`` or ``jaxloop[wandb]``), imported when a writer is
+made. Only process 0 talks to the tracker. A resumed job continues the same run: save the
+run id with the checkpoints and read it back with `saved_run_id`::
+
+    writer = trackers.MlflowWriter(experiment='digits', tracking_uri='file:///tmp/mlruns',
+                                   run_id=trackers.saved_run_id(ckpt_dir))
+    train_loop = TrainLoop(step, end_actions=[
+        SummaryAction(writer),
+        CheckpointAction(manager, meta={trackers.RUN_ID_KEY: writer.run_id}),
+    ])
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxloop.launch import distributed
+from jaxloop.metrics import writers
+
+__all__ = ["RUN_ID_KEY", "MlflowWriter", "WandbWriter", "saved_run_id"]
+
+log = logging.getLogger(__name__)
+
+RUN_ID_KEY = "tracker_run_id"  # the checkpoint metadata key of the tracker's run id
+
+
+def _import(module: str, extra: str) -> Any:
+    import importlib  # noqa: PLC0415
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"{module} is not installed; install it with `pip install jaxloop[{extra}]`"
+        ) from e
+
+
+def saved_run_id(checkpoint_dir: str | os.PathLike[str], step: int | None = None) -> str | None:
+    """The tracker run id saved with the latest (or `step`'s) checkpoint, or None."""
+    from jaxloop.checkpointing import checkpoint  # noqa: PLC0415
+
+    steps = checkpoint.all_steps(checkpoint_dir)
+    if not steps:
+        return None
+    step = max(steps) if step is None else step
+    return checkpoint.read_meta(checkpoint_dir, step).get(RUN_ID_KEY)
+
+
+def _warn_once(self: Any, what: str) -> None:
+    warned = self.__dict__.setdefault("_warned", set())
+    if what not in warned:
+        warned.add(what)
+        log.warning("%s does not record %s; skipped.", type(self).__name__, what)
+
+
+class MlflowWriter(writers._ContextManagerMixin):
+    """Writes metrics to an MLflow run (scalars as metrics, hparams as params): `run_id`
+    continues a run, None starts one in `experiment` (created when missing).
+
+    Texts become artifacts, histograms their mean/min/max; videos and audio are skipped
+    with a warning. MLflow 3 needs ``MLFLOW_ALLOW_FILE_STORE=true`` for a ``file:///`` store.
+    """
+
+    def __init__(self, experiment: str = "jaxloop", run_id: str | None = None,
+                 run_name: str | None = None, tracking_uri: str | None = None,
+                 tags: Mapping[str, str] | None = None):
+        self._active = distributed.is_main_process()
+        self._run_id = run_id
+        self._closed = False
+        if not self._active:
+            return
+        _import("mlflow", "mlflow")
+        from mlflow import entities  # noqa: PLC0415
+        from mlflow.tracking import MlflowClient  # noqa: PLC0415
+
+        self._entities = entities
+        self._client = MlflowClient(tracking_uri=tracking_uri)
+        if run_id is None:
+            exp = self._client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp else self._client.create_experiment(experiment)
+            run = self._client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
+            self._run_id = run.info.run_id
+        else:
+            self._client.get_run(run_id)  # raises clearly if the run does not exist
+            self._client.update_run(run_id, status="RUNNING")
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id (None on processes other than 0 when none was given)."""
+        return self._run_id
+
+    def write_scalars(self, step: int, scalars: Mapping[str, writers.ArrayLike]) -> None:
+        if not self._active or not scalars:
+            return
+        step = writers._as_step(step)
+        now = int(time.time() * 1000)
+        metrics = [self._entities.Metric(key, value, now, step)
+                   for key, value in writers._prepare_scalars(scalars).items()]
+        self._client.log_batch(self._run_id, metrics=metrics)
+
+    def write_images(self, step: int, images: Mapping[str, writers.ArrayLike]) -> None:
+        if not self._active:
+            return
+        step = writers._as_step(step)
+        for key, value in images.items():
+            for i, image in enumerate(writers._pixels("Image", key, value)):
+                name = key if i == 0 else f"{key}/{i}"
+                self._client.log_image(self._run_id, image, key=name, step=step)
+
+    def write_videos(self, step: int, videos: Mapping[str, writers.ArrayLike]) -> None:
+        if self._active and videos:
+            _warn_once(self, "videos")
+
+    def write_audios(self, step: int, audios: Mapping[str, writers.ArrayLike], *,
+                     sample_rate: int) -> None:
+        if self._active and audios:
+            _warn_once(self, "audio")
+
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+        if not self._active:
+            return
+        step = writers._as_step(step)
+        for key, text in texts.items():
+            self._client.log_text(self._run_id, str(text), f"texts/{key}/step_{step}.txt")
+
+    def write_histograms(self, step: int, arrays: Mapping[str, writers.ArrayLike],
+                         num_buckets: Mapping[str, int] | None = None) -> None:
+        summary = {}
+        for key, value in arrays.items():
+            value = np.asarray(value, np.float64)
+            summary.update({f"{key}/mean": value.mean(), f"{key}/min": value.min(),
+                            f"{key}/max": value.max()})
+        self.write_scalars(step, summary)
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        if not self._active:
+            return
+        params = [self._entities.Param(key, str(writers._hparam_value(v))[:6000])
+                  for key, v in writers._flatten_hparams(hparams).items()]
+        existing = self._client.get_run(self._run_id).data.params
+        # MLflow params are immutable: a resumed run logs only the new ones.
+        new = [p for p in params if p.key not in existing]
+        changed = sorted(p.key for p in params if p.key in existing and existing[p.key] != p.value)
+        if changed:
+            log.warning("MLflow run %s keeps its earlier values of params %s", self._run_id,
+                        changed)
+        for i in range(0, len(new), 100):  # MLflow's batch limit is 100 params
+            self._client.log_batch(self._run_id, params=new[i : i + 100])
+
+    def flush(self) -> None:
+        """Nothing to do: every call is written when made."""
+
+    def close(self) -> None:
+        """Marks the run finished."""
+        if self._active and not self._closed:
+            self._closed = True
+            self._client.set_terminated(self._run_id)
+
+
+class WandbWriter(writers._ContextManagerMixin):
+    """Writes metrics to a Weights & Biases run: `run_id` continues a run, None starts one;
+    `init_kwargs` go to ``wandb.init``. W&B drops values at a step earlier than one already
+    written (as after restoring an older checkpoint).
+    """
+
+    def __init__(self, project: str | None = None, run_id: str | None = None,
+                 name: str | None = None, mode: str | None = None,
+                 dir: str | os.PathLike[str] | None = None,  # noqa: A002 (wandb's name)
+                 config: Mapping[str, Any] | None = None, **init_kwargs: Any):
+        self._active = distributed.is_main_process()
+        self._closed = False
+        self._run = None
+        if not self._active:
+            self._run_id = run_id
+            return
+        self._wandb = _import("wandb", "wandb")
+        if dir is not None:
+            os.makedirs(dir, exist_ok=True)
+        init_kwargs.setdefault("settings", self._wandb.Settings(silent=True, console="off"))
+        self._run = self._wandb.init(
+            project=project, id=run_id, name=name, mode=mode,
+            dir=os.fspath(dir) if dir is not None else None,
+            config=dict(config) if config is not None else None,
+            resume="allow", reinit="create_new", **init_kwargs)
+        self._run_id = self._run.id
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run id."""
+        return self._run_id
+
+    @property
+    def run(self) -> Any:
+        """The ``wandb`` Run object (None on processes other than 0)."""
+        return self._run
+
+    def _log(self, step: int, values: Mapping[str, Any]) -> None:
+        if self._active and values:
+            self._run.log(dict(values), step=writers._as_step(step))
+
+    def write_scalars(self, step: int, scalars: Mapping[str, writers.ArrayLike]) -> None:
+        self._log(step, writers._prepare_scalars(scalars) if self._active else {})
+
+    def write_images(self, step: int, images: Mapping[str, writers.ArrayLike]) -> None:
+        if not self._active:
+            return
+        self._log(step, {key: [self._wandb.Image(i) for i in writers._pixels("Image", key, value)]
+                         for key, value in images.items()})
+
+    def write_videos(self, step: int, videos: Mapping[str, writers.ArrayLike]) -> None:
+        """As GIFs, N videos of a key tiled into one; needs moviepy (``jaxloop[video]``)."""
+        if not self._active or not videos or not writers._has_moviepy(self):
+            return
+        logged = {}
+        for key, value in videos.items():
+            v = writers._pixels("Video", key, value)
+            v = v[..., [0, 0, 0]] if v.shape[-1] == 1 else v[..., :3]  # RGB, as GIF has it
+            logged[key] = self._wandb.Video(np.moveaxis(v, -1, -3), fps=4, format="gif")
+        self._log(step, logged)
+
+    def write_audios(self, step: int, audios: Mapping[str, writers.ArrayLike], *,
+                     sample_rate: int) -> None:
+        if self._active:
+            self._log(step, {key: [self._wandb.Audio(clip, sample_rate=sample_rate)
+                                   for clip in writers._audios_ntc(key, value)]
+                             for key, value in audios.items()})
+
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+        if self._active:
+            self._log(step, {key: self._wandb.Html(f"<pre>{text}</pre>")
+                             for key, text in texts.items()})
+
+    def write_histograms(self, step: int, arrays: Mapping[str, writers.ArrayLike],
+                         num_buckets: Mapping[str, int] | None = None) -> None:
+        if not self._active:
+            return
+        buckets = dict(num_buckets or {})
+        self._log(step, {key: self._wandb.Histogram(
+            np.asarray(value), num_bins=buckets.get(key, writers.DEFAULT_HISTOGRAM_BUCKETS))
+            for key, value in arrays.items()})
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        if self._active:
+            flat = {k: writers._hparam_value(v)
+                    for k, v in writers._flatten_hparams(hparams).items()}
+            self._run.config.update(flat, allow_val_change=True)
+
+    def flush(self) -> None:
+        """Nothing to do: W&B's own service writes in the background."""
+
+    def close(self) -> None:
+        """Finishes the run (``wandb.teardown()`` waits for W&B's service to write its files)."""
+        if self._active and not self._closed:
+            self._closed = True
+            self._run.finish()

@@ -1,0 +1,514 @@
+"""Metric writers with clu's ``MetricWriter`` methods that write TensorBoard event files
+with tensorboardX, without TensorFlow (which ``clu.metric_writers`` imports).
+
+Example::
+
+    writer = writers.create_default_writer(workdir / 'tb', collection='train')
+    writer.write_scalars(100, {'loss': 0.25})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import numbers
+import operator
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from jaxloop import async_action_context
+
+__all__ = ["AsyncWriter", "LoggingWriter", "MetricWriter", "MultiWriter", "SummaryWriter",
+           "create_default_writer"]
+
+_LOGGER = logging.getLogger(__name__)
+
+ArrayLike = Any  # a numpy array, a jax array or a Python number
+Arrays = Mapping[str, ArrayLike]
+
+DEFAULT_HISTOGRAM_BUCKETS = 30  # tf.summary.histogram's default
+
+
+@runtime_checkable
+class MetricWriter(Protocol):
+    """clu's ``MetricWriter`` methods, which jaxloop's and clu's writers have."""
+
+    def write_scalars(self, step: int, scalars: Arrays) -> None: ...
+    def write_images(self, step: int, images: Arrays) -> None: ...
+    def write_videos(self, step: int, videos: Arrays) -> None: ...
+    def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None: ...
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None: ...
+    def write_histograms(self, step: int, arrays: Arrays,
+                         num_buckets: Mapping[str, int] | None = None) -> None: ...
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class _ContextManagerMixin:
+    """Closes the writer at the end of a ``with`` block."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        self.close()
+
+
+def _as_step(step: Any) -> int:
+    with contextlib.suppress(TypeError):
+        return operator.index(step)
+    arr = np.asarray(step)  # a size-1 integer array has no __index__ but is still a step
+    if arr.size == 1 and arr.dtype.kind in "iu":
+        return int(arr.reshape(()))
+    raise TypeError(f"step must be an integer, got {step!r} of type {type(step).__name__} "
+                    f"(dtype {arr.dtype}, shape {arr.shape}).")
+
+
+def _prepare_scalars(scalars: Arrays) -> dict[str, float]:
+    """Every value as a float, all checked before any is written."""
+    out = {}
+    for key, value in scalars.items():
+        # The shape is read first: a per-example array may span other processes' devices.
+        shape = np.shape(value)
+        if math.prod(shape) != 1:
+            raise ValueError(f"write_scalars: value for key {key!r} must be a scalar (0-d or "
+                             f"size 1), got an array of shape {shape}.")
+        arr = np.asarray(value)
+        try:
+            out[key] = float(arr.reshape(()))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"write_scalars: value for key {key!r} is not a number: "
+                             f"{value!r}") from e
+    return out
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "__array__") and hasattr(value, "shape")
+
+
+def _snapshot(value: ArrayLike) -> np.ndarray:
+    """A host copy of ``value`` that a reused numpy buffer or a later donation cannot change."""
+    arr = np.asarray(value)
+    return arr.copy() if isinstance(value, np.ndarray) or not arr.flags.owndata else arr
+
+
+def _snapshot_tree(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _snapshot_tree(v) for key, v in value.items()}
+    return _snapshot(value) if _is_array(value) else value
+
+
+def _flatten_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{'opt': {'lr': 1}}`` -> ``{'opt.lr': 1}``."""
+    flat: dict[str, Any] = {}
+    for key, value in hparams.items():
+        flat.update(_flatten_hparams(value, prefix=f"{prefix}{key}.")
+                    if isinstance(value, Mapping) else {f"{prefix}{key}": value})
+    return flat
+
+
+def _hparam_value(value: Any) -> bool | float | str:
+    """The value as a bool, float or string, the types the hparams plugin stores."""
+    if _is_array(value) and np.size(value) == 1:
+        value = np.asarray(value).reshape(()).item()
+    if isinstance(value, bool | str):
+        return value
+    return float(value) if isinstance(value, numbers.Real) else str(value)
+
+
+_LAYOUTS = {"Image": ["HW", "HWC", "NHWC"], "Video": ["THWC", "NTHWC"]}
+
+
+def _pixels(kind: str, key: str, value: ArrayLike) -> np.ndarray:
+    """An image or video batch as uint8 [N, H, W, C] or [N, T, H, W, C]; floats in [0, 1],
+    integers in [0, 255]."""
+    arr, layouts = np.asarray(value), _LAYOUTS[kind]
+    shape = arr.shape
+    if arr.ndim not in {len(layout) for layout in layouts}:
+        names = ", ".join(f"[{', '.join(layout)}]" for layout in layouts)
+        raise ValueError(f"{kind} {key!r} must have shape {names}, got shape {shape}.")
+    arr = arr[..., None] if arr.ndim == 2 else arr  # [H, W]: one grey image
+    arr = arr.reshape((1,) * (len(layouts[-1]) - arr.ndim) + arr.shape)
+    if arr.shape[-1] not in (1, 3, 4):
+        raise ValueError(
+            f"{kind} {key!r} must have 1, 3 or 4 channels in its last axis, got shape {shape}.")
+    if arr.dtype == np.uint8:
+        return arr
+    if arr.dtype.kind in "biu":
+        return np.clip(arr * 255 if arr.dtype == np.bool_ else arr, 0, 255).astype(np.uint8)
+    floats = np.clip(np.nan_to_num(arr.astype(np.float32)), 0.0, 1.0)
+    return (floats * 255.0 + 0.5).astype(np.uint8)
+
+
+def _audios_ntc(key: str, value: ArrayLike) -> np.ndarray:
+    """[T], [N, T] (mono) or [N, T, C] -> float64 [N, T, C] in [-1, 1]; int16 is divided
+    by 2**15, which the WAV encoder multiplies back."""
+    arr = np.asarray(value)
+    if arr.ndim not in (1, 2, 3) or (arr.ndim == 3 and arr.shape[2] not in (1, 2)):
+        raise ValueError(f"Audio {key!r} must have shape [N, T, C] with 1 or 2 channels, "
+                         f"[N, T] or [T], got shape {arr.shape}.")
+    arr = arr.reshape((1,) * (arr.ndim == 1) + arr.shape + (1,) * (arr.ndim < 3))
+    floats = arr / 32768.0 if arr.dtype == np.int16 else np.nan_to_num(arr.astype(np.float64))
+    return np.clip(floats, -1.0, 1.0)
+
+
+def _has_moviepy(writer: Any) -> bool:
+    """Whether moviepy (``jaxloop[video]``) is installed; warns once per writer if not."""
+    try:
+        import moviepy  # noqa: F401
+        return True
+    except ImportError:
+        if not getattr(writer, "_warned_video", False):
+            writer._warned_video = True
+            _LOGGER.warning("%s: videos need moviepy (pip install jaxloop[video]); skipping.",
+                            type(writer).__name__)
+        return False
+
+
+_EVENT_FILES = itertools.count()
+
+
+class SummaryWriter(_ContextManagerMixin):
+    """Writes TensorBoard event files into ``logdir`` (a path or a ``gs://`` URL) on the
+    calling thread (see `AsyncWriter`); N images or videos of a key are tiled into one PNG
+    or GIF (videos need moviepy). A write `flush_secs` after the last flush flushes."""
+
+    def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 120.0,
+                 video_fps: float = 4.0) -> None:
+        self._logdir = os.fspath(logdir)
+        self._flush_secs, self._video_fps = flush_secs, video_fps
+        self._lock = threading.Lock()
+        self._closed = False
+        self._events = _events_file(self._logdir)
+        # Closes the file once: at `close`, or when the writer is collected or Python exits.
+        self._close_events = weakref.finalize(self, self._events.close)
+        self._flushed_at = time.monotonic()
+
+    @property
+    def logdir(self) -> str:
+        return self._logdir
+
+    def _add(self, encode: str, step: int | None, values: Mapping[str, Any], **kwargs: Any) -> None:
+        """Writes ``tensorboardX.summary.<encode>(tag, value, **kwargs)`` of each value."""
+        import tensorboardX.summary
+
+        encoder = getattr(tensorboardX.summary, encode)
+        summaries = [encoder(tag, value, **kwargs) for tag, value in values.items()]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"SummaryWriter for {self._logdir!r} is closed.")
+            _write(self._events, summaries, step)
+            if time.monotonic() - self._flushed_at >= self._flush_secs:
+                self._flush()
+
+    def write_scalars(self, step: int, scalars: Arrays) -> None:
+        self._add("scalar", _as_step(step), _prepare_scalars(scalars))
+
+    def write_images(self, step: int, images: Arrays) -> None:
+        """Images of shape [H, W], [H, W, C] or [N, H, W, C], C in 1/3/4."""
+        self._add("image", _as_step(step), {key: _pixels("Image", key, value)
+                                            for key, value in images.items()}, dataformats="NHWC")
+
+    def write_videos(self, step: int, videos: Arrays) -> None:
+        """Videos of shape [T, H, W, C] or [N, T, H, W, C], as animated GIFs."""
+        step = _as_step(step)
+        batches = {key: _pixels("Video", key, value)[..., :3] for key, value in videos.items()}
+        if batches and _has_moviepy(self):
+            self._add("video", step, batches, fps=self._video_fps, dataformats="NTHWC")
+
+    def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None:
+        """Clips of shape [N, T, C], [N, T] or [T], as 16-bit WAV: floats in [-1, 1] or int16."""
+        step, sample_rate = _as_step(step), operator.index(sample_rate)
+        if sample_rate <= 0:
+            raise ValueError(f"sample_rate must be positive, got {sample_rate}.")
+        clips = {}
+        for key, value in audios.items():
+            batch = _audios_ntc(key, value)
+            clips.update({key if len(batch) == 1 else f"{key}/{i}": c for i, c in enumerate(batch)})
+        self._add("audio", step, clips, sample_rate=sample_rate)
+
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+        """Strings, shown as Markdown in the Text tab."""
+        self._add("text", _as_step(step), {key: str(text) for key, text in texts.items()})
+
+    def write_histograms(self, step: int, arrays: Arrays,
+                         num_buckets: Mapping[str, int] | None = None) -> None:
+        """``num_buckets[key]`` buckets; non-finite values are left out with a warning."""
+        step, buckets = _as_step(step), num_buckets or {}
+        for key, value in arrays.items():
+            flat = np.asarray(value, np.float64).reshape(-1)
+            finite = flat[np.isfinite(flat)]
+            if finite.size < flat.size:
+                _LOGGER.warning("Histogram %r at step %d: left out %d non-finite of %d "
+                                "values.", key, step, flat.size - finite.size, flat.size)
+            if finite.size:
+                self._add("histogram", step, {key: finite},
+                          bins=buckets.get(key, DEFAULT_HISTOGRAM_BUCKETS))
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        """Nested mappings become dotted names (``opt.lr``); values other than bools, numbers
+        and strings are written as their ``str()``."""
+        import tensorboardX.summary
+
+        flat = {key: _hparam_value(v) for key, v in _flatten_hparams(hparams).items()}
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"SummaryWriter for {self._logdir!r} is closed.")
+        # A sub-run of its own, as tensorboardX's add_hparams writes it.
+        session = _events_file(os.path.join(self._logdir, str(time.time())))
+        try:
+            _write(session, tensorboardX.summary.hparams(flat, {}), None)
+        finally:
+            session.close()
+
+    def _flush(self) -> None:
+        self._events.flush()
+        self._flushed_at = time.monotonic()
+
+    def flush(self) -> None:
+        """Makes everything written so far readable; later writes go to the same file."""
+        with self._lock:
+            if not self._closed:
+                self._flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_events()
+            self._closed = True
+
+
+def _events_file(logdir: str) -> Any:
+    """A new event file in `logdir` (created if missing), written synchronously."""
+    from tensorboardX.event_file_writer import EventsWriter
+
+    if "://" not in logdir:  # buckets have no directories
+        os.makedirs(logdir, exist_ok=True)
+    # Files are named by the second; the pid and a counter keep two of one second apart.
+    suffix = f".{os.getpid()}.{next(_EVENT_FILES):06d}"
+    return EventsWriter(os.path.join(logdir, "events"), suffix)
+
+
+def _write(events: Any, summaries: Sequence[Any], step: int | None) -> None:
+    """Appends `summaries` to `events`, as tensorboardX's FileWriter.add_summary does."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    for summary in summaries:
+        event = Event(summary=summary, wall_time=time.time())
+        if step is not None:
+            event.step = step
+        events.write_event(event)
+
+
+class _Forwarder(_ContextManagerMixin):
+    """Checks and converts a call's arguments once, then hands the call to `_forward`."""
+
+    _to_host: Any = staticmethod(np.asarray)  # what array values are passed on as
+    _forward: Any  # (method name, *args, **kwargs) -> None
+
+    def _arrays(self, arrays: Arrays) -> dict[str, Any]:
+        return {key: self._to_host(value) for key, value in arrays.items()}
+
+    def write_scalars(self, step: int, scalars: Arrays) -> None:
+        self._forward("write_scalars", _as_step(step), _prepare_scalars(scalars))
+
+    def write_images(self, step: int, images: Arrays) -> None:
+        self._forward("write_images", _as_step(step), self._arrays(images))
+
+    def write_videos(self, step: int, videos: Arrays) -> None:
+        self._forward("write_videos", _as_step(step), self._arrays(videos))
+
+    def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None:
+        self._forward("write_audios", _as_step(step), self._arrays(audios), sample_rate=sample_rate)
+
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+        self._forward("write_texts", _as_step(step), dict(texts))
+
+    def write_histograms(self, step: int, arrays: Arrays,
+                         num_buckets: Mapping[str, int] | None = None) -> None:
+        buckets = dict(num_buckets) if num_buckets is not None else None
+        self._forward("write_histograms", _as_step(step), self._arrays(arrays), buckets)
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        self._forward("write_hparams", _snapshot_tree(hparams))
+
+    def flush(self) -> None:
+        self._forward("flush")
+
+    def close(self) -> None:
+        self._forward("close")
+
+
+class LoggingWriter(_Forwarder):
+    """Logs ``[prefix] step | key=value, ...`` for scalars, only the shapes of arrays, to
+    the ``jaxloop.metrics.writers`` logger (hidden in an unconfigured notebook:
+    `jaxloop.metrics.notebook_logging`). Example::
+
+        writer = LoggingWriter('eval')   # INFO:jaxloop.metrics.writers:[eval] 400 | accuracy=0.97
+        writer.write_scalars(400, {'accuracy': 0.97})
+    """
+
+    _to_host = staticmethod(lambda value: value)  # only shapes are logged: no device copy
+
+    def __init__(self, prefix: str = "", *, logger: logging.Logger | None = None,
+                 level: int = logging.INFO) -> None:
+        self._prefix = f"[{prefix}] " if prefix else ""
+        self._logger = logger if logger is not None else _LOGGER
+        self._level = level
+
+    def _log(self, message: str) -> None:
+        self._logger.log(self._level, "%s%s", self._prefix, message)
+
+    def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
+        if method == "write_hparams":
+            plain = {k: np.asarray(v).item() if _is_array(v) and np.ndim(v) == 0 else v
+                     for k, v in _flatten_hparams(args[0]).items()}
+            self._log("hparams: " + ", ".join(f"{k}={v!r}" for k, v in plain.items()))
+        elif method == "write_texts":
+            for key, text in args[1].items():
+                self._log(f"{args[0]} | text {key}: {text}")
+        elif method == "write_scalars" and args[1]:
+            step, values = args
+            self._log(f"{step} | " + ", ".join(f"{k}={v:.6g}" for k, v in values.items()))
+        elif method not in ("write_scalars", "flush", "close") and args[1]:
+            step, values = args[:2]
+            kind = method.removeprefix("write_")
+            if "sample_rate" in kwargs:
+                kind += f" at {kwargs['sample_rate']} Hz"
+            shapes = ", ".join(f"{key} shape={np.shape(value)}" for key, value in values.items())
+            self._log(f"{step} | {kind}: {shapes}")
+
+
+class MultiWriter(_Forwarder):
+    """Forwards every call to each of ``writers``, in order, arguments checked once before
+    any writer is called; the first writer's error is raised after all were called."""
+
+    def __init__(self, writers: Sequence[MetricWriter]) -> None:
+        self._writers = tuple(writers)
+
+    @property
+    def writers(self) -> tuple[MetricWriter, ...]:
+        return self._writers
+
+    def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
+        errors = []
+        for writer in self._writers:
+            try:
+                getattr(writer, method)(*args, **kwargs)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def _call(writer: MetricWriter, method: str, args: tuple, kwargs: dict,
+          failed: list[Future], room: threading.Semaphore) -> None:
+    """Runs one call on an `AsyncWriter`'s thread and records its failure."""
+    try:
+        getattr(writer, method)(*args, **kwargs)
+    except BaseException as e:
+        _LOGGER.error("AsyncWriter: %s failed; the error is raised again by the next call.",
+                      method, exc_info=True)
+        failed.append(async_action_context.get_async_action_context().add_exception(
+            f"AsyncWriter({type(writer).__name__}).{method}", e))
+    finally:
+        room.release()
+
+
+def _close_abandoned(pool: ThreadPoolExecutor, close: Any) -> None:
+    # Collected unclosed (maybe on its own thread, which must not wait for itself), or exit.
+    try:
+        pool.submit(close)
+    except RuntimeError:
+        close()
+    pool.shutdown(wait=False)
+
+
+class AsyncWriter(_Forwarder):
+    """Does another writer's writing on one background thread, in the order of the calls.
+
+    A call returns once its arguments are host copies; when ``max_queue`` calls wait, the
+    next blocks. The wrapped writer's error is raised by the next call, or at the next loop
+    boundary (`jaxloop.async_action_context`).
+    """
+
+    _to_host = staticmethod(_snapshot)
+
+    def __init__(self, writer: MetricWriter, *, max_queue: int = 128) -> None:
+        self._writer = writer
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxloop-AsyncWriter")
+        self._room = threading.Semaphore(max_queue)
+        self._failed: list[Future] = []
+        self._closed = False
+        # Starts the thread now, not inside the first write (which would wait for it).
+        self._pool.submit(int)
+        # Holds the pool and the writer, never self, so an abandoned writer is collected.
+        self._abandoned = weakref.finalize(self, _close_abandoned, self._pool, writer.close)
+
+    @property
+    def writer(self) -> MetricWriter:
+        return self._writer
+
+    def _submit(self, method: str, *args: Any, **kwargs: Any) -> Future:
+        self._room.acquire()
+        return self._pool.submit(_call, self._writer, method, args, kwargs, self._failed,
+                                 self._room)
+
+    def _raise_pending(self) -> None:
+        failed = [self._failed.pop(0) for _ in range(len(self._failed))]
+        # Not those a loop boundary already raised; the first is the likely cause.
+        context = async_action_context.get_async_action_context()
+        unraised = [f for f in failed if context.discard(f)]
+        if unraised:
+            raise unraised[0].exception()
+
+    def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
+        self._raise_pending()
+        if self._closed:
+            raise RuntimeError(f"AsyncWriter.{method} called after close().")
+        self._submit(method, *args, **kwargs)
+
+    def flush(self) -> None:
+        """Waits until every call so far has been written, then flushes the wrapped writer."""
+        self._raise_pending()
+        if not self._closed:
+            self._submit("flush").result()
+            self._raise_pending()
+
+    def close(self) -> None:
+        """Writes what is queued, closes the wrapped writer and ends the thread."""
+        if not self._closed:
+            self._closed = True
+            self._abandoned.detach()
+            self._submit("close")
+            self._pool.shutdown(wait=True)
+        self._raise_pending()
+
+
+def create_default_writer(logdir: str | os.PathLike[str] | None = None, *,
+                          just_logging: bool = False, asynchronous: bool = True,
+                          collection: str | None = None) -> MetricWriter:
+    """As clu's: ``MultiWriter([LoggingWriter, SummaryWriter])`` (the latter on process 0
+    only), in an `AsyncWriter` when ``asynchronous``; a `LoggingWriter` alone without
+    ``logdir``. ``collection`` (``'train'``) names a sub-directory and prefixes log lines.
+    """
+    prefix = collection or ""
+    if just_logging or logdir is None:
+        return LoggingWriter(prefix)
+    import jax
+
+    writers: list[MetricWriter] = [LoggingWriter(prefix)]
+    if jax.process_index() == 0:
+        path = os.fspath(logdir)
+        writers.append(SummaryWriter(os.path.join(path, collection) if collection else path))
+    writer = MultiWriter(writers)
+    return AsyncWriter(writer) if asynchronous else writer

@@ -1,0 +1,209 @@
+"""Evaluations: what to evaluate (`EvalSpec`), one round of them, and when in training.
+
+`Evaluations` runs a round on a state (each spec decides from an `EvalContext` whether it
+is due); `LoopEndEvaluations` runs one at each train loop's end, before its checkpoint,
+so the checkpoint holds that evaluation and a resumed run neither repeats nor loses it.
+
+Example::
+
+    evals = Evaluations([eval_loop], ahead=lambda loop: 0)
+    results, stop = evals.run(state, [EvalSpec(dataset=eval_ds, num_steps=50)],
+                              EvalContext(False, step_num=100, loop_count=1))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from jaxloop import stop_handler, types
+from jaxloop.engine.action import Action
+from jaxloop.launch import preemption
+from jaxloop.metrics import history as history_lib
+
+Output = types.Output
+State = types.TrainState
+
+STOP_LOOP = "jaxloop/stop_loop"
+
+# OuterLoop's messages keep its logger's name, which users filter on.
+log = logging.getLogger("jaxloop.outer_loop")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalContext:
+    """What `EvalSpec.should_eval_fn` is told when deciding whether to evaluate."""
+
+    is_continuous_eval: bool
+    step_num: int
+    loop_count: int
+
+
+@dataclasses.dataclass
+class EvalSpec:
+    """One evaluation: its data and when to run it.
+
+    Args:
+      dataset: an iterable iterated afresh for every evaluation.
+      dataset_iterator: alternatively, one iterator that successive evaluations continue.
+      should_eval_fn: overrides `eval_loop_interval` (default: every train loop).
+    """
+
+    dataset: Iterable[Any] | None = None
+    dataset_iterator: Iterator[Any] | None = None
+    num_steps: int | None = None
+    eval_loop_interval: int | None = None
+    should_eval_fn: Callable[[EvalContext], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if self.dataset is None and self.dataset_iterator is None:
+            raise ValueError("EvalSpec needs a dataset (or a dataset_iterator)")
+        if self.num_steps is not None and self.num_steps <= 0:
+            raise ValueError(f"EvalSpec.num_steps must be positive, got {self.num_steps}")
+        if self.eval_loop_interval is not None and self.eval_loop_interval <= 0:
+            raise ValueError(
+                f"EvalSpec.eval_loop_interval must be positive, got {self.eval_loop_interval}")
+
+    def iterator(self) -> Iterator[Any]:
+        """The batches for one evaluation."""
+        if self.dataset_iterator is not None:
+            return self.dataset_iterator
+        from jaxloop import data  # noqa: PLC0415 (grain is only needed with datasets)
+
+        return data.as_iterator(self.dataset)
+
+    def should_eval(self, context: EvalContext) -> bool:
+        if self.should_eval_fn is not None:
+            return bool(self.should_eval_fn(context))
+        interval = self.eval_loop_interval or 1
+        return context.is_continuous_eval or context.loop_count % interval == 0
+
+
+def last(results: Sequence[Output | None]) -> Output | None:
+    """The outputs of the last eval loop that ran."""
+    ran = [r for r in results if r is not None]
+    return ran[-1] if ran else None
+
+
+class Evaluations:
+    """Runs a round of evaluations: each eval loop on its `EvalSpec`'s data, when due;
+    ``ahead(loop)`` says how many batches a loop reads ahead (`Loop.prefetching`)."""
+
+    def __init__(self, loops: list[Any], ahead: Callable[[Any], int]):
+        self.loops = loops
+        self._ahead = ahead
+        # Per spec index: whether an evaluation that read no batch was reported.
+        self._warned_empty: set[int] = set()
+
+    def check_specs(self, eval_specs: Sequence[EvalSpec] | None) -> list[EvalSpec]:
+        """The specs as a list, one per eval loop; a TypeError or ValueError otherwise."""
+        specs = list(eval_specs or [])
+        if len(specs) != len(self.loops):
+            raise ValueError(f"OuterLoop has {len(self.loops)} eval loops but was given "
+                             f"{len(specs)} eval specs; pass one EvalSpec per eval loop")
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, EvalSpec):
+                raise TypeError(f"eval_specs[{i}] must be an EvalSpec, got {type(spec)}")
+        return specs
+
+    def run(self, state: State, specs: Sequence[EvalSpec], context: EvalContext
+            ) -> tuple[list[Output | None], bool]:
+        """Each due evaluation's outputs (None where not due), and whether one asked to stop."""
+        results: list[Output | None] = []
+        stop = False
+        for index, (loop, spec) in enumerate(zip(self.loops, specs, strict=True)):
+            if not spec.should_eval(context):
+                results.append(None)
+                continue
+            batches = spec.iterator()
+            # Batches read ahead would be lost to the next evaluation of a shared iterator.
+            ahead = self._ahead(loop) if spec.dataset_iterator is None else 0
+            with loop.prefetching(batches, ahead):
+                _, outputs = loop(state, batches, num_steps=spec.num_steps)
+            if getattr(loop, "num_steps_run", None) == 0 and not preemption.requested():
+                self._report_empty(index, spec, context.step_num)
+            results.append(outputs)
+            stop = stop or bool((outputs or {}).get(STOP_LOOP, False))
+        return results, stop
+
+    def _report_empty(self, index: int, spec: EvalSpec, step: int) -> None:
+        """Says, once per spec, that an evaluation read no batch, and why."""
+        if index in self._warned_empty:
+            return
+        self._warned_empty.add(index)
+        if spec.dataset_iterator is not None:
+            cause = "its dataset_iterator is exhausted"
+        elif isinstance(spec.dataset, Iterator):
+            cause = (f"its dataset is an iterator ({type(spec.dataset).__name__}), which an "
+                     "earlier evaluation used up")
+        else:
+            cause = "its dataset is empty"
+        log.warning(
+            "eval_specs[%d]: the evaluation at step %d read no batch: %s, so this and later "
+            "evaluations have no results (the progress bar keeps the last ones). Pass an "
+            "iterable that every evaluation reads afresh as EvalSpec(dataset=...): a list, "
+            "a tf.data or grain dataset.", index, step, cause)
+
+
+class LoopEndEvaluations:
+    """The evaluations after each train loop, run first among its end actions.
+
+    `result` is None until the evaluations of the current train loop ran, then whether
+    they asked to stop (reset it at each loop's start).
+    """
+
+    def __init__(self, train_loop: Any, evaluations: Evaluations):
+        self._train_loop = train_loop
+        self._evaluations = evaluations
+        self.specs: list[EvalSpec] = []
+        self.result: bool | None = None
+
+    def evaluate(self, state: State, step: int) -> bool:
+        """Runs the evaluations due after the train loop at `step`; whether to stop."""
+        try:
+            _, stop = self._evaluations.run(
+                state, self.specs, EvalContext(False, step, self._train_loop.loop_count))
+        except stop_handler.StopTrainingError as e:
+            log.info("Training stopped by an eval action: %s", e)
+            stop = True
+        return stop
+
+    def at_loop_end(self, state: State, outputs: Output | None, first_step: int | None) -> None:
+        """The evaluations of the train loop that is ending."""
+        loop = self._train_loop
+        if (loop.preempted or preemption.requested() or not loop.num_steps_run
+                or (outputs or {}).get(STOP_LOOP)):
+            return  # a stop (the outer loop ends the run), or no new step to evaluate
+        step = (first_step or 0) + loop.num_steps_run
+        stop = self.evaluate(state, step)
+        if not preemption.requested():  # (cut short by Ctrl-C: pending in the checkpoint)
+            self.result = stop
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Puts the evaluations first among the train loop's end actions (after the
+        history's recorder), so the checkpoint holds them and no user action encloses them."""
+        end_actions = self._train_loop.end_actions
+        runner = _EvalsAtLoopEnd(self)
+        first = next((i for i, a in enumerate(end_actions)
+                      if not isinstance(a, history_lib._Recorder)), len(end_actions))
+        end_actions.insert(first, runner)
+        try:
+            yield
+        finally:
+            end_actions.remove(runner)
+
+
+class _EvalsAtLoopEnd(Action):
+    """Runs a `LoopEndEvaluations` as one of the train loop's end actions."""
+
+    def __init__(self, evaluations: LoopEndEvaluations):
+        super().__init__(interval=1)
+        self._evaluations = evaluations
+
+    def __call__(self, state: State, outputs: Output | None, first_step: int | None = None,
+                 **kwargs: Any) -> None:
+        self._evaluations.at_loop_end(state, outputs, first_step)

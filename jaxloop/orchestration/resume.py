@@ -1,0 +1,202 @@
+"""Resuming training: what a checkpoint holds beside the state, and where a run resumes from.
+
+`ResumeMetadata` is what an `OuterLoop`'s checkpoints save beside the state: the history,
+the early-stopping progress, whether the checkpoint's loop ended before its boundary, and
+whether its loop's evaluations are still to run. `Resumer` restores the latest checkpoint
+and refuses a run whose checkpoint action could save nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jaxloop import actions as actions_lib
+from jaxloop import step as step_lib
+from jaxloop import types
+from jaxloop.checkpointing import checkpoint
+from jaxloop.engine import host_count
+from jaxloop.launch import agreement
+from jaxloop.metrics import history as history_lib
+from jaxloop.orchestration import evaluation as evaluation_lib
+
+if TYPE_CHECKING:
+    from jaxloop.orchestration.continuous_eval import CheckpointSpec
+
+State = types.TrainState
+
+EARLY_STOPPING_META = "early_stopping"
+EVALS_PENDING_META = "evals_pending"
+HISTORY_META = "history"
+# Whether the checkpoint's loop ended before its boundary: the resumed run finishes it.
+LOOP_PARTIAL_META = "loop_partial"
+
+# OuterLoop's messages keep its logger's name, which users filter on.
+log = logging.getLogger("jaxloop.outer_loop")
+
+
+def resumed_loop_count(meta: dict[str, Any], step: int,
+                       loop_steps: int | None) -> tuple[int | None, bool]:
+    """(the loop count to resume with, whether the checkpoint is inside a loop): the saved
+    count less a loop the checkpoint cut short, else ``step // loop_steps``, else None.
+    ``resumed_loop_count({}, step=250, loop_steps=100)`` is ``(2, True)``."""
+    saved = meta.get("loop_count")
+    if saved is None:
+        count = step // loop_steps if loop_steps else None
+        return count, bool(loop_steps) and step % loop_steps != 0
+    count = int(saved)
+    partial = meta.get(LOOP_PARTIAL_META)
+    if partial is None:
+        # Earlier releases did not say; their count includes a loop cut off the boundary.
+        partial = bool(loop_steps) and step % loop_steps != 0 and count == step // loop_steps + 1
+    return (max(count - 1, 0) if partial else count), bool(partial)
+
+
+class ResumeMetadata:
+    """What a checkpoint of an `OuterLoop`'s train loop saves beside the state, with the
+    progress of the `EarlyStoppingAction`s of `loops`. The outer loop says where the train
+    loop stands (`start_call`, `start_loop`); checkpoint actions call `save`."""
+
+    def __init__(self, train_loop: Any, loops: Sequence[Any], history: history_lib.History,
+                 evaluations: evaluation_lib.LoopEndEvaluations):
+        self._train_loop = train_loop
+        self._loops = loops
+        self._history = history
+        self._evaluations = evaluations
+        self._planned_steps: int | None = None
+        self._cut_by_total = False
+
+    def start_call(self) -> None:
+        """No loop of this call has run yet (a stop now is at a loop boundary)."""
+        self._planned_steps, self._cut_by_total = 0, False
+
+    def start_loop(self, planned_steps: int | None, cut_by_total: bool) -> None:
+        """A train loop of `planned_steps` starts; `cut_by_total`: ``train_total_steps``
+        ends it before its boundary."""
+        self._planned_steps, self._cut_by_total = planned_steps, cut_by_total
+
+    def loop_partial(self) -> bool:
+        """Whether the train loop that just ran ended before its boundary (a preemption,
+        or ``train_total_steps``)."""
+        loop = self._train_loop
+        planned = self._planned_steps
+        short = bool(loop.preempted) if planned is None else loop.num_steps_run < planned
+        return self._cut_by_total or short
+
+    def early_stopping_actions(self) -> list[actions_lib.EarlyStoppingAction]:
+        return [a for lp in self._loops if lp is not None for a in lp.end_actions
+                if isinstance(a, actions_lib.EarlyStoppingAction)]
+
+    def save(self) -> dict[str, Any]:
+        """The JSON values a checkpoint saves now, beside the data position and loop count."""
+        partial = self.loop_partial()
+        return {
+            EARLY_STOPPING_META: [a.state_dict() for a in self.early_stopping_actions()],
+            HISTORY_META: self._history.state_dict(),
+            LOOP_PARTIAL_META: partial,
+            # Pending only for a save at a loop's end before its evaluations ran.
+            EVALS_PENDING_META: not partial and self._evaluations.result is None,
+        }
+
+    def restore(self, meta: dict[str, Any], step: int, loop_steps: int | None) -> bool:
+        """Takes back the loop count, early-stopping progress and history of the
+        checkpoint at `step`; whether the evaluations after it are still to run."""
+        loop_count, partial = resumed_loop_count(meta, step, loop_steps)
+        if loop_count is not None:
+            self._train_loop.loop_count = loop_count
+        saved = meta.get(EARLY_STOPPING_META) or []
+        for action, progress in zip(self.early_stopping_actions(), saved, strict=False):
+            action.load_state_dict(progress)
+        self._history.load_state_dict(meta.get(HISTORY_META))
+        # A checkpoint inside a loop has no evaluations after it.
+        return bool(meta.get(EVALS_PENDING_META)) and not partial
+
+
+def train_checkpoint_actions(train_loop: Any) -> list[actions_lib.CheckpointAction]:
+    """The train loop's actions that save the state to resume from (not best-k ones)."""
+    return [a for a in train_loop.end_actions
+            if isinstance(a, actions_lib.CheckpointAction)
+            and not isinstance(a, actions_lib.BestCheckpointAction)]
+
+
+def latest_step(directory: Any) -> int | None:
+    """The latest checkpoint's step in `directory` (None: none), as process 0 lists it."""
+    steps = agreement.agreed(lambda: checkpoint.all_steps(directory))
+    return max(steps) if steps else None
+
+
+class Resumer:
+    """Where a train loop's run resumes from, the restore, and the check that it saves.
+
+    Args:
+      resume: False: train from the given state.
+      checkpoint_spec: resume from its directory, with its transforms (None: from the
+        directory the train loop's checkpoint action saves to).
+    """
+
+    def __init__(self, train_loop: Any, metadata: ResumeMetadata, resume: bool,
+                 checkpoint_spec: CheckpointSpec | None):
+        self._train_loop = train_loop
+        self._metadata = metadata
+        self._resume = resume
+        self._spec = checkpoint_spec
+
+    def directory(self) -> Any:
+        """Where training resumes from: the CheckpointSpec's directory, else the train
+        loop's checkpoint action's (None: nowhere, or `resume=False`)."""
+        if not self._resume:
+            return None
+        if self._spec is not None:
+            return self._spec.checkpoint_dir
+        for action in train_checkpoint_actions(self._train_loop):
+            directory = getattr(action.ckpt_manager, "directory", None)
+            if directory is not None:
+                return directory
+        return None
+
+    def restore(self, state: State, iterator: Iterator[Any], loop_steps: int | None
+                ) -> tuple[State, bool, int, bool]:
+        """The state to train from, whether it came from a checkpoint, its step, and
+        whether the evaluations after that checkpoint are still to run. A given state
+        ahead of the latest checkpoint is kept."""
+        step = self._train_loop.step
+        for action in train_checkpoint_actions(self._train_loop):
+            action.ckpt_manager.wait_until_finished()
+        # An abstract state has no step: it is restored into place, or initialised.
+        given = None if step_lib.is_abstract(state) else host_count.host_step(state)
+        directory = self.directory()
+        latest = None if directory is None else latest_step(directory)
+        if directory is None or (latest is not None and given is not None and given > latest):
+            if directory is not None:
+                log.info("Training from the given state (step %d), ahead of the latest "
+                         "checkpoint in %s (step %d).", given, directory, latest)
+            state = step.materialize(state)
+            return state, False, host_count.host_step(state) if given is None else given, False
+        restored, meta = checkpoint.restore(
+            state, directory, step=latest, partitioner=step.partitioner,
+            skip_optimizer=not step.train,
+            transforms=self._spec.transforms if self._spec else None, dataset=iterator)
+        restored = step.materialize(restored)
+        if latest is None:
+            return (restored, False,
+                    host_count.host_step(restored) if given is None else given, False)
+        evals_pending = self._metadata.restore(meta, latest, loop_steps)
+        return restored, True, latest, evals_pending
+
+    def check_saves(self, step: int) -> None:
+        """A ValueError before training where the train loop's checkpoint action would save
+        nothing: its directory holds a checkpoint after `step`."""
+        for action in train_checkpoint_actions(self._train_loop):
+            directory = getattr(action.ckpt_manager, "directory", None)
+            latest = None if directory is None else latest_step(directory)
+            if latest is not None and latest > step:
+                how = ("resuming is off (OuterLoop(resume=False))" if not self._resume else
+                       f"this run resumed from {self._spec.checkpoint_dir}")
+                raise ValueError(
+                    f"This run would save no checkpoint until after step {latest}: it starts "
+                    f"at step {step}, its CheckpointAction saves to {directory}, which holds "
+                    f"a checkpoint at step {latest}, and orbax saves only steps after the "
+                    f"latest ({how}). Resume from that directory (OuterLoop's default, "
+                    "resume=True, with no CheckpointSpec elsewhere), save to a new "
+                    "directory, or delete its checkpoints.")

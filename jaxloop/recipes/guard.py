@@ -1,0 +1,121 @@
+"""Non-finite guard: a training step skips its update when the loss or a gradient is NaN/Inf.
+
+`NonFiniteGuard.apply_gradients` replaces ``state.apply_gradients`` in `Step.run`; the check
+reduces over the global arrays inside the compiled step, so every device decides alike. A
+skipped step keeps the state but advances ``step``. Mode ``'skip'`` outputs
+``nonfinite/skipped``; ``'raise'`` also makes `action` raise `NonFiniteError` at the loop's end,
+before a checkpoint (list it first). Unlike `optax.apply_if_finite`, the optimizer state's
+structure is unchanged and the loss and the whole state are covered.
+
+Example::
+
+    guard = NonFiniteGuard(mode='raise')
+    state, guard_outputs = guard.apply_gradients(state, grads, loss)    # in Step.run
+    train = train_loop.TrainLoop(step, end_actions=[guard.action(), checkpoint_action])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxloop import types
+from jaxloop.engine import metric_values
+from jaxloop.engine.action import Action
+
+__all__ = ["NonFiniteError", "NonFiniteGuard", "SKIPPED", "FIRST_LEAF", "all_finite"]
+
+SKIPPED = "nonfinite/skipped"
+FIRST_LEAF = "nonfinite/first_leaf"
+
+
+class NonFiniteError(FloatingPointError):
+    """A training step produced a NaN/Inf loss or gradient.
+
+    Attributes:
+      step: the failed step's ``state.step`` after it (as its summaries would carry).
+      leaf: the first non-finite value: ``'loss'`` or a path like ``"grads['w']"``.
+    """
+
+    def __init__(self, step: int, leaf: str):
+        super().__init__(
+            f"Non-finite value at training step {step}: {leaf} is NaN or Inf. The update was "
+            "not applied and no checkpoint was written after it.")
+        self.step, self.leaf = step, leaf
+
+
+def _finite(x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+
+
+def all_finite(*trees: Any) -> jax.Array:
+    """A scalar bool: whether every floating leaf of `trees` is finite (inside jit too)."""
+    leaves = jax.tree.leaves(trees)
+    return jnp.all(jnp.stack([_finite(x) for x in leaves])) if leaves else jnp.bool_(True)
+
+
+class NonFiniteGuard:
+    """Skips updates whose loss or gradients are not finite; with ``mode='raise'``,
+    `action` raises `NonFiniteError` at the loop's end. The leaf names stay on this object:
+    the compiled step only outputs numbers."""
+
+    def __init__(self, mode: Literal["skip", "raise"] = "skip"):
+        if mode not in ("skip", "raise"):
+            raise ValueError(f"mode must be 'skip' or 'raise', got {mode!r}")
+        self.mode = mode
+        self._leaf_names: list[str] = []
+
+    def apply_gradients(self, state: types.TrainState, grads: Any, loss: Any = None,
+                        **updates: Any) -> tuple[types.TrainState, dict[str, jax.Array]]:
+        """``state.apply_gradients(grads=grads, **updates)`` when `loss` and `grads` are
+        finite, else `state` with only its step advanced (`updates` dropped too); plus the
+        guard's outputs."""
+        named = [("loss", loss)] if loss is not None else []
+        named += [("grads" + jax.tree_util.keystr(path), leaf)
+                  for path, leaf in jax.tree_util.tree_leaves_with_path(grads)]
+        self._leaf_names = [name for name, _ in named]
+        flags = jnp.stack([_finite(x) for _, x in named])
+        ok = jnp.all(flags)
+        updated = state.apply_gradients(grads=grads, **updates)
+        new_state = optax.tree.where(ok, updated, state.replace(step=updated.step))
+        outputs = {SKIPPED: jnp.logical_not(ok).astype(jnp.int32)}
+        if self.mode == "raise":
+            outputs[FIRST_LEAF] = jnp.where(ok, -1, jnp.argmin(flags)).astype(jnp.int32)
+        return new_state, outputs
+
+    def leaf_name(self, index: int) -> str:
+        """The name of the checked value at `index` (from ``nonfinite/first_leaf``)."""
+        return self._leaf_names[index] if 0 <= index < len(self._leaf_names) else f"#{index}"
+
+    def check(self, outputs: types.Output | None, last_step: int) -> None:
+        """Raises `NonFiniteError` if a step in a train loop's `outputs` was not finite;
+        `last_step` is ``state.step`` after the loop, to number the steps."""
+        if not outputs or FIRST_LEAF not in outputs:
+            return
+        value = outputs[FIRST_LEAF]
+        if isinstance(value, list | tuple):
+            value = [np.atleast_1d(np.asarray(v)) for v in metric_values.fetch(list(value))]
+            first = np.concatenate(value) if value else np.zeros(0, np.int32)
+        else:
+            first = np.atleast_1d(np.asarray(metric_values.fetch(value)))
+        bad = np.flatnonzero(first >= 0)
+        if bad.size:
+            i = int(bad[0])
+            # Skipped steps advance the counter too: step i of n ended at last_step - n + i + 1.
+            raise NonFiniteError(last_step - first.size + i + 1, self.leaf_name(int(first[i])))
+
+    def action(self, interval: int = 1) -> Any:
+        """An end action for a train loop that calls `check`; list it before checkpoints."""
+
+        guard = self
+
+        class NonFiniteAction(Action):
+            def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
+                guard.check(outputs, int(state.step))
+
+        return NonFiniteAction(interval)

@@ -1,0 +1,145 @@
+"""The train state of a model and optimizer, born in place on the mesh or only described.
+
+`StateBuilder` makes it through a partitioner; `Step.initialize_model` and
+`Step.abstract_state` are its front.
+
+Example::
+
+    builder = StateBuilder(model.adapt(CNN()), optax.adam(1e-3), None, jax.random.key(0))
+    state = builder.initialize(partitioner, [1, 28, 28, 1])
+    abstract = builder.abstract(partitioner, [1, 28, 28, 1])  # ShapeDtypeStruct leaves
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from jaxloop import types
+from jaxloop.recipes import precision as precision_lib
+from jaxloop.state import model as model_lib
+from jaxloop.state import specs as specs_lib
+
+State = types.TrainState
+
+
+def is_abstract(state: Any) -> bool:
+    """Whether `state` only describes arrays (`jax.ShapeDtypeStruct` leaves)."""
+    leaves = jax.tree.leaves(state)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def _spec_call(shape: tuple, dtype: Any) -> str:
+    """One leaf's spec for a single example, with its dtype unless float32 (a bare shape
+    builds float32 zeros)."""
+    example = [1, *shape[1:]]
+    if dtype is None or np.dtype(dtype) == np.float32:
+        return f"initialize_model({example})"
+    return f"initialize_model(({example}, {np.dtype(dtype).name!r}))"
+
+
+def _is_bare_shape(spec: Any) -> bool:
+    """A spec that is a shape alone (``[1, 128]``), which builds float32 zeros."""
+    return isinstance(spec, list | tuple) and bool(spec) and all(
+        isinstance(d, int | np.integer) and not isinstance(d, bool) for d in spec)
+
+
+@contextlib.contextmanager
+def _model_input_spec(spec: types.BatchSpec, batch: Any,
+                      builds: Callable[[Any], bool] | None = None) -> Iterator[None]:
+    """Names the mistake when a whole batch was given where the model's input is wanted
+    (flax fails deep inside), or a bare shape where the model takes int32 token ids."""
+    try:
+        yield
+    except (AttributeError, TypeError, ValueError) as e:
+        if _is_bare_shape(spec) and builds is not None and builds(np.zeros(spec, np.int32)):
+            e.add_note(
+                f"initialize_model({list(spec)}) builds float32 zeros; a model that takes "
+                f"integer inputs (token ids) wants the dtype beside the shape: "
+                f"initialize_model(({list(spec)}, 'int32')).")
+            raise
+        if not isinstance(spec, Mapping):
+            raise
+        leaves = {k: (tuple(getattr(v, "shape", ())), getattr(v, "dtype", None))
+                  for k, v in batch.items()}
+        shapes = {k: shape if dtype is None else (shape, np.dtype(dtype).name)
+                  for k, (shape, dtype) in leaves.items()}
+        examples = "; ".join(
+            f"for {k!r}: {_spec_call(shape, dtype)}" for k, (shape, dtype) in leaves.items()
+            if shape)
+        raise TypeError(
+            f"The model could not be initialised from the spec {shapes}: a dict with keys "
+            f"{sorted(batch)} looks like a whole batch (labels included). initialize_model "
+            "and abstract_state want the spec of the model's input, the array the step "
+            f"passes to apply_fn ({examples}); memory_estimate is the one that takes the "
+            f"whole batch's spec. (The model raised {type(e).__name__}: {e})"
+        ) from e
+
+
+class StateBuilder:
+    """Makes the `TrainState` of a model and an optimizer; a mixed-precision `policy` (or
+    None) wraps ``apply_fn`` and sets the parameters' dtype."""
+
+    def __init__(self, adapter: model_lib.ModelAdapter, optimizer: optax.GradientTransformation,
+                 policy: precision_lib.Policy | None, base_prng: types.PRNGType):
+        self._adapter = adapter
+        self._optimizer = optimizer
+        self._policy = policy
+        self._base_prng = base_prng
+        # Wrapped once: the state keeps apply_fn in its tree structure.
+        self._apply_fn = adapter.apply if policy is None else policy.wrap_apply(adapter.apply)
+
+    def create(self, batch: types.Batch, variables: Any = None,
+               state_class: type[State] = State) -> State:
+        """The `state_class` state for this example batch (traced by `initialize`)."""
+        if variables is None:
+            variables = self._adapter.init(self._base_prng, batch)
+        params = variables["params"]
+        if self._policy is not None:
+            params = self._policy.cast_to_param(params)
+        return state_class.create(apply_fn=self._apply_fn, params=params, tx=self._optimizer,
+                            batch_stats=variables.get("batch_stats"))
+
+    @staticmethod
+    def _builds(partitioner: Any, create: Callable[..., State]) -> Callable[[Any], bool]:
+        """Whether the state builds (abstractly) from a batch, as `abstract` would."""
+        def builds(batch: types.Batch) -> bool:
+            try:
+                partitioner.abstract_init_fn(create)(batch)
+            except Exception:  # noqa: BLE001 (any failure: the hint would not help)
+                return False
+            return True
+
+        return builds
+
+    def initialize(self, partitioner: Any, spec: types.BatchSpec,
+                   state_class: type[State] = State) -> State:
+        """The state, each leaf created where `partitioner` places it; the spec only fixes
+        shapes and dtypes, so its batch size need not divide by the device count."""
+        batch = specs_lib.zeros_from_spec(spec)
+        create = functools.partial(self.create, state_class=state_class)
+        held = self._adapter.held_variables()
+        if held is None:
+            with _model_input_spec(spec, batch, self._builds(partitioner, create)):
+                return partitioner.shard_init_fn(create)(batch)
+        # An nnx instance's values go straight to their place and enter as arguments, not
+        # constants.
+        specs = partitioner.state_specs(held)
+        held = jax.device_put(
+            held, jax.tree.map(lambda s: NamedSharding(partitioner.mesh, s), specs))
+        return partitioner.shard_init_fn(create)(batch, held)
+
+    def abstract(self, partitioner: Any, spec: types.BatchSpec,
+                 state_class: type[State] = State) -> State:
+        """The state `initialize` would make, as sharded `jax.ShapeDtypeStruct` leaves."""
+        create = functools.partial(self.create, state_class=state_class)
+        batch = specs_lib.zeros_from_spec(spec)
+        with _model_input_spec(spec, batch, self._builds(partitioner, create)):
+            return partitioner.abstract_init_fn(create)(batch)
