@@ -127,6 +127,12 @@ class Loop:
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         """Called before the first step; returns the state and `dataset` as an iterator."""
+        ahead = self._prefetch
+        if ahead is not None and ahead.source is not dataset:
+            raise ValueError(
+                f"this loop is prefetching a {type(ahead.source).__name__} (`Loop.prefetching`), "
+                "but was called with another dataset: call it with the iterator given to "
+                "`prefetching`, or outside the `with` block")
         if not isinstance(dataset, Iterator):
             if not isinstance(dataset, Iterable):
                 raise TypeError(f"dataset must be an iterator or iterable, got {type(dataset)}")
@@ -140,15 +146,15 @@ class Loop:
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
         """The next batch (from the prefetcher inside `prefetching(dataset)`); raises
         StopIteration at the end."""
-        ahead = self._prefetch
-        return next(ahead if ahead is not None and ahead.source is dataset else dataset)
+        return next(self._prefetch if self._prefetch is not None else dataset)
 
     @contextlib.contextmanager
     def prefetching(self, dataset: Iterator[Any], size: int = 2, place: bool | None = None
                     ) -> Iterator[Iterator[Any]]:
         """While open, prepares `dataset`'s batches `size` ahead in a thread, placed on the
-        devices where `place` (None: `prefetch.places_ahead`). The loop and its actions
-        still see `dataset` itself.
+        devices where `place` (None: `prefetch.places_ahead`). The loop reads its batches
+        from the prefetcher it is handed here, and it, `run` and the actions still see
+        `dataset` itself; calling the loop with another dataset meanwhile is an error.
 
         Example::
 
@@ -173,9 +179,8 @@ class Loop:
 
     def data_position(self, dataset: Any) -> Any:
         """`dataset`'s checkpointable position after the batches consumed (or None)."""
-        ahead = self._prefetch
-        if ahead is not None and ahead.source is dataset:
-            return ahead.position()
+        if self._prefetch is not None:
+            return self._prefetch.position()
         from jaxloop import data  # noqa: PLC0415 (grain loads only when asked)
 
         return data.iterator_state(dataset)

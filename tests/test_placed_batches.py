@@ -229,3 +229,18 @@ def test_a_partial_group_placed_by_the_users_shard_batch_sends_only_its_real_bat
     # The user's shard_batch places each real batch; the padding of the last execution's
     # fourth entry is made on the devices, never sent.
     assert part.sent == [("batch", 16)] * 7
+
+
+def test_a_prefetching_loop_called_with_another_iterator_says_so():
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.sgd(0.1), train=True)
+    loop = train_loop.TrainLoop(step)
+    state = step.initialize_model([1, 16])
+    given, other = iter(batches(4)), iter(batches(4, seed=1))
+    with loop.prefetching(given, size=2, place=False):
+        # The cell's author typed another iterator: its batches would otherwise be ignored.
+        with pytest.raises(ValueError, match="prefetching a list_iterator.*another dataset"):
+            loop(state, other, num_steps=2)
+        state, outputs = loop(state, given, num_steps=2)
+    assert len(outputs["loss"]) == 2
+    state, outputs = loop(state, other, num_steps=2)  # outside the block: read directly
+    assert len(outputs["loss"]) == 2 and next(other, None) is not None

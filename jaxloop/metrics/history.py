@@ -229,10 +229,10 @@ class History:
     def recording(self, train_loop: Any, eval_loops: Sequence[Any]) -> Iterator[None]:
         """Records the loops' outputs while inside, first among each loop's end actions (so
         a checkpoint saved at that loop's end holds its values)."""
-        recorders = [(lp, _Recorder(self, eval_prefix(i), per_step=False))
+        recorders = [(lp, Recorder(self, eval_prefix(i), per_step=False))
                      for i, lp in enumerate(eval_loops)]
         if train_loop is not None:
-            recorders.append((train_loop, _Recorder(self, TRAIN, per_step=True)))
+            recorders.append((train_loop, Recorder(self, TRAIN, per_step=True)))
         for loop, recorder in recorders:
             loop.end_actions.insert(0, recorder)
         try:
@@ -253,7 +253,7 @@ def _scalar_like(value: Any) -> bool:
     return metric_values.is_number(value)
 
 
-class _Recorder(Action):
+class Recorder(Action):
     """Records one loop's outputs into a `History` at the loop's end."""
 
     def __init__(self, history: History, prefix: str, per_step: bool):

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from jaxloop.launch import distributed
+from jaxloop.metrics import writer_values as values
 from jaxloop.metrics import writers
 
 __all__ = ["RUN_ID_KEY", "MlflowWriter", "WandbWriter", "saved_run_id"]
@@ -62,7 +63,7 @@ def _warn_once(self: Any, what: str) -> None:
         log.warning("%s does not record %s; skipped.", type(self).__name__, what)
 
 
-class MlflowWriter(writers._ContextManagerMixin):
+class MlflowWriter(values.Closing):
     """Writes metrics to an MLflow run (scalars as metrics, hparams as params): `run_id`
     continues a run, None starts one in `experiment` (created when missing).
 
@@ -101,18 +102,18 @@ class MlflowWriter(writers._ContextManagerMixin):
     def write_scalars(self, step: int, scalars: Mapping[str, writers.ArrayLike]) -> None:
         if not self._active or not scalars:
             return
-        step = writers._as_step(step)
+        step = values.as_step(step)
         now = int(time.time() * 1000)
         metrics = [self._entities.Metric(key, value, now, step)
-                   for key, value in writers._prepare_scalars(scalars).items()]
+                   for key, value in values.prepare_scalars(scalars).items()]
         self._client.log_batch(self._run_id, metrics=metrics)
 
     def write_images(self, step: int, images: Mapping[str, writers.ArrayLike]) -> None:
         if not self._active:
             return
-        step = writers._as_step(step)
+        step = values.as_step(step)
         for key, value in images.items():
-            for i, image in enumerate(writers._pixels("Image", key, value)):
+            for i, image in enumerate(values.pixels("Image", key, value)):
                 name = key if i == 0 else f"{key}/{i}"
                 self._client.log_image(self._run_id, image, key=name, step=step)
 
@@ -128,7 +129,7 @@ class MlflowWriter(writers._ContextManagerMixin):
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         if not self._active:
             return
-        step = writers._as_step(step)
+        step = values.as_step(step)
         for key, text in texts.items():
             self._client.log_text(self._run_id, str(text), f"texts/{key}/step_{step}.txt")
 
@@ -144,8 +145,8 @@ class MlflowWriter(writers._ContextManagerMixin):
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         if not self._active:
             return
-        params = [self._entities.Param(key, str(writers._hparam_value(v))[:6000])
-                  for key, v in writers._flatten_hparams(hparams).items()]
+        params = [self._entities.Param(key, str(values.hparam_value(v))[:6000])
+                  for key, v in values.flatten_hparams(hparams).items()]
         existing = self._client.get_run(self._run_id).data.params
         # MLflow params are immutable: a resumed run logs only the new ones.
         new = [p for p in params if p.key not in existing]
@@ -166,7 +167,7 @@ class MlflowWriter(writers._ContextManagerMixin):
             self._client.set_terminated(self._run_id)
 
 
-class WandbWriter(writers._ContextManagerMixin):
+class WandbWriter(values.Closing):
     """Writes metrics to a Weights & Biases run: `run_id` continues a run, None starts one;
     `init_kwargs` go to ``wandb.init``. W&B drops values at a step earlier than one already
     written (as after restoring an older checkpoint).
@@ -203,26 +204,26 @@ class WandbWriter(writers._ContextManagerMixin):
         """The ``wandb`` Run object (None on processes other than 0)."""
         return self._run
 
-    def _log(self, step: int, values: Mapping[str, Any]) -> None:
-        if self._active and values:
-            self._run.log(dict(values), step=writers._as_step(step))
+    def _log(self, step: int, logged: Mapping[str, Any]) -> None:
+        if self._active and logged:
+            self._run.log(dict(logged), step=values.as_step(step))
 
     def write_scalars(self, step: int, scalars: Mapping[str, writers.ArrayLike]) -> None:
-        self._log(step, writers._prepare_scalars(scalars) if self._active else {})
+        self._log(step, values.prepare_scalars(scalars) if self._active else {})
 
     def write_images(self, step: int, images: Mapping[str, writers.ArrayLike]) -> None:
         if not self._active:
             return
-        self._log(step, {key: [self._wandb.Image(i) for i in writers._pixels("Image", key, value)]
+        self._log(step, {key: [self._wandb.Image(i) for i in values.pixels("Image", key, value)]
                          for key, value in images.items()})
 
     def write_videos(self, step: int, videos: Mapping[str, writers.ArrayLike]) -> None:
         """As GIFs, N videos of a key tiled into one; needs moviepy (``jaxloop[video]``)."""
-        if not self._active or not videos or not writers._has_moviepy(self):
+        if not self._active or not videos or not values.has_moviepy(self):
             return
         logged = {}
         for key, value in videos.items():
-            v = writers._pixels("Video", key, value)
+            v = values.pixels("Video", key, value)
             v = v[..., [0, 0, 0]] if v.shape[-1] == 1 else v[..., :3]  # RGB, as GIF has it
             logged[key] = self._wandb.Video(np.moveaxis(v, -1, -3), fps=4, format="gif")
         self._log(step, logged)
@@ -231,7 +232,7 @@ class WandbWriter(writers._ContextManagerMixin):
                      sample_rate: int) -> None:
         if self._active:
             self._log(step, {key: [self._wandb.Audio(clip, sample_rate=sample_rate)
-                                   for clip in writers._audios_ntc(key, value)]
+                                   for clip in values.audios_ntc(key, value)]
                              for key, value in audios.items()})
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
@@ -250,8 +251,8 @@ class WandbWriter(writers._ContextManagerMixin):
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         if self._active:
-            flat = {k: writers._hparam_value(v)
-                    for k, v in writers._flatten_hparams(hparams).items()}
+            flat = {k: values.hparam_value(v)
+                    for k, v in values.flatten_hparams(hparams).items()}
             self._run.config.update(flat, allow_val_change=True)
 
     def flush(self) -> None:

@@ -9,11 +9,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import math
-import numbers
 import operator
 import os
 import threading
@@ -26,14 +23,26 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from jaxloop import async_action_context
+from jaxloop.metrics.writer_values import (
+    Arrays,
+    Closing,
+    as_step,
+    audios_ntc,
+    flatten_hparams,
+    has_moviepy,
+    hparam_value,
+    is_array,
+    pixels,
+    prepare_scalars,
+    snapshot,
+    snapshot_tree,
+)
 
 __all__ = ["AsyncWriter", "LoggingWriter", "MetricWriter", "MultiWriter", "SummaryWriter",
            "create_default_writer"]
 
 _LOGGER = logging.getLogger(__name__)
 
-ArrayLike = Any  # a numpy array, a jax array or a Python number
-Arrays = Mapping[str, ArrayLike]
 
 DEFAULT_HISTOGRAM_BUCKETS = 30  # tf.summary.histogram's default
 
@@ -54,131 +63,10 @@ class MetricWriter(Protocol):
     def close(self) -> None: ...
 
 
-class _ContextManagerMixin:
-    """Closes the writer at the end of a ``with`` block."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc_value, traceback) -> None:
-        self.close()
-
-
-def _as_step(step: Any) -> int:
-    with contextlib.suppress(TypeError):
-        return operator.index(step)
-    arr = np.asarray(step)  # a size-1 integer array has no __index__ but is still a step
-    if arr.size == 1 and arr.dtype.kind in "iu":
-        return int(arr.reshape(()))
-    raise TypeError(f"step must be an integer, got {step!r} of type {type(step).__name__} "
-                    f"(dtype {arr.dtype}, shape {arr.shape}).")
-
-
-def _prepare_scalars(scalars: Arrays) -> dict[str, float]:
-    """Every value as a float, all checked before any is written."""
-    out = {}
-    for key, value in scalars.items():
-        # The shape is read first: a per-example array may span other processes' devices.
-        shape = np.shape(value)
-        if math.prod(shape) != 1:
-            raise ValueError(f"write_scalars: value for key {key!r} must be a scalar (0-d or "
-                             f"size 1), got an array of shape {shape}.")
-        arr = np.asarray(value)
-        try:
-            out[key] = float(arr.reshape(()))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"write_scalars: value for key {key!r} is not a number: "
-                             f"{value!r}") from e
-    return out
-
-
-def _is_array(value: Any) -> bool:
-    return hasattr(value, "__array__") and hasattr(value, "shape")
-
-
-def _snapshot(value: ArrayLike) -> np.ndarray:
-    """A host copy of ``value`` that a reused numpy buffer or a later donation cannot change."""
-    arr = np.asarray(value)
-    return arr.copy() if isinstance(value, np.ndarray) or not arr.flags.owndata else arr
-
-
-def _snapshot_tree(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {key: _snapshot_tree(v) for key, v in value.items()}
-    return _snapshot(value) if _is_array(value) else value
-
-
-def _flatten_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{'opt': {'lr': 1}}`` -> ``{'opt.lr': 1}``."""
-    flat: dict[str, Any] = {}
-    for key, value in hparams.items():
-        flat.update(_flatten_hparams(value, prefix=f"{prefix}{key}.")
-                    if isinstance(value, Mapping) else {f"{prefix}{key}": value})
-    return flat
-
-
-def _hparam_value(value: Any) -> bool | float | str:
-    """The value as a bool, float or string, the types the hparams plugin stores."""
-    if _is_array(value) and np.size(value) == 1:
-        value = np.asarray(value).reshape(()).item()
-    if isinstance(value, bool | str):
-        return value
-    return float(value) if isinstance(value, numbers.Real) else str(value)
-
-
-_LAYOUTS = {"Image": ["HW", "HWC", "NHWC"], "Video": ["THWC", "NTHWC"]}
-
-
-def _pixels(kind: str, key: str, value: ArrayLike) -> np.ndarray:
-    """An image or video batch as uint8 [N, H, W, C] or [N, T, H, W, C]; floats in [0, 1],
-    integers in [0, 255]."""
-    arr, layouts = np.asarray(value), _LAYOUTS[kind]
-    shape = arr.shape
-    if arr.ndim not in {len(layout) for layout in layouts}:
-        names = ", ".join(f"[{', '.join(layout)}]" for layout in layouts)
-        raise ValueError(f"{kind} {key!r} must have shape {names}, got shape {shape}.")
-    arr = arr[..., None] if arr.ndim == 2 else arr  # [H, W]: one grey image
-    arr = arr.reshape((1,) * (len(layouts[-1]) - arr.ndim) + arr.shape)
-    if arr.shape[-1] not in (1, 3, 4):
-        raise ValueError(
-            f"{kind} {key!r} must have 1, 3 or 4 channels in its last axis, got shape {shape}.")
-    if arr.dtype == np.uint8:
-        return arr
-    if arr.dtype.kind in "biu":
-        return np.clip(arr * 255 if arr.dtype == np.bool_ else arr, 0, 255).astype(np.uint8)
-    floats = np.clip(np.nan_to_num(arr.astype(np.float32)), 0.0, 1.0)
-    return (floats * 255.0 + 0.5).astype(np.uint8)
-
-
-def _audios_ntc(key: str, value: ArrayLike) -> np.ndarray:
-    """[T], [N, T] (mono) or [N, T, C] -> float64 [N, T, C] in [-1, 1]; int16 is divided
-    by 2**15, which the WAV encoder multiplies back."""
-    arr = np.asarray(value)
-    if arr.ndim not in (1, 2, 3) or (arr.ndim == 3 and arr.shape[2] not in (1, 2)):
-        raise ValueError(f"Audio {key!r} must have shape [N, T, C] with 1 or 2 channels, "
-                         f"[N, T] or [T], got shape {arr.shape}.")
-    arr = arr.reshape((1,) * (arr.ndim == 1) + arr.shape + (1,) * (arr.ndim < 3))
-    floats = arr / 32768.0 if arr.dtype == np.int16 else np.nan_to_num(arr.astype(np.float64))
-    return np.clip(floats, -1.0, 1.0)
-
-
-def _has_moviepy(writer: Any) -> bool:
-    """Whether moviepy (``jaxloop[video]``) is installed; warns once per writer if not."""
-    try:
-        import moviepy  # noqa: F401
-        return True
-    except ImportError:
-        if not getattr(writer, "_warned_video", False):
-            writer._warned_video = True
-            _LOGGER.warning("%s: videos need moviepy (pip install jaxloop[video]); skipping.",
-                            type(writer).__name__)
-        return False
-
-
 _EVENT_FILES = itertools.count()
 
 
-class SummaryWriter(_ContextManagerMixin):
+class SummaryWriter(Closing):
     """Writes TensorBoard event files into ``logdir`` (a path or a ``gs://`` URL) on the
     calling thread (see `AsyncWriter`); N images or videos of a key are tiled into one PNG
     or GIF (videos need moviepy). A write `flush_secs` after the last flush flushes."""
@@ -212,39 +100,39 @@ class SummaryWriter(_ContextManagerMixin):
                 self._flush()
 
     def write_scalars(self, step: int, scalars: Arrays) -> None:
-        self._add("scalar", _as_step(step), _prepare_scalars(scalars))
+        self._add("scalar", as_step(step), prepare_scalars(scalars))
 
     def write_images(self, step: int, images: Arrays) -> None:
         """Images of shape [H, W], [H, W, C] or [N, H, W, C], C in 1/3/4."""
-        self._add("image", _as_step(step), {key: _pixels("Image", key, value)
+        self._add("image", as_step(step), {key: pixels("Image", key, value)
                                             for key, value in images.items()}, dataformats="NHWC")
 
     def write_videos(self, step: int, videos: Arrays) -> None:
         """Videos of shape [T, H, W, C] or [N, T, H, W, C], as animated GIFs."""
-        step = _as_step(step)
-        batches = {key: _pixels("Video", key, value)[..., :3] for key, value in videos.items()}
-        if batches and _has_moviepy(self):
+        step = as_step(step)
+        batches = {key: pixels("Video", key, value)[..., :3] for key, value in videos.items()}
+        if batches and has_moviepy(self):
             self._add("video", step, batches, fps=self._video_fps, dataformats="NTHWC")
 
     def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None:
         """Clips of shape [N, T, C], [N, T] or [T], as 16-bit WAV: floats in [-1, 1] or int16."""
-        step, sample_rate = _as_step(step), operator.index(sample_rate)
+        step, sample_rate = as_step(step), operator.index(sample_rate)
         if sample_rate <= 0:
             raise ValueError(f"sample_rate must be positive, got {sample_rate}.")
         clips = {}
         for key, value in audios.items():
-            batch = _audios_ntc(key, value)
+            batch = audios_ntc(key, value)
             clips.update({key if len(batch) == 1 else f"{key}/{i}": c for i, c in enumerate(batch)})
         self._add("audio", step, clips, sample_rate=sample_rate)
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         """Strings, shown as Markdown in the Text tab."""
-        self._add("text", _as_step(step), {key: str(text) for key, text in texts.items()})
+        self._add("text", as_step(step), {key: str(text) for key, text in texts.items()})
 
     def write_histograms(self, step: int, arrays: Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
         """``num_buckets[key]`` buckets; non-finite values are left out with a warning."""
-        step, buckets = _as_step(step), num_buckets or {}
+        step, buckets = as_step(step), num_buckets or {}
         for key, value in arrays.items():
             flat = np.asarray(value, np.float64).reshape(-1)
             finite = flat[np.isfinite(flat)]
@@ -260,7 +148,7 @@ class SummaryWriter(_ContextManagerMixin):
         and strings are written as their ``str()``."""
         import tensorboardX.summary
 
-        flat = {key: _hparam_value(v) for key, v in _flatten_hparams(hparams).items()}
+        flat = {key: hparam_value(v) for key, v in flatten_hparams(hparams).items()}
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"SummaryWriter for {self._logdir!r} is closed.")
@@ -309,7 +197,7 @@ def _write(events: Any, summaries: Sequence[Any], step: int | None) -> None:
         events.write_event(event)
 
 
-class _Forwarder(_ContextManagerMixin):
+class _Forwarder(Closing):
     """Checks and converts a call's arguments once, then hands the call to `_forward`."""
 
     _to_host: Any = staticmethod(np.asarray)  # what array values are passed on as
@@ -319,27 +207,27 @@ class _Forwarder(_ContextManagerMixin):
         return {key: self._to_host(value) for key, value in arrays.items()}
 
     def write_scalars(self, step: int, scalars: Arrays) -> None:
-        self._forward("write_scalars", _as_step(step), _prepare_scalars(scalars))
+        self._forward("write_scalars", as_step(step), prepare_scalars(scalars))
 
     def write_images(self, step: int, images: Arrays) -> None:
-        self._forward("write_images", _as_step(step), self._arrays(images))
+        self._forward("write_images", as_step(step), self._arrays(images))
 
     def write_videos(self, step: int, videos: Arrays) -> None:
-        self._forward("write_videos", _as_step(step), self._arrays(videos))
+        self._forward("write_videos", as_step(step), self._arrays(videos))
 
     def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None:
-        self._forward("write_audios", _as_step(step), self._arrays(audios), sample_rate=sample_rate)
+        self._forward("write_audios", as_step(step), self._arrays(audios), sample_rate=sample_rate)
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-        self._forward("write_texts", _as_step(step), dict(texts))
+        self._forward("write_texts", as_step(step), dict(texts))
 
     def write_histograms(self, step: int, arrays: Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
         buckets = dict(num_buckets) if num_buckets is not None else None
-        self._forward("write_histograms", _as_step(step), self._arrays(arrays), buckets)
+        self._forward("write_histograms", as_step(step), self._arrays(arrays), buckets)
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-        self._forward("write_hparams", _snapshot_tree(hparams))
+        self._forward("write_hparams", snapshot_tree(hparams))
 
     def flush(self) -> None:
         self._forward("flush")
@@ -370,8 +258,8 @@ class LoggingWriter(_Forwarder):
 
     def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
         if method == "write_hparams":
-            plain = {k: np.asarray(v).item() if _is_array(v) and np.ndim(v) == 0 else v
-                     for k, v in _flatten_hparams(args[0]).items()}
+            plain = {k: np.asarray(v).item() if is_array(v) and np.ndim(v) == 0 else v
+                     for k, v in flatten_hparams(args[0]).items()}
             self._log("hparams: " + ", ".join(f"{k}={v!r}" for k, v in plain.items()))
         elif method == "write_texts":
             for key, text in args[1].items():
@@ -441,7 +329,7 @@ class AsyncWriter(_Forwarder):
     boundary (`jaxloop.async_action_context`).
     """
 
-    _to_host = staticmethod(_snapshot)
+    _to_host = staticmethod(snapshot)
 
     def __init__(self, writer: MetricWriter, *, max_queue: int = 128) -> None:
         self._writer = writer

@@ -189,7 +189,7 @@ class LoopEndEvaluations:
         end_actions = self._train_loop.end_actions
         runner = _EvalsAtLoopEnd(self)
         first = next((i for i, a in enumerate(end_actions)
-                      if not isinstance(a, history_lib._Recorder)), len(end_actions))
+                      if not isinstance(a, history_lib.Recorder)), len(end_actions))
         end_actions.insert(first, runner)
         try:
             yield
