@@ -456,7 +456,7 @@ def test_restore_honours_the_managers_step_naming(tmp_path):
 
 def test_no_private_orbax_attributes_or_jax_internals_in_checkpointing_code():
     root = pathlib.Path(__file__).resolve().parents[1] / "jaxloop"
-    for name in ("checkpoint.py", "outer_loop.py", "stop_handler.py"):
+    for name in ("checkpointing/checkpoint.py", "outer_loop.py", "stop_handler.py"):
         source = (root / name).read_text()
         assert "jax._src" not in source and "_default_item" not in source, name
 

@@ -15,7 +15,7 @@ import json, sys
 import jax, optax
 sys.path.insert(0, sys.argv[2])
 from models import ClassifierStep, LinenMLP, toy_data
-from jaxloop import compilation_cache
+from jaxloop.launch import compilation_cache
 
 events = []
 jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))

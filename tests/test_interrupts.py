@@ -149,7 +149,9 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import jax, optax
     from models import ClassifierStep, LinenMLP, toy_data
-    from jaxloop import actions, checkpoint, outer_loop, preemption, train_loop
+    from jaxloop import actions, outer_loop, train_loop
+    from jaxloop.checkpointing import checkpoint
+    from jaxloop.launch import preemption
 
     workdir, catch = sys.argv[1], sys.argv[2] == "catch"
 
@@ -225,7 +227,8 @@ SETUP = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import jax, optax
     from models import ClassifierStep, LinenMLP, toy_data
-    from jaxloop import actions, checkpoint, eval_loop, outer_loop, train_loop
+    from jaxloop import actions, eval_loop, outer_loop, train_loop
+    from jaxloop.checkpointing import checkpoint
 
     data = toy_data(256)
     batches = [{{k: v[i:i + 16] for k, v in data.items()}} for i in range(0, 256, 16)]
@@ -262,7 +265,7 @@ TRAIN = ("state, outputs = outer(untrained, train_dataset=forever(), train_total
          "train_loop_steps=5, eval_specs=[outer_loop.EvalSpec(dataset={eval})])")
 
 AFTER = textwrap.dedent("""
-    from jaxloop import preemption
+    from jaxloop.launch import preemption
     stop = sys.last_value
     # A second Stop that lands while the first one's exception is on its way out raises a
     # plain KeyboardInterrupt there, with the Interrupted as its context.

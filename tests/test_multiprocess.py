@@ -240,7 +240,7 @@ def test_resume_under_two_processes_and_under_one(dp_two_processes, tmp_path):
 WORKER = textwrap.dedent(
     """
     import os, time
-    from jaxloop import distributed
+    from jaxloop.launch import distributed
     distributed.initialize()
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -338,7 +338,7 @@ def test_initialize_single_process_job_is_idempotent(tmp_path):
     script = textwrap.dedent(
         """
         import os, jax
-        from jaxloop import distributed
+        from jaxloop.launch import distributed
         saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("JAXLOOP_")}
         try:  # no address and no cluster to detect one from
             distributed.initialize(num_processes=2, process_id=1)

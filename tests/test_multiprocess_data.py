@@ -27,13 +27,14 @@ RUN_TIMEOUT = 300
 WORKER = textwrap.dedent(
     """
     import json, hashlib, os, sys
-    from jaxloop import distributed
+    from jaxloop.launch import distributed
     if os.environ.get("JAXLOOP_COORDINATOR"):
         distributed.initialize()
     import grain, jax, numpy as np, optax
     sys.path.insert(0, "tests")
     from models import ClassifierStep, LinenMLP, toy_data
-    from jaxloop import actions, checkpoint, data, outer_loop, partition, train_loop
+    from jaxloop import actions, data, outer_loop, partition, train_loop
+    from jaxloop.checkpointing import checkpoint
 
     workdir, total = sys.argv[1], int(sys.argv[2])
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))

@@ -36,7 +36,8 @@ sys.path.insert(0, {tests!r})
 import jax, numpy as np, optax
 from sklearn.datasets import load_digits
 from models import ClassifierStep as DigitsStep, LinenMLP as CNN
-from jaxloop import actions, checkpoint, data, eval_loop, outer_loop, train_loop
+from jaxloop import actions, data, eval_loop, outer_loop, train_loop
+from jaxloop.checkpointing import checkpoint
 
 digits = load_digits()
 images = (digits.images / 16).astype(np.float32)[..., None]

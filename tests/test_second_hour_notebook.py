@@ -25,7 +25,9 @@ SETUP = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import jax, optax
     from models import ClassifierStep, LinenMLP, toy_data
-    from jaxloop import actions, data, eval_loop, outer_loop, param_table, train_loop, writers
+    from jaxloop import actions, data, eval_loop, outer_loop, train_loop
+    from jaxloop.diagnostics import param_table
+    from jaxloop.metrics import writers
 
     forever = lambda: iter(data.GlobalBatchDataset(toy_data(256), 16, seed=0))  # repeats
     eval_batches = list(data.GlobalBatchDataset(toy_data(64, seed=1), 16, num_epochs=1))
