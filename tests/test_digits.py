@@ -16,10 +16,17 @@ FINAL = re.compile(
 )
 
 
+def optimized_env(**extra):
+    """This process's environment with XLA's optimisation passes back on (tests/conftest.py
+    turns them off): a job that trains hundreds of steps runs more than it compiles."""
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
+    return {**os.environ, "XLA_FLAGS": flags.strip(), **extra}
+
+
 def run_digits(workdir, *flags, env=None):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxloop.examples.digits", "--workdir", str(workdir), *flags],
-        capture_output=True, text=True, timeout=600, env=env,
+        capture_output=True, text=True, timeout=600, env=optimized_env() if env is None else env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The job's result line, wherever it is: other libraries may print lines of their own.

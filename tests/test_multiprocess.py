@@ -45,16 +45,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_env(devices: int, **extra: str) -> dict[str, str]:
+def process_env(devices: int, optimized: bool = False, **extra: str) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items()
         if k != "XLA_FLAGS" and not k.startswith(("JAXLOOP_", "JAX_COORDINATOR"))
     }
     env.update(
-        # Unoptimised code, as in-process tests (tests/conftest.py): these jobs compile
-        # more than they run.
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-                  "--xla_backend_optimization_level=0",
+        # Unoptimised code, as in-process tests (tests/conftest.py), unless `optimized`:
+        # most of these jobs compile more than they run.
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+                  + ("" if optimized else " --xla_backend_optimization_level=0"),
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
         JAXLOOP_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT),
@@ -127,26 +127,27 @@ class Result(NamedTuple):
 JOB = REPO / "tests" / "multihost_job.py"
 
 
-def job_envs(processes: int) -> list[dict[str, str]]:
+def job_envs(processes: int, optimized: bool = False) -> list[dict[str, str]]:
     """The environments of a job's processes: `processes` x 4 CPU devices joined through a
     coordinator on a free local port, or, with 1, one process with 8 devices."""
     if processes == 1:
-        return [process_env(8)]
+        return [process_env(8, optimized)]
     port = free_port()
     return [
-        process_env(4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}",
+        process_env(4, optimized, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}",
                     JAXLOOP_NUM_PROCESSES=str(processes), JAXLOOP_PROCESS_ID=str(i))
         for i in range(processes)
     ]
 
 
-def run_digits(workdir: Path, *flags: str, processes: int = 2) -> Result:
+def run_digits(workdir: Path, *flags: str, processes: int = 2, optimized: bool = False
+               ) -> Result:
     """Runs the digits job as `processes` processes (4 devices each) or, with 1, as one
     process with 8 devices; returns its results (the same in every process)."""
     result_dir = workdir.parent / f"{workdir.name}-run-{time.monotonic_ns()}"
     command = [sys.executable, str(JOB), "digits", str(result_dir), "--workdir", str(workdir),
                *flags]
-    envs = job_envs(processes)
+    envs = job_envs(processes, optimized)
     with started([command] * processes, envs, result_dir / "logs") as procs:
         try:
             codes = wait_all(procs, RUN_TIMEOUT)
