@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,6 +57,7 @@ def token_count(batch: Any, key: str | Sequence[str]) -> Any:
     return float(np.sum(value))
 
 
+@dataclasses.dataclass
 class Throughput:
     """The opt-in throughput figures of one loop at a time.
 
@@ -73,35 +75,32 @@ class Throughput:
         (``jaxloop/time/*_secs``, ``jaxloop/goodput``).
     """
 
-    def __init__(self, global_batch_size: int | None = None,
-                 model_flops_per_example: float | str | None = None,
-                 model_flops_per_token: float | None = None,
-                 tokens_key: str | Sequence[str] | None = None,
-                 peak_flops_per_device: float | None = None, recorder: Any = None):
-        if isinstance(model_flops_per_example, str) and model_flops_per_example != "xla":
-            raise ValueError(f"model_flops_per_example must be a number or 'xla', got "
-                             f"{model_flops_per_example!r}")
-        if model_flops_per_token is not None and (
-            model_flops_per_example is not None or tokens_key is None
+    global_batch_size: int | None = None
+    model_flops_per_example: float | str | None = None
+    model_flops_per_token: float | None = None
+    tokens_key: str | Sequence[str] | None = None
+    peak_flops_per_device: float | None = None
+    recorder: Any = None
+    _tokens: list[Any] = dataclasses.field(default_factory=list, init=False, repr=False)
+    _input_secs: float = dataclasses.field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        flops = self.model_flops_per_example
+        if isinstance(flops, str) and flops != "xla":
+            raise ValueError(f"model_flops_per_example must be a number or 'xla', got {flops!r}")
+        if self.model_flops_per_token is not None and (
+            flops is not None or self.tokens_key is None
         ):
             raise ValueError("model_flops_per_token needs tokens_key (the batch entry that "
                              "counts tokens) and excludes model_flops_per_example")
-        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
+        if self.peak_flops_per_device is not None and not self.peak_flops_per_device > 0:
             raise ValueError(
-                f"peak_flops_per_device must be positive, got {peak_flops_per_device}")
-        self._global_batch_size = global_batch_size
-        self._model_flops = model_flops_per_example
-        self._flops_per_token = model_flops_per_token
-        self._tokens_key = tokens_key
-        self._peak = peak_flops_per_device
-        self.recorder = recorder
-        self._tokens: list[Any] = []
-        self._input_secs = 0.0
+                f"peak_flops_per_device must be positive, got {self.peak_flops_per_device}")
 
     @property
     def wants_xla_flops(self) -> bool:
         """Whether MFU is taken from XLA's count of the compiled step's flops."""
-        return self._model_flops == "xla"
+        return self.model_flops_per_example == "xla"
 
     def begin(self) -> None:
         """Starts a loop's count."""
@@ -114,8 +113,8 @@ class Throughput:
 
     def read(self, batch: Any) -> None:
         """Counts one batch read."""
-        if self._tokens_key is not None:
-            self._tokens.append(token_count(batch, self._tokens_key))
+        if self.tokens_key is not None:
+            self._tokens.append(token_count(batch, self.tokens_key))
 
     def _total_tokens(self) -> float:
         """The tokens of the batches read, over all processes."""
@@ -127,13 +126,13 @@ class Throughput:
 
     def _flops_per_sec_per_device(self, step: Any, steps_per_sec: float,
                                   tokens_per_sec: float | None) -> tuple[str, float] | None:
-        if self._model_flops == "xla":
+        if self.model_flops_per_example == "xla":
             num_flops = getattr(step, "num_flops", None)  # per device
             return (STAT_MFU_XLA, num_flops * steps_per_sec) if num_flops else None
-        if self._flops_per_token is not None and tokens_per_sec is not None:
-            total = self._flops_per_token * tokens_per_sec
-        elif self._model_flops is not None and self._global_batch_size is not None:
-            total = float(self._model_flops) * self._global_batch_size * steps_per_sec
+        if self.model_flops_per_token is not None and tokens_per_sec is not None:
+            total = self.model_flops_per_token * tokens_per_sec
+        elif self.model_flops_per_example is not None and self.global_batch_size is not None:
+            total = float(self.model_flops_per_example) * self.global_batch_size * steps_per_sec
         else:
             return None
         partitioner = getattr(step, "partitioner", None)
@@ -145,14 +144,14 @@ class Throughput:
         """The loop's figures: `elapsed` seconds without compilation, `step` the loop's."""
         stats: dict[str, float] = {}
         tokens_per_sec = None
-        if self._tokens_key is not None:
+        if self.tokens_key is not None:
             tokens_per_sec = self._total_tokens() / elapsed if elapsed > 0 else 0.0
             stats[STAT_TOKENS_PER_SEC] = tokens_per_sec
         flops = self._flops_per_sec_per_device(step, steps_per_sec, tokens_per_sec)
         if flops is not None:
             name, per_device = flops
             stats[STAT_MODEL_TFLOPS] = per_device / 1e12
-            peak = goodput.resolved_peak(self._peak)
+            peak = goodput.resolved_peak(self.peak_flops_per_device)
             if peak is not None:
                 stats[name] = per_device / peak
         if self.recorder is not None:
