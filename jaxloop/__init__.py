@@ -10,6 +10,7 @@ Example::
 """
 
 import importlib
+import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,11 @@ def __getattr__(name: str) -> Any:
     elif name in __all__:  # the other exported names are submodules
         value = importlib.import_module(f"{__name__}.{name}")
     else:
+        for concern in _CONCERNS:  # a module of an earlier release, now in a concern's folder
+            if importlib.util.find_spec(f"{__name__}.{concern}.{name}") is not None:
+                # An ImportError, which `from jaxloop import name` shows as it is.
+                raise ImportError(f"jaxloop.{name} is now jaxloop.{concern}.{name}: write "
+                                  f"`from jaxloop.{concern} import {name}`", name=name)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # found directly from now on
     return value
@@ -111,3 +117,4 @@ __all__ = [
     "checkpointing", "data", "diagnostics", "engine", "launch", "metrics", "orchestration",
     "recipes", "state",
 ]
+_CONCERNS = __all__[__all__.index("checkpointing"):]

@@ -92,3 +92,12 @@ def test_contributing_names_every_module():
         for path in (PACKAGE / concern).glob("*.py"):
             if path.stem != "__init__":
                 assert f"`{path.stem}`" in text, f"CONTRIBUTING.md lacks {concern}/{path.name}"
+
+
+def test_a_module_of_an_earlier_release_names_its_new_home():
+    with pytest.raises(ImportError, match=r"jaxloop.checkpoint is now jaxloop.checkpointing."
+                                          r"checkpoint: write `from jaxloop.checkpointing import"):
+        from jaxloop import checkpoint  # noqa: F401
+    import jaxloop
+
+    assert not hasattr(jaxloop, "no_such_module")
