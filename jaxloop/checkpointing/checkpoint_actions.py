@@ -1,8 +1,6 @@
 """Checkpoint actions: the train state saved at loop ends (`CheckpointAction`), and the best
 k states by an eval metric (`BestCheckpointAction`). Their own module because they are the
-only actions that import orbax; users reach them as ``actions.CheckpointAction``.
-
-Example::
+only actions that import orbax; users reach them as ``actions.CheckpointAction``. Example::
 
     manager = checkpoint.make_manager(workdir / 'ckpt')
     train_loop = TrainLoop(step, end_actions=[actions.CheckpointAction(manager, interval=5)])
@@ -50,13 +48,9 @@ class CheckpointAction(Action):
                 f"`every_secs` must be a positive number of seconds, got {every_secs!r}")
         if not callable(clock):
             raise TypeError(f"`clock` must be a callable returning seconds, got {clock!r}")
-        self._every_secs = every_secs
-        self._clock = clock
-        self._last_save_time = clock()
-        self._ckpt_manager = ckpt_manager
-        self._warned_no_position = False
-        self._warned_later = False
-        self._extra_meta = meta
+        self._every_secs, self._clock, self._last_save_time = every_secs, clock, clock()
+        self._ckpt_manager, self._extra_meta = ckpt_manager, meta
+        self._warned_no_position = self._warned_later = False
         self._resume_metadata: Any = None
 
     @property
@@ -85,8 +79,7 @@ class CheckpointAction(Action):
 
     def __call__(self, state: State, outputs: Output | None, loop: Any = None,
                  force: bool = False, **kwargs: Any) -> bool:
-        """Saves `state` at its step; `force` saves even where the manager's policy would
-        skip this step (preemption)."""
+        """Saves `state` at its step; `force` overrides the manager's policy (preemption)."""
         step = host_count.host_step(state)
         if not self._ckpt_manager.is_saving_in_progress():
             # A finished background save that failed raises here, on the loop's thread.

@@ -1,8 +1,6 @@
-"""Metric values: a loop's outputs brought to the host as floats, in few transfers.
-
-Everything that reads loop outputs on the host (actions, history, guard, eval loops) goes
-through here: scalars are picked by shape and dtype before anything is copied, and a
-per-step list of device scalars is copied in one transfer per `STACK_GROUP` steps. Example::
+"""A loop's outputs brought to the host as floats, in few transfers: scalars are picked by
+shape and dtype before anything is copied, and a per-step list of device scalars is copied
+in one transfer per `STACK_GROUP` steps. Example::
 
     _, outputs = eval_loop(state, eval_batches)
     metric_values.scalar_metrics(outputs, loop=eval_loop)  # {'loss': 0.31, 'accuracy': 0.9}
@@ -33,8 +31,8 @@ def fetch(value: Any) -> Any:
 
 
 def is_number(x: Any) -> bool:
-    """Whether `x` is one number (a Python or numpy number, or a one-element array of a
-    bool, int or float dtype), decided without copying anything from the device."""
+    """Whether `x` is one number (a Python or numpy number, or a one-element bool, int or
+    float array), decided without a device copy."""
     if isinstance(x, bool | int | float | np.number):
         return True
     dtype = getattr(x, "dtype", None)
@@ -60,16 +58,14 @@ def _stack(values: list[jax.Array]) -> jax.Array:
 
 
 def stack_groups(values: Sequence[Any]) -> tuple[jax.Array, ...] | None:
-    """`values` (a per-step list of device scalars) stacked on the devices in groups of
-    `STACK_GROUP` (the last padded), dispatched without waiting; read them back with
-    `read_groups`. None for a short list, host values, mixed dtypes or devices, or several
-    processes (where a program would be a collective)."""
+    """A per-step list of device scalars stacked on the devices in groups of `STACK_GROUP`
+    (the last padded), without waiting (`read_groups` reads them); None for a short list, host
+    values, mixed dtypes or devices, or several processes (a program would be a collective)."""
     if not (len(values) > 8 and jax.process_count() == 1
             and all(isinstance(v, jax.Array) for v in values)
             and len({v.dtype for v in values}) == 1):
         return None
-    groups = [list(values[start:start + STACK_GROUP])
-              for start in range(0, len(values), STACK_GROUP)]
+    groups = [list(values[i:i + STACK_GROUP]) for i in range(0, len(values), STACK_GROUP)]
     try:
         return tuple(_stack(g + [g[-1]] * (STACK_GROUP - len(g))) for g in groups)
     except ValueError:  # scalars on different devices (a list from two placements)
@@ -82,8 +78,7 @@ def read_groups(groups: Sequence[jax.Array], count: int) -> list[float]:
 
 
 def host_scalars(values: list[Any]) -> list[float]:
-    """Host copies of a per-step list of scalars, as floats (stacked first where
-    `stack_groups` applies)."""
+    """A per-step list of scalars as host floats (stacked first where `stack_groups` can)."""
     groups = stack_groups(values)
     if groups is not None:
         return read_groups(groups, len(values))
@@ -124,8 +119,7 @@ def mean(numbers: Sequence[float], weights: Sequence[float] | None = None) -> fl
 
 
 def example_weights(loop: Any = None) -> list[float] | None:
-    """The per-step example counts of `loop`'s last run as floats (`EvalLoop.example_counts`),
-    or None for a loop that keeps none."""
+    """`loop.example_counts` (its last run's, per step) as floats, or None if it keeps none."""
     counts = getattr(loop, "example_counts", None)
     if not counts:
         return None
@@ -134,8 +128,7 @@ def example_weights(loop: Any = None) -> list[float] | None:
 
 
 def scalar_summary(value: Any, weights: Sequence[float] | None = None) -> float | None:
-    """One number for an output (the mean of a per-step list, weighted per step by
-    `weights`), or None if not scalar."""
+    """One number for an output (a per-step list's mean, weighted by `weights`), or None."""
     host = scalar_values(value)
     if isinstance(host, list):
         return mean(host, weights)
@@ -144,16 +137,14 @@ def scalar_summary(value: Any, weights: Sequence[float] | None = None) -> float 
 
 def scalar_metrics(outputs: types.Output | None, weights: Sequence[float] | None = None, *,
                    loop: Any = None) -> dict[str, float]:
-    """The scalar outputs of a loop reduced to floats: a per-step list gives its mean (over
-    an eval `loop`'s real examples, or weighted by `weights`), a clu Collection ``key/name``
-    entries."""
+    """A loop's scalar outputs as floats: a per-step list gives its mean (over an eval
+    `loop`'s real examples, or weighted by `weights`), a clu Collection ``key/name`` entries."""
     if weights is None:
         weights = example_weights(loop)
     metrics = {}
     for key, value in (outputs or {}).items():
-        if isinstance(value, MetricWithMetadata) or key.startswith("jaxloop/stop") or (
-                isinstance(value, list | tuple) and value
-                and isinstance(value[-1], MetricWithMetadata)):
+        last = value[-1] if isinstance(value, list | tuple) and value else value
+        if isinstance(last, MetricWithMetadata) or key.startswith("jaxloop/stop"):
             continue
         host = scalar_values(value)
         if isinstance(host, dict):

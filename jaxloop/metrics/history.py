@@ -1,10 +1,8 @@
-"""History: the scalars a run reported, per step, kept on the host for plots and tables.
+"""The scalars a run reported, per step, kept on the host for plots and tables.
 
-`OuterLoop.history` records the train loop's scalar outputs at the steps they were made and
-each eval loop's results at the step evaluated, as ``train/<key>``, ``eval/<key>`` and
-``eval_<i>/<key>``. It is saved with each checkpoint (so a resumed run has it up to the
-restored step); a value recorded at a step replaces what it held from that step on.
-Example, after an `OuterLoop` run::
+`OuterLoop.history` records the train loop's scalar outputs at their steps and each eval
+loop's results at the step evaluated (``train/<key>``, ``eval/<key>``, ``eval_<i>/<key>``),
+and is saved with each checkpoint. After an `OuterLoop` run::
 
     outer.history['eval/accuracy'].values[-1]
     outer.history.plot()             # a matplotlib figure: one panel per metric
@@ -67,8 +65,7 @@ class History:
         self._pending: list[tuple[str, int, dict[str, Any], int | None]] = []
 
     def _settled(self, ready_only: bool = False) -> dict[str, Series]:
-        """The series, with pending loop outputs read in order (with `ready_only`, only
-        those the device has finished)."""
+        """The series, pending loop outputs read in order (`ready_only`: those computed)."""
         while self._pending:
             prefix, step, outputs, first_step = self._pending[0]
             if ready_only and not all(x.is_ready() for x in jax.tree.leaves(outputs)
@@ -101,14 +98,12 @@ class History:
         return sorted(self._settled())
 
     def record(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
-        """Appends values at `steps` (ascending) to `name`, dropping what it held from
-        ``steps[0]`` on."""
+        """Appends values at ascending `steps` to `name`, replacing those from ``steps[0]`` on."""
         if len(steps) != len(values):
             raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
         if not steps:
             return
         series = self._settled().setdefault(name, Series([], []))
-        # Steps ascend, so the values from steps[0] on are a tail.
         keep = bisect.bisect_left(series.steps, steps[0])
         del series.steps[keep:], series.values[keep:]
         series.steps.extend(int(s) for s in steps)
@@ -130,9 +125,7 @@ class History:
     def _read(self, prefix: str, step: int, outputs: dict[str, Any],
               first_step: int | None) -> None:
         outputs = {k: v.read() if isinstance(v, _Stacked) else v for k, v in outputs.items()}
-        weights = outputs.pop(_WEIGHTS, None)
-        if weights is not None:
-            weights = metric_values.scalar_values(weights)
+        weights = metric_values.scalar_values(outputs.pop(_WEIGHTS, None))
         if first_step is not None:
             for key in list(outputs):
                 host = metric_values.scalar_values(outputs[key])
@@ -179,9 +172,8 @@ class History:
         return table
 
     def plot(self, names: Sequence[str] | None = None, **subplots_kwargs: Any) -> Any:
-        """A pyplot figure with one panel per metric (``loss``), its train and eval curves
-        against the step, each series in one colour everywhere; a script saves it with
-        ``history.plot().savefig('history.png')``."""
+        """A pyplot figure, one panel per metric (``loss``) with its train and eval curves by
+        step, each series in one colour (a script saves it: ``.savefig('history.png')``)."""
         import matplotlib.pyplot as plt  # noqa: PLC0415 (only when plotting)
 
         panels: dict[str, list[str]] = {}
@@ -201,8 +193,7 @@ class History:
         flat = list(axes.flat)
         for ax, (metric, members) in zip(flat, panels.items(), strict=False):
             for name in members:
-                series = self._series[name]
-                prefix = name.partition("/")[0]
+                series, prefix = self._series[name], name.partition("/")[0]
                 ax.plot(series.steps, series.values, "-" if prefix == TRAIN else "o-",
                         label=prefix, color=colours.get(prefix))
             ax.set(title=metric, xlabel="step", ylabel=metric)

@@ -1,9 +1,7 @@
-"""Experiment trackers as metric writers: MLflow and Weights & Biases.
-
-`MlflowWriter` and `WandbWriter` go wherever a `writers.MetricWriter` goes; each needs its
-extra (``pip install jaxloop[mlflow]`` or ``jaxloop[wandb]``), imported when a writer is
-made. Only process 0 talks to the tracker. A resumed job continues the same run: save the
-run id with the checkpoints and read it back with `saved_run_id`::
+"""Experiment trackers as metric writers: `MlflowWriter` and `WandbWriter` go wherever a
+`writers.MetricWriter` goes; each needs its extra (``pip install jaxloop[mlflow]`` or
+``jaxloop[wandb]``). Only process 0 talks to the tracker. A resumed job continues the same
+run: save the run id with the checkpoints and read it back with `saved_run_id`::
 
     writer = trackers.MlflowWriter(experiment='digits', tracking_uri='file:///tmp/mlruns',
                                    run_id=trackers.saved_run_id(ckpt_dir))
@@ -15,6 +13,7 @@ run id with the checkpoints and read it back with `saved_run_id`::
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import time
@@ -35,8 +34,6 @@ RUN_ID_KEY = "tracker_run_id"  # the checkpoint metadata key of the tracker's ru
 
 
 def _import(module: str, extra: str) -> Any:
-    import importlib  # noqa: PLC0415
-
     try:
         return importlib.import_module(module)
     except ImportError as e:
@@ -75,8 +72,7 @@ class MlflowWriter(values.Closing):
                  run_name: str | None = None, tracking_uri: str | None = None,
                  tags: Mapping[str, str] | None = None):
         self._active = distributed.is_main_process()
-        self._run_id = run_id
-        self._closed = False
+        self._run_id, self._closed = run_id, False
         if not self._active:
             return
         _import("mlflow", "mlflow")
@@ -99,7 +95,7 @@ class MlflowWriter(values.Closing):
         """The MLflow run id (None on processes other than 0 when none was given)."""
         return self._run_id
 
-    def write_scalars(self, step: int, scalars: Mapping[str, writers.ArrayLike]) -> None:
+    def write_scalars(self, step: int, scalars: values.Arrays) -> None:
         if not self._active or not scalars:
             return
         step = values.as_step(step)
@@ -108,21 +104,20 @@ class MlflowWriter(values.Closing):
                    for key, value in values.prepare_scalars(scalars).items()]
         self._client.log_batch(self._run_id, metrics=metrics)
 
-    def write_images(self, step: int, images: Mapping[str, writers.ArrayLike]) -> None:
+    def write_images(self, step: int, images: values.Arrays) -> None:
         if not self._active:
             return
         step = values.as_step(step)
         for key, value in images.items():
             for i, image in enumerate(values.pixels("Image", key, value)):
-                name = key if i == 0 else f"{key}/{i}"
-                self._client.log_image(self._run_id, image, key=name, step=step)
+                self._client.log_image(self._run_id, image, key=f"{key}/{i}" if i else key,
+                                       step=step)
 
-    def write_videos(self, step: int, videos: Mapping[str, writers.ArrayLike]) -> None:
+    def write_videos(self, step: int, videos: values.Arrays) -> None:
         if self._active and videos:
             _warn_once(self, "videos")
 
-    def write_audios(self, step: int, audios: Mapping[str, writers.ArrayLike], *,
-                     sample_rate: int) -> None:
+    def write_audios(self, step: int, audios: values.Arrays, *, sample_rate: int) -> None:
         if self._active and audios:
             _warn_once(self, "audio")
 
@@ -133,13 +128,12 @@ class MlflowWriter(values.Closing):
         for key, text in texts.items():
             self._client.log_text(self._run_id, str(text), f"texts/{key}/step_{step}.txt")
 
-    def write_histograms(self, step: int, arrays: Mapping[str, writers.ArrayLike],
+    def write_histograms(self, step: int, arrays: values.Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
         summary = {}
         for key, value in arrays.items():
             value = np.asarray(value, np.float64)
-            summary.update({f"{key}/mean": value.mean(), f"{key}/min": value.min(),
-                            f"{key}/max": value.max()})
+            summary.update({f"{key}/{f}": getattr(value, f)() for f in ("mean", "min", "max")})
         self.write_scalars(step, summary)
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
@@ -178,8 +172,7 @@ class WandbWriter(values.Closing):
                  dir: str | os.PathLike[str] | None = None,  # noqa: A002 (wandb's name)
                  config: Mapping[str, Any] | None = None, **init_kwargs: Any):
         self._active = distributed.is_main_process()
-        self._closed = False
-        self._run = None
+        self._closed, self._run = False, None
         if not self._active:
             self._run_id = run_id
             return
@@ -208,16 +201,15 @@ class WandbWriter(values.Closing):
         if self._active and logged:
             self._run.log(dict(logged), step=values.as_step(step))
 
-    def write_scalars(self, step: int, scalars: Mapping[str, writers.ArrayLike]) -> None:
+    def write_scalars(self, step: int, scalars: values.Arrays) -> None:
         self._log(step, values.prepare_scalars(scalars) if self._active else {})
 
-    def write_images(self, step: int, images: Mapping[str, writers.ArrayLike]) -> None:
-        if not self._active:
-            return
-        self._log(step, {key: [self._wandb.Image(i) for i in values.pixels("Image", key, value)]
-                         for key, value in images.items()})
+    def write_images(self, step: int, images: values.Arrays) -> None:
+        if self._active:
+            self._log(step, {key: [self._wandb.Image(i) for i in values.pixels("Image", key, v)]
+                             for key, v in images.items()})
 
-    def write_videos(self, step: int, videos: Mapping[str, writers.ArrayLike]) -> None:
+    def write_videos(self, step: int, videos: values.Arrays) -> None:
         """As GIFs, N videos of a key tiled into one; needs moviepy (``jaxloop[video]``)."""
         if not self._active or not videos or not values.has_moviepy(self):
             return
@@ -228,8 +220,7 @@ class WandbWriter(values.Closing):
             logged[key] = self._wandb.Video(np.moveaxis(v, -1, -3), fps=4, format="gif")
         self._log(step, logged)
 
-    def write_audios(self, step: int, audios: Mapping[str, writers.ArrayLike], *,
-                     sample_rate: int) -> None:
+    def write_audios(self, step: int, audios: values.Arrays, *, sample_rate: int) -> None:
         if self._active:
             self._log(step, {key: [self._wandb.Audio(clip, sample_rate=sample_rate)
                                    for clip in values.audios_ntc(key, value)]
@@ -240,7 +231,7 @@ class WandbWriter(values.Closing):
             self._log(step, {key: self._wandb.Html(f"<pre>{text}</pre>")
                              for key, text in texts.items()})
 
-    def write_histograms(self, step: int, arrays: Mapping[str, writers.ArrayLike],
+    def write_histograms(self, step: int, arrays: values.Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
         if not self._active:
             return
@@ -251,8 +242,7 @@ class WandbWriter(values.Closing):
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         if self._active:
-            flat = {k: values.hparam_value(v)
-                    for k, v in values.flatten_hparams(hparams).items()}
+            flat = {k: values.hparam_value(v) for k, v in values.flatten_hparams(hparams).items()}
             self._run.config.update(flat, allow_val_change=True)
 
     def flush(self) -> None:
