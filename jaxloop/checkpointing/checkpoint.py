@@ -1,8 +1,6 @@
-"""Saving and restoring the whole training state with orbax.
-
-A checkpoint step holds ``state`` (the TrainState's arrays) and ``meta`` (JSON host data:
-each process's data position, loop counters); a manager built the guide's way holds the
-arrays alone. `restore` reads either. Example, resume a loop called directly::
+"""Saving and restoring the whole training state with orbax: a checkpoint step holds ``state``
+(the TrainState's arrays) and ``meta`` (JSON: each process's data position, loop counters);
+a manager built the guide's way holds the arrays alone. `restore` reads either::
 
     manager = checkpoint.make_manager(workdir / 'checkpoints', max_to_keep=3)
     checkpoint.save(manager, int(state.step), state, dataset_state=data.iterator_state(it))
@@ -86,9 +84,8 @@ def state_arrays(state: State) -> dict[str, Any]:
 def save(manager: ocp.CheckpointManager, step: int, state: State,
          meta: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
          force: bool = False, dataset_state: Any = None) -> bool:
-    """Saves `state` at `step` with this process's `dataset_state` and `meta` (JSON) beside
-    it (the guide's single-item manager gets the arrays only); returns whether a checkpoint
-    was started. A collective: every process calls it."""
+    """Saves `state` at `step`, with `meta` (JSON) and this process's `dataset_state` unless the
+    manager holds one item; returns whether a save started. Every process calls it."""
     if not force and not manager.should_save(step):
         return False
     positions = agreement.gathered(dataset_state)
@@ -295,13 +292,11 @@ def restore(state: State, directory: Any, step: int | None = None, partitioner: 
             skip_optimizer: bool = False, transforms: Any = None,
             dataset: Iterator[Any] | None = None, *, best: str | None = None,
             mode: str = "min", partial: bool = False) -> tuple[State, dict[str, Any]]:
-    """Restores the checkpoint at `step` (latest if None; with `best`, the best by that
-    metric); returns (state, metadata), or `state` unchanged and {} with no checkpoint.
-
-    `state` may be abstract (`Step.abstract_state`) or, with `partial`, hold some leaves
-    only. `skip_optimizer` keeps the given optimizer state. `dataset` (the train iterator)
-    is moved to this process's saved data position. `transforms` are orbax restore
-    transforms keyed by '/'-joined paths, e.g. a new head::
+    """Restores the checkpoint at `step` (the latest if None, the best by metric `best`);
+    returns (state, metadata), or `state` and {} when there is none. `state` may be abstract
+    or, with `partial`, hold some leaves only; `skip_optimizer` keeps its optimizer state;
+    `dataset` is moved to this process's saved position. `transforms` are orbax's, keyed by
+    '/'-joined paths, e.g. for a new head::
 
         state, _ = checkpoint.restore(
             state, ckpt_dir, transforms={r'params/head/.*': ocp.Transform(use_fallback=True)})
@@ -446,9 +441,8 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
         loads[new] = source
     missing = sorted(set(targets) - set(loads))
     if mismatched:
-        raise ValueError(
-            f"Warm start from {path}: parameter shapes differ (checkpoint -> state): "
-            f"{mismatched}. Skip them with `rename` (a prefix mapped to None).")
+        raise ValueError(f"Warm start from {path}: parameter shapes differ (checkpoint -> state): "
+                         f"{mismatched}. Skip them with `rename` (a prefix mapped to None).")
     if (missing or unexpected) and strict:
         raise ValueError(
             f"Warm start from {path}: missing from the checkpoint (kept fresh if "
@@ -468,8 +462,7 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
         loaded = {n: leaf for n, (_, leaf) in _named_leaves(restored[PARAMS_KEY]).items()}
     current = _named_leaves(arrays[PARAMS_KEY])
     leaves = [loaded[loads[n]] if n in loads else leaf for n, (_, leaf) in current.items()]
-    params = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(arrays[PARAMS_KEY]), leaves)
+    params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(arrays[PARAMS_KEY]), leaves)
     new_state = flax.serialization.from_state_dict(state, {**arrays, PARAMS_KEY: params})
     log.info("Warm start: loaded %d of %d parameters from %s.", len(loads), len(targets), path)
     return new_state

@@ -1,7 +1,5 @@
 """Metric writers with clu's ``MetricWriter`` methods that write TensorBoard event files
-with tensorboardX, without TensorFlow (which ``clu.metric_writers`` imports).
-
-Example::
+with tensorboardX, without TensorFlow (which ``clu.metric_writers`` imports). Example::
 
     writer = writers.create_default_writer(workdir / 'tb', collection='train')
     writer.write_scalars(100, {'loss': 0.25})
@@ -43,7 +41,6 @@ __all__ = ["AsyncWriter", "LoggingWriter", "MetricWriter", "MultiWriter", "Summa
 
 _LOGGER = logging.getLogger(__name__)
 
-
 DEFAULT_HISTOGRAM_BUCKETS = 30  # tf.summary.histogram's default
 
 
@@ -75,8 +72,7 @@ class SummaryWriter(Closing):
                  video_fps: float = 4.0) -> None:
         self._logdir = os.fspath(logdir)
         self._flush_secs, self._video_fps = flush_secs, video_fps
-        self._lock = threading.Lock()
-        self._closed = False
+        self._lock, self._closed = threading.Lock(), False
         self._events = _events_file(self._logdir)
         # Closes the file once: at `close`, or when the writer is collected or Python exits.
         self._close_events = weakref.finalize(self, self._events.close)
@@ -87,7 +83,6 @@ class SummaryWriter(Closing):
         return self._logdir
 
     def _add(self, encode: str, step: int | None, values: Mapping[str, Any], **kwargs: Any) -> None:
-        """Writes ``tensorboardX.summary.<encode>(tag, value, **kwargs)`` of each value."""
         import tensorboardX.summary
 
         encoder = getattr(tensorboardX.summary, encode)
@@ -250,8 +245,7 @@ class LoggingWriter(_Forwarder):
     def __init__(self, prefix: str = "", *, logger: logging.Logger | None = None,
                  level: int = logging.INFO) -> None:
         self._prefix = f"[{prefix}] " if prefix else ""
-        self._logger = logger if logger is not None else _LOGGER
-        self._level = level
+        self._logger, self._level = logger if logger is not None else _LOGGER, level
 
     def _log(self, message: str) -> None:
         self._logger.log(self._level, "%s%s", self._prefix, message)
@@ -322,21 +316,17 @@ def _close_abandoned(pool: ThreadPoolExecutor, close: Any) -> None:
 
 
 class AsyncWriter(_Forwarder):
-    """Does another writer's writing on one background thread, in the order of the calls.
-
-    A call returns once its arguments are host copies; when ``max_queue`` calls wait, the
-    next blocks. The wrapped writer's error is raised by the next call, or at the next loop
-    boundary (`jaxloop.async_action_context`).
-    """
+    """Does another writer's writing on one background thread, in the order of the calls: a
+    call returns once its arguments are host copies (it blocks while ``max_queue`` wait), and
+    the writer's error is raised by the next call or at the next loop boundary."""
 
     _to_host = staticmethod(snapshot)
 
     def __init__(self, writer: MetricWriter, *, max_queue: int = 128) -> None:
-        self._writer = writer
+        self._writer, self._closed = writer, False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxloop-AsyncWriter")
         self._room = threading.Semaphore(max_queue)
         self._failed: list[Future] = []
-        self._closed = False
         # Starts the thread now, not inside the first write (which would wait for it).
         self._pool.submit(int)
         # Holds the pool and the writer, never self, so an abandoned writer is collected.
@@ -385,10 +375,9 @@ class AsyncWriter(_Forwarder):
 def create_default_writer(logdir: str | os.PathLike[str] | None = None, *,
                           just_logging: bool = False, asynchronous: bool = True,
                           collection: str | None = None) -> MetricWriter:
-    """As clu's: ``MultiWriter([LoggingWriter, SummaryWriter])`` (the latter on process 0
-    only), in an `AsyncWriter` when ``asynchronous``; a `LoggingWriter` alone without
-    ``logdir``. ``collection`` (``'train'``) names a sub-directory and prefixes log lines.
-    """
+    """As clu's: ``MultiWriter([LoggingWriter, SummaryWriter])`` (the latter on process 0 only),
+    in an `AsyncWriter` when ``asynchronous``; a `LoggingWriter` alone without ``logdir``.
+    ``collection`` (``'train'``) names a sub-directory and prefixes log lines."""
     prefix = collection or ""
     if just_logging or logdir is None:
         return LoggingWriter(prefix)
