@@ -196,8 +196,7 @@ def all_steps(directory: Any) -> list[int]:
 
 
 def _reader(handlers: dict[str, Any]) -> ocp.Checkpointer:
-    """A checkpointer reading these items of one step directory, with no barrier across
-    processes: one whose read fails cannot leave the others waiting."""
+    """Reads these items of a step directory with no barrier: a failed read leaves none waiting."""
     own = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=own, active_processes={own})
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
@@ -359,7 +358,6 @@ def restore_data_position(dataset: Iterator[Any], meta: Mapping[str, Any]) -> bo
     if position is None:
         return False
     from jaxloop.data import iterators  # noqa: PLC0415 (grain loads only when needed)
-
     iterators.restore_iterator_state(dataset, position)
     return True
 

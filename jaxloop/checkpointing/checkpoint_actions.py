@@ -91,7 +91,6 @@ class CheckpointAction(Action):
         if self._every_secs is not None:
             self._last_save_time = self._clock()
         from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
-
         iterator = getattr(loop, "dataset", None)
         position = getattr(loop, "data_position", None)  # knows about prefetched batches
         dataset_state = position(iterator) if callable(position) else data.iterator_state(iterator)
@@ -128,8 +127,7 @@ class CheckpointAction(Action):
 
 class BestCheckpointAction(CheckpointAction):
     """Keeps the best k checkpoints by an eval metric (the manager from
-    `checkpoint.make_best_manager` decides), on an eval loop; no data position is saved.
-    Example::
+    `checkpoint.make_best_manager` decides), on an eval loop; no data position is saved. Example::
 
         best = checkpoint.make_best_manager(workdir / 'best', 'accuracy', mode='max', k=2)
         eval_loop = EvalLoop(eval_step, end_actions=[BestCheckpointAction(best)])

@@ -103,9 +103,7 @@ def scalar_values(value: Any) -> float | list[float] | dict[str, float] | None:
         return {k: float(np.asarray(v, np.float64).reshape(()))
                 for k, v in fetch(picked).items()}
     if isinstance(value, list | tuple):
-        if not value or not all_numbers(value):
-            return None
-        return host_scalars(list(value))
+        return host_scalars(list(value)) if value and all_numbers(value) else None
     if is_number(value):
         return float(np.asarray(fetch(value), np.float64).reshape(()))
     return None

@@ -164,8 +164,7 @@ class History:
     def as_dict(self) -> dict[str, list[Any]]:
         """A table, one row per value: ``{'name': [...], 'step': [...], 'value': [...]}``."""
         table: dict[str, list[Any]] = {"name": [], "step": [], "value": []}
-        for name in self.names:
-            series = self._settled()[name]
+        for name, series in sorted(self._settled().items()):
             table["name"] += [name] * len(series.steps)
             table["step"] += series.steps
             table["value"] += series.values
@@ -175,7 +174,6 @@ class History:
         """A pyplot figure, one panel per metric (``loss``) with its train and eval curves by
         step, each series in one colour (a script saves it: ``.savefig('history.png')``)."""
         import matplotlib.pyplot as plt  # noqa: PLC0415 (only when plotting)
-
         panels: dict[str, list[str]] = {}
         for name in self.names if names is None else list(names):
             self[name]  # a KeyError naming the metrics there are

@@ -45,7 +45,6 @@ def _import(module: str, extra: str) -> Any:
 def saved_run_id(checkpoint_dir: str | os.PathLike[str], step: int | None = None) -> str | None:
     """The tracker run id saved with the latest (or `step`'s) checkpoint, or None."""
     from jaxloop.checkpointing import checkpoint  # noqa: PLC0415
-
     steps = checkpoint.all_steps(checkpoint_dir)
     if not steps:
         return None
@@ -61,12 +60,10 @@ def _warn_once(self: Any, what: str) -> None:
 
 
 class MlflowWriter(values.Closing):
-    """Writes metrics to an MLflow run (scalars as metrics, hparams as params): `run_id`
-    continues a run, None starts one in `experiment` (created when missing).
-
-    Texts become artifacts, histograms their mean/min/max; videos and audio are skipped
-    with a warning. MLflow 3 needs ``MLFLOW_ALLOW_FILE_STORE=true`` for a ``file:///`` store.
-    """
+    """Writes metrics to an MLflow run (scalars as metrics, hparams as params, texts as
+    artifacts, histograms as their mean/min/max; videos and audio are skipped with a warning):
+    `run_id` continues a run, None starts one in `experiment` (created when missing). MLflow 3
+    needs ``MLFLOW_ALLOW_FILE_STORE=true`` for a ``file:///`` store."""
 
     def __init__(self, experiment: str = "jaxloop", run_id: str | None = None,
                  run_name: str | None = None, tracking_uri: str | None = None,
@@ -78,7 +75,6 @@ class MlflowWriter(values.Closing):
         _import("mlflow", "mlflow")
         from mlflow import entities  # noqa: PLC0415
         from mlflow.tracking import MlflowClient  # noqa: PLC0415
-
         self._entities = entities
         self._client = MlflowClient(tracking_uri=tracking_uri)
         if run_id is None:
@@ -164,8 +160,7 @@ class MlflowWriter(values.Closing):
 class WandbWriter(values.Closing):
     """Writes metrics to a Weights & Biases run: `run_id` continues a run, None starts one;
     `init_kwargs` go to ``wandb.init``. W&B drops values at a step earlier than one already
-    written (as after restoring an older checkpoint).
-    """
+    written (as after restoring an older checkpoint)."""
 
     def __init__(self, project: str | None = None, run_id: str | None = None,
                  name: str | None = None, mode: str | None = None,

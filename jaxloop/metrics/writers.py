@@ -84,7 +84,6 @@ class SummaryWriter(Closing):
 
     def _add(self, encode: str, step: int | None, values: Mapping[str, Any], **kwargs: Any) -> None:
         import tensorboardX.summary
-
         encoder = getattr(tensorboardX.summary, encode)
         summaries = [encoder(tag, value, **kwargs) for tag, value in values.items()]
         with self._lock:
@@ -142,7 +141,6 @@ class SummaryWriter(Closing):
         """Nested mappings become dotted names (``opt.lr``); values other than bools, numbers
         and strings are written as their ``str()``."""
         import tensorboardX.summary
-
         flat = {key: hparam_value(v) for key, v in flatten_hparams(hparams).items()}
         with self._lock:
             if self._closed:
@@ -173,7 +171,6 @@ class SummaryWriter(Closing):
 def _events_file(logdir: str) -> Any:
     """A new event file in `logdir` (created if missing), written synchronously."""
     from tensorboardX.event_file_writer import EventsWriter
-
     if "://" not in logdir:  # buckets have no directories
         os.makedirs(logdir, exist_ok=True)
     # Files are named by the second; the pid and a counter keep two of one second apart.
@@ -184,7 +181,6 @@ def _events_file(logdir: str) -> Any:
 def _write(events: Any, summaries: Sequence[Any], step: int | None) -> None:
     """Appends `summaries` to `events`, as tensorboardX's FileWriter.add_summary does."""
     from tensorboardX.proto.event_pb2 import Event
-
     for summary in summaries:
         event = Event(summary=summary, wall_time=time.time())
         if step is not None:
@@ -382,7 +378,6 @@ def create_default_writer(logdir: str | os.PathLike[str] | None = None, *,
     if just_logging or logdir is None:
         return LoggingWriter(prefix)
     import jax
-
     writers: list[MetricWriter] = [LoggingWriter(prefix)]
     if jax.process_index() == 0:
         path = os.fspath(logdir)
