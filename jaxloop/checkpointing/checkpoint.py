@@ -452,8 +452,7 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
                     path, missing, sorted(unexpected))
     loaded = {}
     if loads:
-        # A partial restore of the chosen leaves only (orbax's renaming transforms would
-        # match every name against every other).
+        # Only the chosen leaves (orbax's renaming transforms match every name against every other).
         item = {PARAMS_KEY: traverse_util.unflatten_dict(
             {tuple(map(_key, sources[old][0])): targets[new][1] for new, old in loads.items()})}
         restored, _ = restore(item, directory, step, skip_optimizer=True, partial=True)

@@ -67,12 +67,11 @@ class History:
     def _settled(self, ready_only: bool = False) -> dict[str, Series]:
         """The series, pending loop outputs read in order (`ready_only`: those computed)."""
         while self._pending:
-            prefix, step, outputs, first_step = self._pending[0]
+            outputs = self._pending[0][2]
             if ready_only and not all(x.is_ready() for x in jax.tree.leaves(outputs)
                                       if isinstance(x, jax.Array)):
                 break
-            self._pending.pop(0)
-            self._read(prefix, step, outputs, first_step)
+            self._read(*self._pending.pop(0))
         return self._series
 
     def __contains__(self, name: object) -> bool:

@@ -3,12 +3,9 @@
 ``jaxloop[wandb]``). Only process 0 talks to the tracker. A resumed job continues the same
 run: save the run id with the checkpoints and read it back with `saved_run_id`::
 
-    writer = trackers.MlflowWriter(experiment='digits', tracking_uri='file:///tmp/mlruns',
-                                   run_id=trackers.saved_run_id(ckpt_dir))
-    train_loop = TrainLoop(step, end_actions=[
-        SummaryAction(writer),
-        CheckpointAction(manager, meta={trackers.RUN_ID_KEY: writer.run_id}),
-    ])
+    writer = trackers.MlflowWriter(experiment='digits', run_id=trackers.saved_run_id(ckpt_dir))
+    checkpoints = CheckpointAction(manager, meta={trackers.RUN_ID_KEY: writer.run_id})
+    train_loop = TrainLoop(step, end_actions=[SummaryAction(writer), checkpoints])
 """
 
 from __future__ import annotations
