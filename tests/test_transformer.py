@@ -5,10 +5,15 @@ falls from about 5 to 2.11-2.16 over seeds 0-3 (train 2.18-2.24), identically un
 partitioners; 2.5 leaves a margin for other machines and library versions.
 """
 
+import json
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_digits import optimized_env
 
 from jaxloop.examples import transformer
 
@@ -66,13 +71,20 @@ def test_spmd_falls_back_to_one_model_shard_on_few_devices():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("partitioner", ["dp", "fsdp", "spmd"])
-def test_loss_falls_below_threshold(partitioner, capsys):
-    results = transformer.main(["--partitioner", partitioner])
+def test_loss_falls_below_threshold(partitioner):
+    # In a process of its own, with XLA's optimisation passes (150 steps run more than they
+    # compile): `main`'s results come back as the script's last line.
+    script = ("import json; from jaxloop.examples import transformer; "
+              f"print(json.dumps(transformer.main(['--partitioner', '{partitioner}'])))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, env=optimized_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *_, last, printed = proc.stdout.strip().splitlines()
+    results = json.loads(printed)
     assert results["step"] == 150
     assert results["initial_eval_loss"] > 4.0
     assert results["eval_loss"] < EVAL_LOSS_THRESHOLD, results
     assert results["train_loss"] < EVAL_LOSS_THRESHOLD + 0.3, results
-    last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("final step=150 train_loss=") and "eval_loss=" in last
 
 
