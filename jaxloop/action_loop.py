@@ -15,10 +15,13 @@ from typing import Any
 
 from jaxloop import actions as actions_lib
 from jaxloop import async_action_context, stat_loop, stop_handler, types
+from jaxloop import step as step_lib
 from jaxloop.engine import host_count, triggers
 
+Action = actions_lib.Action
 Output = types.Output
 State = types.TrainState
+Step = step_lib.Step
 
 
 class ActionLoop(stat_loop.StatLoop):

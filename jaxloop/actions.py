@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,6 +37,9 @@ if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` loads them whe
 Output = types.Output
 State = types.TrainState
 MetricType = types.MetricType
+Scalar = types.Scalar
+PyTree = Any
+ApplyFn = Callable[[PyTree, PyTree], PyTree]
 MetricWithMetadata = types.MetricWithMetadata
 MetricMonitoringStopHandler = stop_handler.MetricMonitoringStopHandler
 StopTrainingError = stop_handler.StopTrainingError

@@ -24,6 +24,27 @@ Future = futures.Future
 log = logging.getLogger(__name__)
 
 
+class MutexLock:
+    """Holds `mutex` for the duration of a ``with`` block (google/jaxloop's name).
+
+    Example::
+
+        lock = threading.Lock()
+        with MutexLock(lock):
+            shared.append(item)
+    """
+
+    def __init__(self, mutex: threading.Lock | threading.RLock):
+        self.mutex = mutex
+
+    def __enter__(self) -> MutexLock:
+        self.mutex.acquire()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.mutex.release()
+
+
 class AsyncActionContext:
     """The futures of background work whose errors must reach the training thread.
     Checking forgets every future it looked at, so each error is raised (or logged) once."""

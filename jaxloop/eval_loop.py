@@ -18,11 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxloop import action_loop, types
+from jaxloop import loop as loop_lib
 from jaxloop import step as step_lib
 from jaxloop.launch import agreement
 
+Loop = loop_lib.Loop
 Output = types.Output
 State = types.TrainState
+Step = step_lib.Step
 
 
 def _example_count(batch: Any, mask_key: str) -> Any:

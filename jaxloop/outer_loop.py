@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +23,8 @@ import jax
 from jaxloop import actions as actions_lib
 from jaxloop import async_action_context, stop_handler, types
 from jaxloop import eval_loop as eval_loop_lib
+from jaxloop import loop as loop_lib
+from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
 from jaxloop.diagnostics import debugging as debugging_lib
 from jaxloop.diagnostics import param_table as param_table_lib
@@ -42,8 +44,13 @@ from jaxloop.orchestration.evaluation import (
     LoopEndEvaluations,
 )
 
+Loop = loop_lib.Loop
 Output = types.Output
 State = types.TrainState
+Step = step_lib.Step
+STAT_PREFIX = "jaxloop"
+ShouldEvalFn = Callable[[EvalContext], bool]
+"""`EvalSpec.should_eval_fn`: given the `EvalContext`, whether to evaluate."""
 # google/jaxloop's and the docs' names.
 _STOP_FILE_NAME = stop_marker.FILE_NAME
 stop_marker_path = stop_marker.path

@@ -25,9 +25,12 @@ from flax.core import spmd as core_spmd
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxloop import types
 from jaxloop.engine import annotations, staging
 from jaxloop.engine import program as program_lib
 
+Batch = types.Batch
+TrainState = types.TrainState
 PyTree = Any
 Axes = str | tuple[str, ...]
 

@@ -36,6 +36,7 @@ except ImportError as e:  # an optional extra
 
 Output = types.Output
 State = types.TrainState
+Step = loop_lib.Step
 
 EXAMPLE_COUNT = "jaxloop/example_count"
 """The pipeline input that holds the real examples of the step's batch."""

@@ -32,8 +32,10 @@ from jaxloop.diagnostics.throughput import (  # noqa: F401
     token_count,
 )
 
+Loop = loop_lib.Loop
 Output = types.Output
 State = types.TrainState
+Step = loop_lib.Step
 
 STAT_PREFIX = "jaxloop"
 STAT_STEPS_PER_SEC = "jaxloop/steps_per_sec"
@@ -44,9 +46,14 @@ STAT_NUM_PARAMS = "jaxloop/num_params"
 STAT_NUM_FLOPS = "jaxloop/num_flops"
 STAT_LIFE_TIME_SECS = "jaxloop/life_time_secs"
 STAT_COMPILE_SECS = "jaxloop/compile_secs"
+# Wall-clock times (seconds since the epoch, `time.time()`): the loop's construction and the
+# last loop's begin, as google/jaxloop records them.
+STAT_INIT_TIME = "jaxloop/init_time"
+STAT_BEGIN_TIME = "jaxloop/begin_time"
 
 ALL_STATS = (STAT_STEPS_PER_SEC, STAT_EXAMPLES_PER_SEC, STAT_LOOP_TIME_SECS, STAT_NUM_STEPS,
-             STAT_NUM_PARAMS, STAT_NUM_FLOPS, STAT_LIFE_TIME_SECS, STAT_COMPILE_SECS)
+             STAT_NUM_PARAMS, STAT_NUM_FLOPS, STAT_LIFE_TIME_SECS, STAT_COMPILE_SECS,
+             STAT_INIT_TIME, STAT_BEGIN_TIME)
 # As google/jaxloop: the outputs hold no statistics unless asked; `StatLoop.stats` has all.
 DEFAULT_STATS: tuple[str, ...] = ()
 
@@ -84,6 +91,7 @@ class StatLoop(loop_lib.Loop):
             global_batch_size, model_flops_per_example, model_flops_per_token, tokens_key,
             peak_flops_per_device, recorder)
         self._created = time.perf_counter()
+        self._init_time = self._begin_time = time.time()
         self._loop_start = self._compile_mark = 0.0
         self.compile_secs = 0.0
         """Seconds the last loop spent tracing and compiling (left out of its rates)."""
@@ -91,6 +99,7 @@ class StatLoop(loop_lib.Loop):
         """Every statistic of the last loop, named or not."""
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
+        self._begin_time = time.time()
         self._loop_start = time.perf_counter()
         self._compile_mark = goodput.compile_seconds()
         self._throughput.begin()
@@ -122,7 +131,8 @@ class StatLoop(loop_lib.Loop):
         steps_per_sec = num_steps / elapsed if elapsed > 0 else 0.0
         stats = {STAT_STEPS_PER_SEC: steps_per_sec, STAT_LOOP_TIME_SECS: loop_secs,
                  STAT_COMPILE_SECS: self.compile_secs, STAT_NUM_STEPS: float(num_steps),
-                 STAT_LIFE_TIME_SECS: time.perf_counter() - self._created}
+                 STAT_LIFE_TIME_SECS: time.perf_counter() - self._created,
+                 STAT_INIT_TIME: self._init_time, STAT_BEGIN_TIME: self._begin_time}
         if self._global_batch_size is not None:
             stats[STAT_EXAMPLES_PER_SEC] = steps_per_sec * self._global_batch_size
         # A plain callable step has neither.

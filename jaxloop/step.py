@@ -40,6 +40,8 @@ from jaxloop.state import model_state, specs, step_state
 from jaxloop.state import sown as sown_lib
 
 Batch = types.Batch
+BatchSpec = types.BatchSpec
+DType = types.DType
 Output = types.Output
 State = types.TrainState
 
@@ -48,6 +50,7 @@ PreparedBatch = staging.PreparedBatch
 BatchLayoutError = staging.BatchLayoutError
 batch_layout = staging.batch_layout
 zeros_from_spec = specs.zeros_from_spec
+get_zeroed_batch = specs.zeros_from_spec  # google/jaxloop's name
 action_fires = step_actions.action_fires
 is_abstract = model_state.is_abstract
 

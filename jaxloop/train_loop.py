@@ -15,6 +15,11 @@ from typing import Any
 from jaxloop import action_loop, loop, types
 from jaxloop import step as step_lib
 
+Loop = loop.Loop
+Output = types.Output
+State = types.TrainState
+Step = step_lib.Step
+
 log = logging.getLogger(__name__)
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
+import numpy as np
+from clu import metrics as clu_metrics
 from flax.training import train_state
 
 Batch = Any
@@ -16,14 +19,27 @@ Batch = Any
 Output = dict[str, Any]
 """What a step or a loop returns beside the state: metric name -> value."""
 
+Array = np.ndarray | jax.Array
+"""A host (numpy) or device (jax) array."""
+
 Shape = Sequence[int]
+DType = jnp.dtype
+BatchShape = Shape | Mapping[str, Shape]
+"""An example batch's shape, or a dict of them."""
+
 BatchSpec = Shape | tuple[Shape, Any] | Mapping[str, Any]
 """An example batch's shape (float32), ``(shape, dtype)`` pair, or a dict/list/tuple of these."""
 
 PRNGType = jax.Array | Mapping[str, jax.Array]
 """A PRNG key, or a dict of named keys such as ``{'dropout': key}``."""
 
-Scalar = int | float | jax.Array
+Scalar = int | float | np.number | np.ndarray | jax.Array
+
+IterateStopFn = Callable[[], bool]
+"""`CheckpointSpec.iterate_stop_fn`: called with no argument, True ends continuous eval."""
+
+CluMetricType = clu_metrics.Metric | clu_metrics.Collection
+"""A step output that loops merge over steps (`loop.MetricList`)."""
 
 
 class TrainState(train_state.TrainState):
@@ -42,6 +58,8 @@ class MetricType(enum.Enum):
     TEXT = "text"
     AUDIO = "audio"
     VIDEO = "video"
+    OTHER = "other"
+    """For a consumer of its own: `metadata` says what it is (summaries refuse it)."""
 
 
 @flax.struct.dataclass
@@ -61,3 +79,7 @@ class MetricWithMetadata:
     @property
     def metric_type(self) -> MetricType:
         return self.type
+
+
+MetricsDict = dict[str, Scalar | Array | MetricWithMetadata]
+"""A step's metrics: name -> scalar, array or `MetricWithMetadata`."""

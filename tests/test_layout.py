@@ -11,7 +11,8 @@ PACKAGE = ROOT / "jaxloop"
 
 GOOGLE = {"types.py", "step.py", "partition.py", "loop.py", "stat_loop.py", "action_loop.py",
           "train_loop.py", "eval_loop.py", "outer_loop.py", "actions.py", "stop_handler.py",
-          "async_action_context.py", "pipeline_loop.py", "trainers", "step_number_writer"}
+          "async_action_context.py", "pipeline_loop.py", "constants.py", "trainers",
+          "step_number_writer"}
 CONCERNS = {"engine", "state", "data", "checkpointing", "orchestration", "metrics", "recipes",
             "diagnostics", "launch"}
 

@@ -49,7 +49,10 @@ class EvalSpec:
     Args:
       dataset: an iterable iterated afresh for every evaluation.
       dataset_iterator: alternatively, one iterator that successive evaluations continue.
-      should_eval_fn: overrides `eval_loop_interval` (default: every train loop).
+      eval_loop_interval: evaluate after every this many train loops (default: every one);
+        continuous evaluation ignores it.
+      should_eval_fn: evaluates only where it also says so, as google/jaxloop: both must
+        agree.
     """
 
     dataset: Iterable[Any] | None = None
@@ -76,10 +79,10 @@ class EvalSpec:
         return data.as_iterator(self.dataset)
 
     def should_eval(self, context: EvalContext) -> bool:
-        if self.should_eval_fn is not None:
-            return bool(self.should_eval_fn(context))
         interval = self.eval_loop_interval or 1
-        return context.is_continuous_eval or context.loop_count % interval == 0
+        if not context.is_continuous_eval and context.loop_count % interval:
+            return False  # the function is not asked where the interval says no
+        return self.should_eval_fn is None or bool(self.should_eval_fn(context))
 
 
 def last(results: Sequence[Output | None]) -> Output | None:

@@ -56,15 +56,40 @@ def training_mode(train: bool) -> Iterator[None]:
         _TRAIN_MODE.reset(token)
 
 
+# Folded into the step's key for the dropout stream at initialisation: far from any step
+# number, so it is not the key `Step.prng_key` gives a training step.
+_INIT_DROPOUT_STREAM = 0x64726F70
+
+
 def init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
-    """The named keys a model is initialised with: a key becomes ``params`` and ``dropout``
-    keys; a dict is used as given, with ``params`` (its first key) added when missing."""
+    """The named keys a model is initialised with. A key is the ``params`` stream as it is
+    (google/jaxloop passes the step's key to ``model.init`` unsplit, so the same key gives
+    the same parameters there and here), and a ``dropout`` stream is derived from it: flax
+    draws each stream apart, so drawing dropout leaves the parameters unchanged. A dict is
+    used as given, with ``params`` (its first key) added when missing."""
     if isinstance(base_prng, Mapping):
         rngs = dict(base_prng)
         rngs.setdefault("params", next(iter(rngs.values())))
         return rngs
-    params_key, dropout_key = jax.random.split(base_prng)
-    return {"params": params_key, "dropout": dropout_key}
+    return {"params": base_prng,
+            "dropout": jax.random.fold_in(base_prng, _INIT_DROPOUT_STREAM)}
+
+
+class _LinenStreams(nn.Module):
+    """The key of each named stream as a top-level linen module draws it (``make_rng``)."""
+
+    names: tuple[str, ...]
+
+    def __call__(self) -> dict[str, jax.Array]:
+        return {name: self.make_rng(name) for name in self.names}
+
+
+def nnx_init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
+    """The keys an nnx module class is built with: google/jaxloop wraps the class in flax's
+    ``nnx.bridge.ToLinen``, which seeds ``nnx.Rngs`` with what linen's ``make_rng`` draws
+    from each stream of ``model.init``'s keys; the same here, so the parameters agree."""
+    rngs = init_rngs(base_prng)
+    return _LinenStreams(tuple(rngs)).apply({}, rngs=rngs)
 
 
 class ModelAdapter(abc.ABC):
@@ -114,7 +139,7 @@ class NnxAdapter(ModelAdapter):
     def _build(self, base_prng: types.PRNGType) -> nnx.Module:
         if isinstance(self._model, nnx.Module):
             return nnx.clone(self._model)
-        return self._model(*self._args, rngs=nnx.Rngs(**init_rngs(base_prng)), **self._kwargs)
+        return self._model(*self._args, rngs=nnx.Rngs(**nnx_init_rngs(base_prng)), **self._kwargs)
 
     def init(self, base_prng: types.PRNGType, batch: Any) -> Variables:
         del batch  # an nnx module is built from its constructor arguments alone

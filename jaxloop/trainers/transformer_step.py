@@ -27,6 +27,7 @@ import optax
 from jaxloop import types
 from jaxloop.trainers import simple_step
 
+Array = jax.Array
 PyTree = Any
 State = types.TrainState
 
