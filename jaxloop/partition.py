@@ -19,8 +19,10 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
+from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -36,6 +38,22 @@ Axes = str | tuple[str, ...]
 
 # An activation's constraint by logical names, strict as a parameter's annotation is read.
 with_logical_constraint = annotations.with_logical_constraint
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _dense_general_without_mesh(call: Callable[..., Any], args: Any, kwargs: Any,
+                                context: Any) -> Any:
+    """Runs a flax ``nn.DenseGeneral`` call with no mesh in context. Each call re-creates its
+    kernel abstractly to check the shape (flax's ``Scope.param``), at the flattened 2-D
+    shape its annotation does not fit; under a mesh flax constrains it there and fails
+    ("only valid for values of rank at least 4", google/flax#3676). Nothing else in the
+    layer reads the mesh: its parameters arrive placed by the step's input shardings."""
+    if isinstance(context.module, nn.DenseGeneral):
+        with jax.sharding.use_abstract_mesh(_NO_MESH):
+            return call(*args, **kwargs)
+    return call(*args, **kwargs)
 
 
 def _checked_axes(mesh: Mesh, axes: str | Sequence[str] | None, name: str) -> Axes | None:
@@ -141,13 +159,24 @@ class Partitioner(abc.ABC):
         return jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
 
     def _mesh_context(self) -> contextlib.AbstractContextManager:
-        """The context state creation runs in (SPMD's mesh and rules)."""
-        return contextlib.nullcontext()
+        """The context state creation runs in: no mesh, even one the user set. Under a mesh
+        flax constrains each annotated parameter as it is made, and linen's DenseGeneral,
+        Einsum and scanned layers make theirs at another rank than the annotation's
+        ("spec ... is only valid for values of rank at least 4"); nnx would place each
+        variable as it is made. The jitted init's out_shardings place the state instead."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(None))
+        stack.enter_context(nnx.use_eager_sharding(False))
+        return stack
 
     def trace_context(self) -> contextlib.AbstractContextManager:
         """The context a step is traced in: this mesh, abstract, so
-        ``jax.lax.with_sharding_constraint(x, P('data'))`` works in `run`."""
-        return jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh)
+        ``jax.lax.with_sharding_constraint(x, P('data'))`` works in `run`; flax's
+        DenseGeneral layers run without it (`_dense_general_without_mesh`)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh))
+        stack.enter_context(nn.intercept_methods(_dense_general_without_mesh))
+        return stack
 
     def abstract_init_fn(self, init_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
         """Like `shard_init_fn`, but the state is only described: `jax.ShapeDtypeStruct`
@@ -313,10 +342,8 @@ class SPMDPartitioner(Partitioner):
         return self._rules
 
     def _mesh_context(self) -> contextlib.AbstractContextManager:
-        # nnx builds annotated variables eagerly and needs the mesh (and the rules for
-        # logical names) in context; linen applies logical constraints through the rules.
         stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self._mesh))
+        stack.enter_context(super()._mesh_context())
         if self._rules:  # else keep any rules the user set with nn.logical_axis_rules
             stack.enter_context(core_spmd.logical_axis_rules(self._rules))
         return stack

@@ -189,10 +189,10 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"d_model={d_model} does not divide into {self.num_heads} heads")
         head_dim = d_model // self.num_heads
         ax = self.model_axis
-        # Explicit kernels rather than DenseGeneral, whose initialiser sees a flattened 2-D
-        # shape and so cannot carry a per-dimension annotation. Heads are split along the
-        # model axis: each model shard owns whole heads, so attention itself needs no
-        # communication, only the output projection is summed across shards.
+        # Explicit kernels (an annotated nn.DenseGeneral((3, H, Dh)) works as well, see
+        # partition._dense_general_without_mesh). Heads are split along the model axis:
+        # each model shard owns whole heads, so attention itself needs no communication,
+        # only the output projection is summed across shards.
         qkv_kernel = self.param(
             "qkv_kernel",
             _init(None if ax is None else (None, None, ax, None),
