@@ -12,7 +12,7 @@ from typing import Any
 
 import grain
 
-from jaxloop.data.iterators import absl_flags_usable
+from jaxloop.data.iterators import grain_ready
 
 Batch = Any
 
@@ -47,9 +47,8 @@ class GlobalBatchIterator(Iterator[Batch]):
         ds = self._dataset
         pipeline = ds.batches[self._next_batch:].to_iter_dataset(_READ_IN_CALLER)
         if ds.num_workers:
-            absl_flags_usable()
-            pipeline = pipeline.mp_prefetch(grain.MultiprocessingOptions(
-                num_workers=ds.num_workers, per_worker_buffer_size=ds.worker_buffer_size))
+            return grain_ready(iter(pipeline.mp_prefetch(grain.MultiprocessingOptions(
+                num_workers=ds.num_workers, per_worker_buffer_size=ds.worker_buffer_size))))
         return iter(pipeline)
 
     def __next__(self) -> Batch:

@@ -16,9 +16,12 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import collections.abc
 import json
 import sys
+import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -78,11 +81,15 @@ def as_iterator(dataset: Any) -> Iterator[Batch]:
     """
     if _is_tf(dataset, "Iterator"):
         return _TFToNumpyIterator(dataset)
+    if isinstance(dataset, grain.DatasetIterator):
+        return grain_ready(dataset)
     if isinstance(dataset, collections.abc.Iterator):
         return dataset
     if _is_tf(dataset, "Dataset"):
         return _TFToNumpyIterator(dataset.as_numpy_iterator())
-    if isinstance(dataset, grain.MapDataset | grain.IterDataset | grain.DataLoader):
+    if isinstance(dataset, grain.MapDataset | grain.IterDataset):
+        return grain_ready(iter(dataset))
+    if isinstance(dataset, grain.DataLoader):
         return iter(dataset)
     if _is_random_access_source(dataset):
         return iter(grain.MapDataset.source(dataset))
@@ -143,10 +150,33 @@ def absl_flags_usable() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
-def reader(dataset: Any) -> Iterator[Batch]:
-    """`as_iterator(dataset)`, ready to be read from another thread (a grain pipeline may
-    start worker processes)."""
-    iterator = as_iterator(dataset)
-    if isinstance(iterator, grain.DatasetIterator):
-        absl_flags_usable()
+# grain iterators read through `as_iterator`, closed when the interpreter exits.
+_TO_CLOSE: weakref.WeakSet = weakref.WeakSet()
+_TO_CLOSE_LOCK = threading.Lock()
+
+
+def _close_at_exit() -> None:
+    with _TO_CLOSE_LOCK:
+        iterators = list(_TO_CLOSE)
+        _TO_CLOSE.clear()
+    for iterator in iterators:
+        iterator.close()
+
+
+def grain_ready(iterator: grain.DatasetIterator) -> grain.DatasetIterator:
+    """A grain iterator (a user's own pipeline too) made safe to read in a script or a
+    notebook whose absl flags were never parsed: grain reads an absl flag as an
+    ``mp_prefetch`` starts its worker processes (`absl_flags_usable`). It is also closed
+    when the interpreter exits, before multiprocessing's own clean-up: there grain's
+    finalizer closes it after its queues' handles, and each worker's queue printed an
+    ``OSError: handle is closed`` traceback. Returns `iterator`."""
+    absl_flags_usable()
+    with _TO_CLOSE_LOCK:
+        if not _TO_CLOSE:
+            # atexit runs its functions last-registered first: multiprocessing registered
+            # its clean-up when it was imported (grain imports it), before this.
+            atexit.unregister(_close_at_exit)
+            atexit.register(_close_at_exit)
+        _TO_CLOSE.add(iterator)
     return iterator
+

@@ -79,7 +79,7 @@ class Prefetcher(Iterator[Batch]):
         """Starts reading ahead now, not at the first ``next()``; returns self."""
         if self._reader is None and not self._finished:
             iterators = _iterators()
-            self._reader = iterators.reader(self.source)
+            self._reader = iterators.as_iterator(self.source)
             tracks = callable(getattr(self._reader, "get_state", None))
             self._state_of = iterators.iterator_state if tracks else None
             self._state = self._state_of(self._reader) if tracks else None
