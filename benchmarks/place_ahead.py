@@ -1,7 +1,8 @@
 """Step time of a TrainLoop reading host batches through `loop.prefetching(it, size=2,
 place=...)`: placed on the devices in the prefetch thread (place=True) or handed to the
 step as host arrays that jit copies in its dispatch (place=False); alternating rounds, the
-ratio taken within each round."""
+ratio taken within each round. Run: ``QUICK=1 python benchmarks/place_ahead.py``
+(part of benchmarks/gpu_check.sh)."""
 import os
 import statistics
 import sys
@@ -12,6 +13,7 @@ import optax
 
 sys.path.insert(0, "benchmarks")
 import common  # noqa: E402
+
 from jaxloop import train_loop  # noqa: E402
 
 quick = os.environ.get("QUICK") == "1"
