@@ -76,6 +76,9 @@ if [ -z "${JAX_PLATFORMS+x}" ]; then
     echo "gpu_check: jax does not start with $PY" >&2
     exit 1
   fi
+  if [ "$BACKEND" = gpu ]; then  # JAX_PLATFORMS names the plugin: gpu would also try rocm
+    if command -v nvidia-smi >/dev/null 2>&1; then BACKEND=cuda; else BACKEND=rocm; fi
+  fi
   export JAX_PLATFORMS="$BACKEND"
 fi
 "$PY" -c 'import jax, jaxloop; print("jax", jax.__version__, "| backend", jax.default_backend(), "|", jax.devices()); print("jaxloop from", jaxloop.__file__)' \
