@@ -79,7 +79,9 @@ if [ -z "${JAX_PLATFORMS+x}" ]; then
   if [ "$BACKEND" = gpu ]; then  # JAX_PLATFORMS names the plugin: gpu would also try rocm
     if command -v nvidia-smi >/dev/null 2>&1; then BACKEND=cuda; else BACKEND=rocm; fi
   fi
-  export JAX_PLATFORMS="$BACKEND"
+  # The CPU too, listed second: io_callback (async_device.py's device sleep) runs on it.
+  export JAX_PLATFORMS="$BACKEND${BACKEND:+,}cpu"
+  [ "$BACKEND" = cpu ] && export JAX_PLATFORMS=cpu
 fi
 "$PY" -c 'import jax, jaxloop; print("jax", jax.__version__, "| backend", jax.default_backend(), "|", jax.devices()); print("jaxloop from", jaxloop.__file__)' \
   || FAILED+=("jax.devices")
