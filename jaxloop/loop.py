@@ -144,7 +144,10 @@ class Loop:
         StopIteration at the end."""
         unread = self._unread
         if unread is not None and unread[0] is dataset and unread[1]:
-            return unread[1].pop(0)[0]
+            batch = unread[1].pop(0)[0]
+            if isinstance(batch, BaseException):  # the source failed there when read ahead
+                raise batch
+            return batch
         return next(self._prefetch if self._prefetch is not None else dataset)
 
     def _keep_unread(self, dataset: Any, batches: list[tuple[Any, Any]]) -> None:
@@ -155,6 +158,12 @@ class Loop:
         unread = self._unread
         kept = unread[1] if unread is not None and unread[0] is dataset else []
         self._unread = (dataset, [*kept, *batches])
+
+    def forget_unread(self, dataset: Any) -> None:
+        """Drops the batches kept unread from `dataset`, e.g. once a checkpoint moved it
+        back to their position."""
+        if self._unread is not None and self._unread[0] is dataset:
+            self._unread = None
 
     def _hold_back(self, dataset: Any, batch: Any, position: Any) -> None:
         """Puts `batch` (read at `position`) first among the unread batches."""

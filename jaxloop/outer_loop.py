@@ -96,6 +96,9 @@ class OuterLoop:
         self._progress = progress
         self.history = history_lib.History()
         self._logged_layouts: list[Any] = []
+        self._train_source: tuple[Any, Iterator[Any]] | None = None
+        # The step whose evaluations an error or a stop cut short, to run first next call.
+        self._evals_owed: int | None = None
         self._evals = Evaluations(self._eval_loops, self._ahead)
         if train_loop is not None:
             self._at_loop_end = LoopEndEvaluations(train_loop, self._evals)
@@ -156,6 +159,18 @@ class OuterLoop:
             return state, evaluation.last(results)
         return continuous_eval_lib.ContinuousEval(self._checkpoint_spec, self._evals)(state, specs)
 
+    def _iterator(self, train_dataset: Any) -> Iterator[Any]:
+        """`train_dataset` as an iterator; the same one as in the last call when given the
+        same iterator again, so the batches read ahead then are trained on now."""
+        from jaxloop import data  # noqa: PLC0415
+
+        last = self._train_source
+        if last is not None and last[0] is train_dataset and isinstance(train_dataset, Iterator):
+            return last[1]
+        iterator = data.as_iterator(train_dataset)
+        self._train_source = (train_dataset, iterator)
+        return iterator
+
     def _report_rewind(self, step: int) -> None:
         later = self.history.steps_after(step)
         if later is not None:
@@ -168,19 +183,22 @@ class OuterLoop:
     def _train(self, state: State, train_dataset: Any, total_steps: int | None,
                loop_steps: int | None, specs: list[EvalSpec], log_total_steps: bool,
                ) -> tuple[State, Output | None]:
-        from jaxloop import data  # noqa: PLC0415
-
         train_loop = self._train_loop
-        iterator = data.as_iterator(train_dataset)
+        iterator = self._iterator(train_dataset)
         if self._checkpoint_spec is not None and jax.process_index() == 0:
             # An earlier run's marker would end a continuous evaluator of this one.
             stop_marker.remove_stale(self._checkpoint_spec.checkpoint_dir)
         given = state
         state, align, step, evals_pending = self._resumer.restore(state, iterator, loop_steps)
+        if align and callable(getattr(iterator, "set_state", None)):
+            train_loop.forget_unread(iterator)  # the checkpoint's position supersedes them
         if not align and self._ended == (step, True) and loop_steps and step % loop_steps:
             # The last call was stopped inside a loop: finish that loop, as a resume does.
             align = True
             train_loop.loop_count = max(train_loop.loop_count - 1, 0)
+        if not align and self._evals_owed == step and self._eval_loops:
+            evals_pending = True  # cut short in the last call: run them in full first
+        self._evals_owed = None
         self._ended = None
         self._state = state
         self._resumer.check_saves(step)
@@ -236,7 +254,11 @@ class OuterLoop:
                     if e.state is not None:
                         state = self._state = e.state
                     stop = True
+                    self._save_at_stop(state, None)
                     break
+                except BaseException:
+                    self._keep_live_state()
+                    raise
                 self._state = state
                 # A loop that ran no step keeps the outputs of the last one that trained.
                 new_step = host_count.host_step(state)
@@ -249,11 +271,16 @@ class OuterLoop:
                     self._stop(state, new_outputs)
                 if (new_outputs or {}).get(STOP_LOOP):
                     stop = True
+                    self._save_at_stop(state, new_outputs)
                     break
                 if at_end.result is not None:
                     stop = at_end.result  # they ran before the loop's checkpoint
                 elif advanced:
+                    self._evals_owed = step
                     stop = at_end.evaluate(state, step)
+                    self._evals_owed = None
+                if stop:
+                    self._save_at_stop(state, new_outputs)
                 if preemption.requested():  # Ctrl-C during the evaluations
                     self._stop(state, new_outputs)
                 if train_loop.dataset_exhausted:
@@ -263,6 +290,30 @@ class OuterLoop:
         self._ended = (step, False)
         self._finish(step)
         return state, None if outputs is None else {**outputs, STOP_LOOP: bool(stop)}
+
+    def _keep_live_state(self) -> None:
+        """After an exception in the train loop: the live state it left (`stopped_state`)
+        becomes `state`, the steps it completed join the history, and the next call
+        finishes that loop and the evaluations it owes."""
+        train_loop = self._train_loop
+        live = train_loop.stopped_state
+        if live is None:
+            return
+        self._state = self.stopped_state = live
+        step = host_count.host_step(live)
+        self._ended = (step, True)
+        first = train_loop.first_step
+        partial = train_loop.partial_outputs
+        if partial and first is not None and step > first:
+            self.history.record_outputs(history_lib.TRAIN, step, partial, first)
+        elif partial is None and first is not None and step > first:
+            self._evals_owed = step  # the loop ended: its evaluations (or actions) failed
+
+    def _save_at_stop(self, state: State, outputs: Output | None) -> None:
+        """An early stop saves the state where it stopped, whatever the order of the train
+        loop's actions (once: a step already saved is not saved again)."""
+        if resume_lib.train_checkpoint_actions(self._train_loop):
+            self._train_loop.save_checkpoint(state, outputs)
 
     def _writers_and_managers(self) -> tuple[list[Any], list[Any]]:
         loops = [self._train_loop, *self._eval_loops]
@@ -277,6 +328,8 @@ class OuterLoop:
         self.stopped_state = self._state = state
         step = host_count.host_step(state)
         self._ended = (step, self._metadata.loop_partial())
+        if not self._ended[1] and self._at_loop_end.result is None and self._eval_loops:
+            self._evals_owed = step  # stopped before or during them: the next call runs them
         saved = self._train_loop.save_checkpoint(state, outputs)
         writers, _ = self._writers_and_managers()
         for writer in writers:

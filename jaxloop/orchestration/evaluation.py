@@ -123,6 +123,9 @@ class Evaluations:
             ahead = self._ahead(loop) if spec.dataset_iterator is None else 0
             with loop.prefetching(batches, ahead):
                 _, outputs = loop(state, batches, num_steps=spec.num_steps)
+            if getattr(loop, "preempted", False):  # cut short: no result; the round ends
+                results.extend([None] * (len(self.loops) - index))
+                break
             if getattr(loop, "num_steps_run", None) == 0 and not preemption.requested():
                 self._report_empty(index, spec, context.step_num)
             results.append(outputs)
