@@ -8,6 +8,11 @@ reference by counting references (CPython's `sys.getrefcount`) of the state's ro
 containers and arrays before and after that code ran (`call`). A step given a held state
 runs without donating it: its result is new buffers, and what was kept stays usable.
 
+The library's own actions are not watched: they keep nothing (a checkpoint's background
+commit holds the arrays it already copied to the host and never reads them again). A
+reference taken by another thread while user code runs counts as kept (a cost, not an
+error).
+
 Cost where something is kept: that step's execution allocates a new state beside the kept
 one (the memory of what the user keeps), and a second compiled program (the same step
 without donation), compiled the first time it is needed. Where nothing is kept: a walk over
@@ -21,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 from collections.abc import Callable
@@ -90,6 +96,15 @@ def _edges_from_new(result: Any, known: dict[int, int]) -> dict[int, int]:
     return edges
 
 
+def _library(fn: Any) -> bool:
+    """Whether `fn` is this library's own code (its actions and hooks), which keeps no state
+    it is handed. (A checkpoint's background commit may still hold the arrays it copied to
+    the host from, but never reads them again: counting it would cost a donation.)"""
+    code = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
+    module = getattr(code, "__module__", None) or ""
+    return module.startswith("jaxloop.") and not module.startswith("jaxloop.examples.")
+
+
 def call(fn: Callable[..., T], state: Any, *args: Any, **kwargs: Any) -> T:
     """``fn(state, *args, **kwargs)``, marking `state` held if `fn` kept a reference to it
     or to any of its parts (what `fn` returns, such as a new state sharing its parameters,
@@ -100,7 +115,7 @@ def call(fn: Callable[..., T], state: Any, *args: Any, **kwargs: Any) -> T:
         ownership.call(action, state, outputs, loop=loop)
         new_state, batch = ownership.call(step.begin, state, batch)
     """
-    if state is None or is_held(state):
+    if state is None or is_held(state) or _library(fn):
         return fn(state, *args, **kwargs)
     nodes = _nodes(state)
     before = [sys.getrefcount(node) for node in nodes]
