@@ -335,3 +335,25 @@ def test_an_early_stop_saves_where_it_stopped_whatever_the_action_order(tmp_path
                      train_total_steps=80, train_loop_steps=25)
     assert int(state.step) == 80
     assert rerun.history["train/i"].steps == list(range(1, 81))  # 1-75 restored, then 76-80
+
+
+def test_a_hand_written_outer_loop_copies_no_state_between_calls():
+    """``state, _ = loop(state, it, n)`` in a loop: each call's first step reads the state
+    where the last call left it (no copy), and the steps consume only what they made."""
+    addresses = []
+
+    class Recording(IndexStep):
+        def begin(self, state, batch):  # reads a buffer's address, keeping nothing
+            addresses.append(state.params["dense1"]["kernel"].unsafe_buffer_pointer())
+            return state, batch
+
+    train, _ = steps(cls=Recording)
+    loop = train_loop.TrainLoop(train)
+    state = train.initialize_model(SPEC)
+    it = iter(batches(12))
+    for _ in range(3):
+        state, _ = loop(state, it, num_steps=4)
+    calls = [addresses[i:i + 4] for i in range(0, 12, 4)]
+    for previous, call in zip(calls, calls[1:]):
+        assert call[0] == previous[-1]  # the state as the last call left it: not copied
+        assert len(set(call[1:])) == 1  # then each step consumes the one before it
