@@ -354,6 +354,6 @@ def test_a_hand_written_outer_loop_copies_no_state_between_calls():
     for _ in range(3):
         state, _ = loop(state, it, num_steps=4)
     calls = [addresses[i:i + 4] for i in range(0, 12, 4)]
-    for previous, call in zip(calls, calls[1:]):
+    for previous, call in zip(calls, calls[1:], strict=False):
         assert call[0] == previous[-1]  # the state as the last call left it: not copied
         assert len(set(call[1:])) == 1  # then each step consumes the one before it
