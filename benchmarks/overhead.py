@@ -6,6 +6,7 @@ Measures, side by side in one run, steps/s of
   defaults        ``OuterLoop(train_loop=TrainLoop(step))``, everything at its default
                   (on CPUs no prefetch thread: see `jaxloop.engine.prefetch`), train loops of
                   --loop-steps steps (default 200)
+  p=0             the same with ``prefetch=0``: no read-ahead thread (the default on CPUs)
   p=2             the same with ``prefetch=2``: a thread that reads two batches ahead
   k=K             ``TrainLoop(step, steps_per_execution=K)``, defaults otherwise: K steps
                   per compiled call (the CNN: with ``unroll=True``)
@@ -155,6 +156,7 @@ class Case:
         self.window = {}  # steps per timed window, where not loop_steps
         self.variants = {"hand-written": self.hand_written,
                          "defaults": self.jaxloop("defaults", 1),
+                         "p=0": self.jaxloop("p=0", 1, prefetch=0),
                          "p=2": self.jaxloop("p=2", 1, prefetch=2)}
         for k in fused:
             self.variants[f"k={k}"] = self.jaxloop(f"k={k}", k, unroll=unroll)
