@@ -1,0 +1,346 @@
+"""`run` written the NNX way, as an NNX user writes it: the model as an nnx.Module, its
+optimizer as an nnx.Optimizer, nnx metrics; train and eval modes, dropout keys from the step,
+fused steps, every partitioner from NNX annotations, checkpoints and resume, the caller's
+model untouched, and errors that name the fix."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from models import toy_data
+
+from jaxloop import actions, data, eval_loop, outer_loop, partition, train_loop
+from jaxloop import step as step_lib
+from jaxloop.checkpointing import checkpoint
+
+
+class Net(nnx.Module):
+    """Dropout and BatchNorm; the dropout layer holds the RNG stream it was built with."""
+
+    def __init__(self, din=16, hidden=32, *, rngs, kernel_init=None, kernel_metadata=None):
+        init = kernel_init or nnx.initializers.lecun_normal()
+        self.dense1 = nnx.Linear(din, hidden, kernel_init=init, rngs=rngs,
+                                 kernel_metadata=kernel_metadata or {})
+        self.bn = nnx.BatchNorm(hidden, momentum=0.5, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.dense2 = nnx.Linear(hidden, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense2(self.drop(nnx.relu(self.bn(self.dense1(x)))))
+
+
+def loss_fn(model, batch):
+    logits = model(batch["x"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, logits
+
+
+class NnxStep(step_lib.Step):
+    def metrics(self):
+        return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+                               loss=nnx.metrics.Average("loss"))
+
+
+class TrainStep(NnxStep):
+    def run(self, model, optimizer, metrics, batch):
+        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        metrics.update(loss=loss, logits=logits, labels=batch["y"])
+        optimizer.update(model, grads)
+        return {"logits": logits}
+
+
+class EvalStep(NnxStep):
+    def run(self, model, metrics, batch):
+        loss, logits = loss_fn(model, batch)
+        metrics.update(loss=loss, logits=logits, labels=batch["y"])
+        return {"logits": logits}
+
+
+def train_step(model=None, **kwargs):
+    return TrainStep(jax.random.key(0), model or Net(rngs=nnx.Rngs(0)),
+                     optimizer=optax.adam(1e-2), train=True, **kwargs)
+
+
+def batches(n, size=32):
+    return [toy_data(size, seed=s) for s in range(n)]
+
+
+def leaves_equal(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(
+        jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)), strict=True))
+
+
+def test_run_gets_the_model_an_optimizer_and_metrics_and_trains():
+    step = train_step()
+    state = step.initialize_model([1, 16])
+    data = batches(1)[0]
+    first = None
+    for _ in range(25):
+        state, out = step(state, data)
+        first = first or float(out["loss"].compute())
+    assert int(state.step) == 25  # optimizer.update advanced the state's step
+    assert float(out["loss"].compute()) < 0.5 * first
+    assert 0.0 <= float(out["accuracy"].compute()) <= 1.0
+    # BatchNorm's running statistics are carried in the state, as a linen model's are.
+    assert not np.allclose(state.batch_stats["bn"]["mean"], 0)
+
+
+def test_train_mode_draws_fresh_masks_per_step_and_eval_mode_none():
+    step, evaluate = train_step(), EvalStep(jax.random.key(0), Net(rngs=nnx.Rngs(0)))
+    state = step.initialize_model([1, 16])
+    data = batches(1)[0]
+    frozen = TrainStep(jax.random.key(0), Net(rngs=nnx.Rngs(0)), optimizer=optax.sgd(0.0),
+                       train=True)
+    start = frozen.initialize_model([1, 16])
+    _, a = frozen(start, data)
+    _, b = frozen(start.replace(step=start.step + 1), data)
+    _, again = frozen(start, data)
+    # Train mode: the mask is a pure function of (base key, step).
+    assert not np.array_equal(a["logits"], b["logits"])
+    np.testing.assert_array_equal(a["logits"], again["logits"])
+    # Eval mode: no dropout, BatchNorm on its running averages (which eval leaves alone).
+    _, e1 = evaluate(state, data)
+    new_state, e2 = evaluate(state.replace(step=state.step + 1), data)
+    np.testing.assert_array_equal(e1["logits"], e2["logits"])
+    assert leaves_equal(new_state.batch_stats, state.batch_stats)
+    model = nnx.merge(*nnx.split(Net(rngs=nnx.Rngs(0))))
+    nnx.update(model, nnx.State({"dense1": state.params["dense1"],
+                                 "dense2": state.params["dense2"],
+                                 "bn": {**state.params["bn"], **state.batch_stats["bn"]}}))
+    model.eval()
+    np.testing.assert_allclose(e1["logits"], model(data["x"]), rtol=1e-5, atol=1e-5)
+    del step
+
+
+class RngsStep(NnxStep):
+    """Flax's tutorial way: the model holds no stream, run takes `rngs`."""
+
+    def run(self, model, optimizer, rngs, batch):
+        def loss(model, rngs):
+            return model(batch["x"], rngs).mean()
+
+        value, grads = nnx.value_and_grad(loss)(model, rngs)
+        optimizer.update(model, grads)
+        return {"loss": value}
+
+
+class CallDropout(nnx.Module):
+    def __init__(self, *, rngs):
+        self.dense = nnx.Linear(16, 32, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+        return self.drop(self.dense(x), rngs=rngs)
+
+
+def test_rngs_passed_to_run_come_from_the_steps_key_and_step():
+    def losses(seed):
+        step = RngsStep(jax.random.key(seed), CallDropout(rngs=nnx.Rngs(0)),
+                        optimizer=optax.sgd(0.0), train=True)
+        state = step.initialize_model([1, 16])
+        out = []
+        for _ in range(3):
+            state, o = step(state, toy_data(8))
+            out.append(float(o["loss"]))
+        return out
+
+    first = losses(0)
+    assert len(set(first)) == 3  # a new mask each step
+    assert losses(0) == first  # the same key and steps: the same masks
+    assert losses(1) != first
+
+
+def test_steps_per_execution_is_bit_identical_to_one_step_per_call():
+    data = batches(8)
+    results = {}
+    for k in (1, 4):
+        step = train_step()
+        loop = train_loop.TrainLoop(step, steps_per_execution=k)
+        state, out = loop(step.initialize_model([1, 16]), iter(data), num_steps=8)
+        results[k] = state, float(out["loss"].compute())
+    assert int(results[4][0].step) == 8
+    assert leaves_equal(results[1][0], results[4][0])
+    assert results[1][1] == results[4][1]
+
+
+def annotated(kind):
+    """The model's first kernel annotated the NNX way, on mesh axes: with_partitioning or
+    `sharding=` metadata."""
+    if kind == "with_partitioning":
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        return Net(64, 128, rngs=nnx.Rngs(0), kernel_init=init)
+    return Net(64, 128, rngs=nnx.Rngs(0), kernel_metadata={"sharding": (None, "model")})
+
+
+def partitioner(name):
+    devices = np.array(jax.devices())
+    if name == "single":
+        return partition.SingleDevicePartitioner()
+    if name == "dp":
+        return partition.DataParallelPartitioner(Mesh(devices, ("data",)))
+    if name == "fsdp":
+        return partition.FSDPPartitioner(Mesh(devices, ("data",)), min_weight_size=256)
+    rules = [("embed", None), ("mlp", "model")] if name == "spmd-logical" else None
+    return partition.SPMDPartitioner(Mesh(devices.reshape(4, 2), ("data", "model")),
+                                     logical_axis_rules=rules)
+
+
+def wide_data(n=3):
+    return [toy_data(32, din=64, seed=s) for s in range(n)]
+
+
+def losses_of(step):
+    state = step.initialize_model([1, 64])
+    out = []
+    for batch in wide_data():
+        state, o = step(state, batch)
+        out.append(float(o["loss"].compute()))
+    return state, out
+
+
+@functools.cache
+def single_device_losses():
+    return losses_of(TrainStep(jax.random.key(0), Net(64, 128, rngs=nnx.Rngs(0)),
+                               optimizer=optax.adam(1e-2), train=True))[1]
+
+
+@pytest.mark.parametrize("name", ["single", "dp", "fsdp", "spmd", "spmd-logical"])
+def test_every_partitioner_places_and_trains_an_nnx_native_step(name):
+    part = partitioner(name)
+    kwargs = {}
+    if name == "spmd":
+        with jax.set_mesh(part.mesh):  # nnx creates annotated variables in place
+            model = annotated("with_partitioning")
+    elif name == "spmd-logical":  # built by the step, under the partitioner's rules
+        model, kwargs = Net, {"nnx_model_args": (64, 128), "kernel_init": nnx.with_partitioning(
+            nnx.initializers.lecun_normal(), ("embed", "mlp"))}
+    else:
+        model = Net(64, 128, rngs=nnx.Rngs(0))
+    state, losses = losses_of(TrainStep(jax.random.key(0), model, optimizer=optax.adam(1e-2),
+                                        partitioner=part, train=True, **kwargs))
+    if name != "spmd-logical":  # the same initial values as the reference
+        np.testing.assert_allclose(losses, single_device_losses(), rtol=2e-4)
+    assert np.isfinite(losses).all()
+    kernel = state.params["dense1"]["kernel"]
+    moment = state.opt_state[0].mu["dense1"]["kernel"]
+    expected = {"single": P(), "dp": P(), "fsdp": P(None, "data"),
+                "spmd": P(None, "model"), "spmd-logical": P(None, "model")}[name]
+    assert kernel.sharding.spec == expected == moment.sharding.spec
+    assert kernel.sharding.mesh.size == (1 if name == "single" else 8)
+
+
+def test_sharding_metadata_places_like_with_partitioning():
+    part = partitioner("spmd")
+    with jax.set_mesh(part.mesh):
+        model = annotated("sharding")
+    state, losses = losses_of(TrainStep(jax.random.key(0), model, optimizer=optax.adam(1e-2),
+                                        partitioner=part, train=True))
+    assert state.params["dense1"]["kernel"].sharding.spec == P(None, "model")
+    assert np.isfinite(losses).all()
+
+
+def test_the_callers_model_is_never_changed_or_deleted():
+    model = Net(rngs=nnx.Rngs(0))
+    arrays = (nnx.Param, nnx.BatchStat)
+    before = jax.tree.map(np.array, nnx.state(model, arrays).to_pure_dict())
+    step = train_step(model)
+    loop = train_loop.TrainLoop(step)  # donates the states it produces
+    state, _ = loop(step.initialize_model([1, 16]), iter(batches(3)), num_steps=3)
+    step.compile(donate_argnums=(0,))  # every call consumes its state
+    state, _ = step(step.initialize_model([1, 16]), batches(1)[0])
+    after = nnx.state(model, arrays).to_pure_dict()
+    assert leaves_equal(before, after)
+    model.eval()
+    assert model(jnp.ones((2, 16))).shape == (2, 10)
+
+
+def test_checkpoint_and_resume_are_bit_identical(tmp_path):
+    examples = toy_data(192)
+
+    def run(total, directory):
+        step = train_step()
+        manager = checkpoint.make_manager(directory, max_to_keep=2)
+        loop = train_loop.TrainLoop(step, end_actions=[actions.CheckpointAction(manager)])
+        outer = outer_loop.OuterLoop(train_loop=loop,
+                                     checkpoint_spec=outer_loop.CheckpointSpec(directory),
+                                     progress=False)
+        dataset = data.GlobalBatchDataset(data.ArraySource(examples), 32, seed=3)
+        state, _ = outer(step.initialize_model([1, 16]), iter(dataset),
+                         train_total_steps=total, train_loop_steps=3)
+        manager.close()
+        return state
+
+    straight = run(6, tmp_path / "a")
+    run(3, tmp_path / "b")
+    resumed = run(6, tmp_path / "b")  # restarts from step 3's checkpoint
+    assert int(resumed.step) == 6
+    assert leaves_equal(resumed, straight)
+
+
+def test_history_eval_loops_and_a_linen_style_eval_step_see_the_nnx_state():
+    class LinenStyleEval(step_lib.Step):
+        def run(self, state, batch):
+            logits = state.apply_fn({"params": state.params, "batch_stats": state.batch_stats},
+                                    batch["x"])
+            return state, {"acc": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
+
+    step = train_step()
+    evaluate = EvalStep(jax.random.key(0), Net(rngs=nnx.Rngs(0)))
+    outer = outer_loop.OuterLoop(train_loop=train_loop.TrainLoop(step),
+                                 eval_loops=[eval_loop.EvalLoop(evaluate)], progress=False)
+    data = batches(4)
+    state, _ = outer(step.initialize_model([1, 16]), iter(data * 3), train_total_steps=12,
+                     train_loop_steps=6,
+                     eval_specs=[outer_loop.EvalSpec(dataset=data[:2], num_steps=2)])
+    names = outer.history.as_dict()["name"]
+    # The nnx metrics are merged over each train loop, as clu metrics are.
+    assert names.count("train/loss") == names.count("train/accuracy") == 2
+    assert names.count("eval/accuracy") == 2
+    linen_style = LinenStyleEval(jax.random.key(0), Net(rngs=nnx.Rngs(0)))
+    _, out = linen_style(state, data[0])
+    _, nnx_out = evaluate(state, data[0])
+    np.testing.assert_allclose(float(out["acc"]), float(nnx_out["accuracy"].compute()),
+                               rtol=1e-6)
+
+
+def test_a_linen_style_call_without_batch_stats_names_the_fix():
+    class ReadmeStep(step_lib.Step):  # the linen-style run, on an nnx model with BatchNorm
+        def run(self, state, batch):
+            def loss(params):
+                logits = state.apply_fn({"params": params}, batch["x"])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+            grads = jax.grad(loss)(state.params)
+            return state.apply_gradients(grads=grads), {}
+
+    step = ReadmeStep(jax.random.key(0), Net(rngs=nnx.Rngs(0)), optimizer=optax.sgd(0.1),
+                      train=True)
+    state = step.initialize_model([1, 16])
+    with pytest.raises(ValueError, match=r"BatchNorm statistics.*'batch_stats'.*"
+                                         r"mutable=\['batch_stats'\].*run\(self, model"):
+        step(state, batches(1)[0])
+
+
+def test_an_nnx_run_on_a_linen_module_names_the_fix():
+    import flax.linen as nn
+
+    step = TrainStep(jax.random.key(0), nn.Dense(10), optimizer=optax.sgd(0.1), train=True)
+    state = step.initialize_model([1, 16])
+    with pytest.raises(TypeError, match=r"linen module.*run\(self, state, batch\)"):
+        step(state, batches(1)[0])
+
+
+def test_an_nnx_run_that_names_the_state_names_the_fix():
+    class Mixed(step_lib.Step):
+        def run(self, model, state, batch):
+            return {}
+
+    step = Mixed(jax.random.key(0), Net(rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=r"names 'state'.*run\(self, state, batch\)"):
+        step(step.initialize_model([1, 16]), batches(1)[0])
