@@ -3,7 +3,10 @@ optimizer as an nnx.Optimizer, nnx metrics; train and eval modes, dropout keys f
 fused steps, every partitioner from NNX annotations, checkpoints and resume, the caller's
 model untouched, and errors that name the fix."""
 
+import difflib
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -344,3 +347,69 @@ def test_an_nnx_run_that_names_the_state_names_the_fix():
     step = Mixed(jax.random.key(0), Net(rngs=nnx.Rngs(0)))
     with pytest.raises(TypeError, match=r"names 'state'.*run\(self, state, batch\)"):
         step(step.initialize_model([1, 16]), batches(1)[0])
+
+
+# Flax's NNX MNIST tutorial (google/flax, docs_nnx/mnist_tutorial.md at v0.12.7, Apache-2.0):
+# its loss function and step functions as written there.
+TUTORIAL_STEPS = """
+def loss_fn(model: CNN, batch, rngs: nnx.Rngs | None = None):
+  logits = model(batch['image'], rngs)
+  loss = optax.softmax_cross_entropy_with_integer_labels(
+    logits=logits, labels=batch['label']
+  ).mean()
+  return loss, logits
+
+@nnx.jit
+def train_step(model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, rngs: nnx.Rngs, batch):
+  \"\"\"Train for a single step.\"\"\"
+  grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+  (loss, logits), grads = grad_fn(model, batch, rngs)
+  metrics.update(loss=loss, logits=logits, labels=batch['label'])  # In-place updates.
+  optimizer.update(model, grads)  # In-place updates.
+
+@nnx.jit
+def eval_step(model: CNN, metrics: nnx.MultiMetric, batch):
+  loss, logits = loss_fn(model, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch['label'])  # In-place updates.
+"""  # noqa: E501 (the tutorial's line lengths)
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "06_nnx.ipynb"
+
+
+def test_the_tutorials_steps_run_as_jaxloop_steps_changed_only_at_the_function_boundary():
+    cells = [c for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code"]
+    sources = ["".join(c["source"]) for c in cells]
+    port = next(s for s in sources if "class TrainStep" in s)
+
+    def lines(text):
+        return [line.strip() for line in text.strip().splitlines()]
+
+    diff = list(difflib.ndiff(lines(TUTORIAL_STEPS), lines(port)))
+    removed = [d[2:] for d in diff if d.startswith("- ")]
+    added = [d[2:] for d in diff if d.startswith("+ ")]
+    assert removed == [
+        "@nnx.jit",
+        "def train_step(model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, "
+        "rngs: nnx.Rngs, batch):",
+        "@nnx.jit",
+        "def eval_step(model: CNN, metrics: nnx.MultiMetric, batch):"]
+    assert added == [
+        "class TrainStep(DigitsSteps):",
+        "def run(self, model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, "
+        "rngs: nnx.Rngs, batch):",
+        "class EvalStep(DigitsSteps):",
+        "def run(self, model: CNN, metrics: nnx.MultiMetric, batch):"]
+
+    # The notebook's cells up to the port (data, model, metrics, steps), then a user's loop.
+    scope = {"__name__": "notebook"}
+    for source in sources[1:sources.index(port) + 1]:
+        exec(compile(source, str(NOTEBOOK), "exec"), scope)
+    train = scope["TrainStep"](jax.random.key(0), scope["CNN"](rngs=nnx.Rngs(0)),
+                               optimizer=optax.adamw(0.005, 0.9), train=True)
+    state, out = train_loop.TrainLoop(train)(train.initialize_model([1, 8, 8, 1]),
+                                             iter(scope["train_ds"]), num_steps=60)
+    evaluate = scope["EvalStep"](jax.random.key(0), scope["CNN"](rngs=nnx.Rngs(0)))
+    _, evaluated = eval_loop.EvalLoop(evaluate)(state, scope["test_ds"])
+    assert int(state.step) == 60
+    assert float(out["loss"].compute()) < 1.0
+    assert float(evaluated["accuracy"].compute()) > 0.85
