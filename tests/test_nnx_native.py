@@ -6,6 +6,7 @@ model untouched, and errors that name the fix."""
 import difflib
 import functools
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -413,3 +414,42 @@ def test_the_tutorials_steps_run_as_jaxloop_steps_changed_only_at_the_function_b
     assert int(state.step) == 60
     assert float(out["loss"].compute()) < 1.0
     assert float(evaluated["accuracy"].compute()) > 0.85
+
+
+def test_features_md_nnx_snippet_runs_and_its_stream_names_hold():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "features.md").read_text()
+    section = text.split("## nnx models\n", 1)[1].split("\n## ", 1)[0]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope = {"jax": jax, "nnx": nnx, "optax": optax, "step_lib": step_lib,
+             "CNN": lambda rngs: CallDropout(rngs=rngs),
+             "loss_fn": lambda model, batch, rngs: loss_fn(
+                 lambda x: model(x, rngs), {"x": batch["image"], "y": batch["label"]})}
+    exec(compile(snippet, "docs/features.md", "exec"), scope)
+    step = scope["step"]
+    state = step.initialize_model([1, 16])
+    batch = {"image": toy_data(16)["x"], "label": toy_data(16)["y"]}
+    for _ in range(2):
+        state, out = step(state, batch)
+    assert int(state.step) == 2 and np.isfinite(float(out["loss"].compute()))
+
+    # The linen way: a model built with nnx.Rngs(0) draws dropout from 'default'.
+    class LinenWay(step_lib.Step):
+        def run(self, state, batch):
+            return state, {"y": state.apply_fn({"params": state.params}, batch["x"],
+                                               rngs={self.stream: self.prng_key(state.step)})}
+
+    class Held(nnx.Module):
+        def __init__(self, *, rngs):
+            self.dense = nnx.Linear(16, 8, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.dense(x))
+
+    default = LinenWay(jax.random.key(0), Held(rngs=nnx.Rngs(0)), train=True)
+    default.stream = "default"
+    default(default.initialize_model([1, 16]), toy_data(8))
+    dropout = LinenWay(jax.random.key(0), Held(rngs=nnx.Rngs(0)), train=True)
+    dropout.stream = "dropout"
+    with pytest.raises(ValueError, match=r"\['default'\].*rngs=\{'default'"):
+        dropout(dropout.initialize_model([1, 16]), toy_data(8))

@@ -17,6 +17,14 @@ def test_quick_start_snippet_runs(capsys):
     assert int(step) == 200 and float(loss) < 0.3
 
 
+def test_nnx_snippet_runs(capsys):
+    section = README.read_text().split("## Flax NNX, the NNX way", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(snippet, "README.md", "exec"), {"__name__": "readme"})
+    step, accuracy = capsys.readouterr().out.split()
+    assert int(step) == 200 and float(accuracy) > 0.9
+
+
 def test_readme_keeps_exactly_two_setup_commands():
     setup = README.read_text().split("## Set-up", 1)[1].split("##", 1)[0]
     commands = re.search(r"```bash\n(.*?)```", setup, re.S).group(1).strip().splitlines()
