@@ -6,7 +6,12 @@ model untouched, and errors that name the fix."""
 import difflib
 import functools
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -453,3 +458,106 @@ def test_features_md_nnx_snippet_runs_and_its_stream_names_hold():
     dropout.stream = "dropout"
     with pytest.raises(ValueError, match=r"\['default'\].*rngs=\{'default'"):
         dropout(dropout.initialize_model([1, 16]), toy_data(8))
+
+
+# An NNX user's training script: checkpoints every loop of 5 steps and resumes from them when
+# run again; a slow action makes a kill land mid-run.
+KILL_JOB = """
+import hashlib, json, sys, time
+import jax, numpy as np, optax
+from flax import nnx
+from jaxloop import actions, data, outer_loop, train_loop
+from jaxloop import step as step_lib
+from jaxloop.checkpointing import checkpoint
+
+
+class Net(nnx.Module):
+    def __init__(self, *, rngs):
+        self.dense1 = nnx.Linear(16, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.dense2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense2(self.drop(nnx.relu(self.bn(self.dense1(x)))))
+
+
+class TrainStep(step_lib.Step):
+    def run(self, model, optimizer, batch):
+        def loss_fn(model):
+            logits = model(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return {"loss": loss}
+
+
+class Log(actions.Action):
+    def __call__(self, state, outputs, **kwargs):
+        with open(sys.argv[2] + ".steps", "a") as f:
+            f.write(f"{int(state.step)}\\n")
+        time.sleep(float(sys.argv[3]))
+
+
+workdir, result = sys.argv[1], sys.argv[2]
+with open(result + ".steps", "a") as f:
+    f.write("start\\n")
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 16)).astype(np.float32)
+examples = {"x": x, "y": np.argmax(x @ rng.normal(size=(16, 10)), -1).astype(np.int32)}
+step = TrainStep(jax.random.key(0), Net(rngs=nnx.Rngs(0)), optimizer=optax.adam(1e-2),
+                 train=True)
+manager = checkpoint.make_manager(workdir, max_to_keep=3)
+loop = train_loop.TrainLoop(step, end_actions=[actions.CheckpointAction(manager), Log()])
+outer = outer_loop.OuterLoop(train_loop=loop, checkpoint_spec=outer_loop.CheckpointSpec(workdir),
+                             progress=False)
+state, _ = outer(step.initialize_model([1, 16]),
+                 iter(data.GlobalBatchDataset(data.ArraySource(examples), 32, seed=3)),
+                 train_total_steps=30, train_loop_steps=5)
+manager.wait_until_finished()
+manager.close()
+digest = hashlib.sha256()
+for leaf in jax.tree.leaves(jax.device_get((state.params, state.batch_stats, state.opt_state))):
+    digest.update(np.asarray(leaf).tobytes())
+with open(result, "w") as f:
+    json.dump({"step": int(state.step), "fingerprint": digest.hexdigest()}, f)
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_mid_run_then_rerun_resumes_bit_identical(tmp_path):
+    job = tmp_path / "job.py"
+    job.write_text(KILL_JOB)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+
+    def start(name, delay):
+        return subprocess.Popen(
+            [sys.executable, str(job), str(tmp_path / name), str(tmp_path / f"{name}.json"),
+             str(delay)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def finish(proc):
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+
+    def result(name):
+        return json.loads((tmp_path / f"{name}.json").read_text())
+
+    finish(start("straight", 0))
+    killed = start("killed", 0.3)
+    deadline = time.monotonic() + 240
+    while not any(p.name.isdigit() and int(p.name) >= 10
+                  for p in (tmp_path / "killed").glob("*")):
+        assert killed.poll() is None and time.monotonic() < deadline, "no checkpoint written"
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate(timeout=60)
+    assert not (tmp_path / "killed.json").exists()  # it died before the end
+    finish(start("killed", 0))  # the same command again resumes
+    runs = (tmp_path / "killed.json.steps").read_text().split("start")[1:]
+    assert len(runs) == 2
+    first_loop_of_rerun = int(runs[1].split()[0])
+    assert first_loop_of_rerun > 10  # it started from a checkpoint, not from scratch
+    assert result("killed") == result("straight")
+    assert result("straight")["step"] == 30
