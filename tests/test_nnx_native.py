@@ -291,6 +291,24 @@ def test_checkpoint_and_resume_are_bit_identical(tmp_path):
     assert int(resumed.step) == 6
     assert leaves_equal(resumed, straight)
 
+    # Continuous evaluation of the checkpoints with an NNX-native eval step (which restores
+    # no optimizer state).
+    class Seen(actions.Action):
+        seen = []
+
+        def __call__(self, state, outputs, **kwargs):
+            self.seen.append((int(state.step), float(outputs["accuracy"].compute())))
+
+    evaluate = EvalStep(jax.random.key(0), Net(rngs=nnx.Rngs(0)))
+    evaluator = outer_loop.OuterLoop(
+        eval_loops=[eval_loop.EvalLoop(evaluate, end_actions=[Seen()])], progress=False,
+        checkpoint_spec=outer_loop.CheckpointSpec(tmp_path / "b", iterate_stop_fn=lambda: True))
+    evaluator(evaluate.initialize_model([1, 16]),
+              eval_specs=[outer_loop.EvalSpec([toy_data(64, seed=9)])])
+    assert [s for s, _ in Seen.seen] == [3, 6]
+    _, direct = evaluate(resumed, toy_data(64, seed=9))
+    assert Seen.seen[-1][1] == float(direct["accuracy"].compute())
+
 
 def test_history_eval_loops_and_a_linen_style_eval_step_see_the_nnx_state():
     class LinenStyleEval(step_lib.Step):
@@ -343,6 +361,12 @@ def test_an_nnx_run_on_a_linen_module_names_the_fix():
     state = step.initialize_model([1, 16])
     with pytest.raises(TypeError, match=r"linen module.*run\(self, state, batch\)"):
         step(state, batches(1)[0])
+
+
+def test_a_dtype_policy_on_an_nnx_run_names_the_fix():
+    step = train_step(dtype_policy="bfloat16")
+    with pytest.raises(ValueError, match=r"dtype_policy.*set\s+dtype= .*nnx layers"):
+        step(step.initialize_model([1, 16]), batches(1)[0])
 
 
 def test_an_nnx_run_that_names_the_state_names_the_fix():
