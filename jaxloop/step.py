@@ -247,7 +247,8 @@ class Step(step_state.StepState):
         return state, batch
 
     def run(self, state: State, batch: Batch) -> tuple[State, Output | None]:
-        """The computation for one batch; traced and compiled. Override this."""
+        """The computation for one batch; traced and compiled. Override this. (A `run` that
+        takes ``model`` first gets an nnx.Module: `jaxloop.state.nnx_step`.)"""
         raise NotImplementedError("Subclasses of Step must implement run(state, batch)")
 
     def _run_in_mode(self, state: State, batch: Batch, *args: Any,

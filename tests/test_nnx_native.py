@@ -585,3 +585,10 @@ def test_kill_9_mid_run_then_rerun_resumes_bit_identical(tmp_path):
     assert first_loop_of_rerun > 10  # it started from a checkpoint, not from scratch
     assert result("killed") == result("straight")
     assert result("straight")["step"] == 30
+
+
+def test_an_eval_step_of_another_model_names_the_mismatch():
+    state = train_step().initialize_model([1, 16])
+    other = EvalStep(jax.random.key(0), CallDropout(rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"do not fit CallDropout's variables"):
+        other(state, batches(1)[0])

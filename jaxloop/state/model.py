@@ -187,7 +187,13 @@ class NnxAdapter(ModelAdapter):
                 "state.apply_gradients(grads=grads, batch_stats=updates['batch_stats']). "
                 "Or write run the NNX way, run(self, model, optimizer, batch), and call "
                 "model(x) (docs/features.md, 'NNX models').")
-        return nnx.merge(self._graphdef, variables["params"], stats, self._placeholder_rngs())
+        try:
+            return nnx.merge(self._graphdef, variables["params"], stats,
+                             self._placeholder_rngs())
+        except ValueError as e:
+            raise ValueError(
+                f"The state's params / batch_stats do not fit {self.model_name}'s variables "
+                f"(was the state built from another model?): {e}") from e
 
     @staticmethod
     def split(model: nnx.Module) -> Variables:
