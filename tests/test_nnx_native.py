@@ -189,8 +189,6 @@ def annotated(kind):
 
 def partitioner(name):
     devices = np.array(jax.devices())
-    if name == "single":
-        return partition.SingleDevicePartitioner()
     if name == "dp":
         return partition.DataParallelPartitioner(Mesh(devices, ("data",)))
     if name == "fsdp":
@@ -219,7 +217,7 @@ def single_device_losses():
                                optimizer=optax.adam(1e-2), train=True))[1]
 
 
-@pytest.mark.parametrize("name", ["single", "dp", "fsdp", "spmd", "spmd-logical"])
+@pytest.mark.parametrize("name", ["dp", "fsdp", "spmd", "spmd-logical"])
 def test_every_partitioner_places_and_trains_an_nnx_native_step(name):
     part = partitioner(name)
     kwargs = {}
@@ -238,10 +236,10 @@ def test_every_partitioner_places_and_trains_an_nnx_native_step(name):
     assert np.isfinite(losses).all()
     kernel = state.params["dense1"]["kernel"]
     moment = state.opt_state[0].mu["dense1"]["kernel"]
-    expected = {"single": P(), "dp": P(), "fsdp": P(None, "data"),
+    expected = {"dp": P(), "fsdp": P(None, "data"),
                 "spmd": P(None, "model"), "spmd-logical": P(None, "model")}[name]
     assert kernel.sharding.spec == expected == moment.sharding.spec
-    assert kernel.sharding.mesh.size == (1 if name == "single" else 8)
+    assert kernel.sharding.mesh.size == 8
 
 
 def test_sharding_metadata_places_like_with_partitioning():
