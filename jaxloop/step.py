@@ -37,7 +37,7 @@ from jaxloop.engine import ownership, staging, step_actions
 from jaxloop.engine import program as program_lib
 from jaxloop.recipes import precision as precision_lib
 from jaxloop.state import model as model_lib
-from jaxloop.state import model_state, specs, step_state
+from jaxloop.state import model_state, nnx_step, specs, step_state
 from jaxloop.state import sown as sown_lib
 
 Batch = types.Batch
@@ -271,11 +271,14 @@ class Step(step_state.StepState):
         return state, batch
 
     def run(self, state: State, batch: Batch) -> tuple[State, Output | None]:
-        """The computation for one batch; traced and compiled. Override this."""
+        """The computation for one batch; traced and compiled. Override this. (A `run` that
+        takes ``model`` first gets an nnx.Module: `jaxloop.state.nnx_step`.)"""
         raise NotImplementedError("Subclasses of Step must implement run(state, batch)")
 
     def _run_in_mode(self, state: State, batch: Batch, *args: Any,
                      **kwargs: Any) -> tuple[State, Output | None]:
+        if nnx_step.takes_model(self.run):  # run(self, model, ...): the NNX way
+            return nnx_step.run(self, self._state_builder.adapter, state, batch, *args, **kwargs)
         # nnx models follow this step's mode while `run` is traced.
         with model_lib.training_mode(self._train):
             if not self._sown:
