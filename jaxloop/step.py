@@ -149,9 +149,11 @@ class Step(step_state.StepState):
         return jax.random.fold_in(self._base_prng, step)
 
     def compile(self, **jit_kwargs: Any) -> program_lib.Program:
-        """Jits `run` with `jit_kwargs` for `jax.jit`; returns the program ``step(state,
-        batch)`` runs. ``donate_argnums=(0,)`` consumes the state of every call; otherwise a
-        training step donates only inside a loop (`donating_state`)."""
+        """Jits `run` with `jit_kwargs` for `jax.jit` (through the partitioner's `partition`);
+        returns the program ``step(state, batch)`` runs. ``donate_argnums=(0,)`` consumes the
+        state of every call; otherwise a training step donates only inside a loop
+        (`donating_state`). ``out_shardings`` places `run`'s outputs (a sharding, or the
+        pair ``(state's, outputs')``): the state keeps the partitioner's shardings."""
         self._jit_kwargs = dict(jit_kwargs)
         self._programs = {}
         return self._program()
