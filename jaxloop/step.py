@@ -55,11 +55,6 @@ is_abstract = model_state.is_abstract
 _IDENTITY = optax.identity()
 
 
-def _index(tree: Any, i: int) -> Any:
-    # A static slice: `x[i]` would send the index to the devices first.
-    return jax.tree.map(lambda x: jax.lax.index_in_dim(x, i, keepdims=False), tree)
-
-
 class Step(step_state.StepState):
     """One batch of training or evaluation. Subclass and override `run`.
 
@@ -307,9 +302,12 @@ class Step(step_state.StepState):
         # Without a user `begin` (which sees them stacked) the program stacks the k batches.
         separate = type(self).begin is Step.begin
         ready = [b.batch if isinstance(b, PreparedBatch)
-                 else self.shard_batch(self.preprocess_batch(b))
-                 if custom or (separate and place_first)
+                 else self.shard_batch(self.preprocess_batch(b)) if custom
                  else self.preprocess_batch(b) for b in batches]
+        if separate and self._should_shard_batch and not custom:
+            # Placed here in one call, so the padding repeats a placed batch (moves nothing)
+            # and every count's arguments are arrays alike (one program).
+            ready = list(self.shard_batch(tuple(ready)))
         stacked = (staging.padded(ready, size) if separate else
                    staging.stack(ready, size, self._partitioner, place_it=place_first))
         if self._begin_actions and any(action_fires(a, first, True) for a in self._begin_actions):
@@ -323,5 +321,6 @@ class Step(step_state.StepState):
         state = new_state if carry_state else state
         state, outputs = self.end(state, outputs)
         if self._end_actions:
-            step_actions.fire(self._end_actions, False, last, state, _index(outputs, count - 1))
+            step_actions.fire(self._end_actions, False, last, state,
+                              staging.entry(outputs, count - 1))
         return state, outputs

@@ -1,5 +1,6 @@
 """Batches made ready for a step's program: placed along the data axis (`place`), stacked for
-fused steps (`stack`), and an execution's stacked outputs split per step (`unstack`).
+fused steps (`stack`), and an execution's stacked outputs split per step (`unstack`,
+`entry`).
 """
 
 from __future__ import annotations
@@ -124,17 +125,26 @@ def padded(batches: Sequence[Batch], size: int) -> tuple[Batch, ...]:
 def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool = False
           ) -> Batch:
     """Stacks `batches` (preprocessed, of one layout) on a new leading axis of `size`, the
-    entries past them repeating the last. Host batches are stacked on the host (placed with
-    `place_it`), placed ones on the devices."""
+    entries past them repeating the last. `size` host batches are stacked on the host
+    (placed with `place_it`); with `place_it` fewer are placed as they are and stacked on
+    the devices (the padding is not moved), as placed ones are."""
     full = padded(batches, size)
+    if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(full[0])):
+        if len(batches) == size or not place_it:
+            stacked = jax.tree.map(lambda *xs: np.stack(xs), *full)
+            return partitioner.shard_stacked_batch(stacked) if place_it else stacked
+        full = padded(place(partitioner, tuple(batches)), size)
     leaves, treedef = jax.tree_util.tree_flatten(full[0])
-    if not any(isinstance(x, jax.Array) for x in leaves):
-        stacked = jax.tree.map(lambda *xs: np.stack(xs), *full)
-        return partitioner.shard_stacked_batch(stacked) if place_it else stacked
     rule = jax.tree.leaves(batch_shardings(partitioner, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)), x.dtype), full[0]),
         stacked=True))
     return _device_stacker(treedef, tuple(rule))(list(full))
+
+
+def entry(stacked: Any, index: int) -> Any:
+    """Step `index` of an execution's stacked outputs (a static slice: ``x[i]`` would send
+    the index to the devices first)."""
+    return jax.tree.map(lambda x: jax.lax.index_in_dim(x, index, keepdims=False), stacked)
 
 
 @jax.jit
