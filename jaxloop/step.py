@@ -304,11 +304,7 @@ class Step(step_state.StepState):
         ready = [b.batch if isinstance(b, PreparedBatch)
                  else self.shard_batch(self.preprocess_batch(b)) if custom
                  else self.preprocess_batch(b) for b in batches]
-        if separate and self._should_shard_batch and not custom:
-            # Placed here in one call, so the padding repeats a placed batch (moves nothing)
-            # and every count's arguments are arrays alike (one program).
-            ready = list(self.shard_batch(tuple(ready)))
-        stacked = (staging.padded(ready, size) if separate else
+        stacked = (staging.padded(ready, size, moved_once=True) if separate else
                    staging.stack(ready, size, self._partitioner, place_it=place_first))
         if self._begin_actions and any(action_fires(a, first, True) for a in self._begin_actions):
             step_actions.fire(self._begin_actions, True, first, state,

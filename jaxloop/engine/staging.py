@@ -109,9 +109,12 @@ def _device_stacker(treedef: Any, shardings: tuple) -> Any:
                    out_shardings=jax.tree_util.tree_unflatten(treedef, list(shardings)))
 
 
-def padded(batches: Sequence[Batch], size: int) -> tuple[Batch, ...]:
+def padded(batches: Sequence[Batch], size: int, moved_once: bool = False
+           ) -> tuple[Batch, ...]:
     """`batches` and repeats of the last, `size` in all (``padded([b1, b2], 3) == (b1, b2,
-    b2)``), so one program serves every count; BatchLayoutError unless of one layout."""
+    b2)``), so one program serves every count; BatchLayoutError unless of one layout. With
+    `moved_once`, a last host batch that repeats is moved to the devices once: the padding
+    moves nothing more."""
     if not 0 < len(batches) <= size:
         raise ValueError(f"an execution takes 1 to {size} batches, got {len(batches)}")
     layouts = {batch_layout(b) for b in batches}
@@ -119,21 +122,27 @@ def padded(batches: Sequence[Batch], size: int) -> tuple[Batch, ...]:
         raise BatchLayoutError(
             f"Batches run in one execution must share one layout (tree structure and "
             f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}")
-    return (*batches, *[batches[-1]] * (size - len(batches)))
+    last = batches[-1]
+    if moved_once and len(batches) < size and not all(
+            isinstance(x, jax.Array) for x in jax.tree.leaves(last)):
+        # Uncommitted (no sharding given): jit then places it as it places a host batch,
+        # in the same program; a committed array would make jit compile another.
+        last = jax.device_put(last)
+    return (*batches[:-1], *[last] * (size - len(batches) + 1))
 
 
 def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool = False
           ) -> Batch:
     """Stacks `batches` (preprocessed, of one layout) on a new leading axis of `size`, the
     entries past them repeating the last. `size` host batches are stacked on the host
-    (placed with `place_it`); with `place_it` fewer are placed as they are and stacked on
-    the devices (the padding is not moved), as placed ones are."""
-    full = padded(batches, size)
-    if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(full[0])):
-        if len(batches) == size or not place_it:
+    (placed with `place_it`); with `place_it` fewer are stacked on the devices, each moved
+    there once (the padding is not moved), as placed ones are."""
+    if len(batches) == size or not place_it:
+        full = padded(batches, size)
+        if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(full[0])):
             stacked = jax.tree.map(lambda *xs: np.stack(xs), *full)
             return partitioner.shard_stacked_batch(stacked) if place_it else stacked
-        full = padded(place(partitioner, tuple(batches)), size)
+    full = padded(batches, size, moved_once=True)
     leaves, treedef = jax.tree_util.tree_flatten(full[0])
     rule = jax.tree.leaves(batch_shardings(partitioner, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)), x.dtype), full[0]),
