@@ -302,7 +302,8 @@ class Step(step_state.StepState):
         # Without a user `begin` (which sees them stacked) the program stacks the k batches.
         separate = type(self).begin is Step.begin
         ready = [b.batch if isinstance(b, PreparedBatch)
-                 else self.shard_batch(self.preprocess_batch(b)) if custom
+                 else self.shard_batch(self.preprocess_batch(b))
+                 if custom or (separate and place_first)
                  else self.preprocess_batch(b) for b in batches]
         stacked = (staging.padded(ready, size, moved_once=True) if separate else
                    staging.stack(ready, size, self._partitioner, place_it=place_first))
