@@ -67,7 +67,7 @@ import numpy as np
 import optax
 from jax.experimental import io_callback
 
-from jaxloop import actions, outer_loop, step, train_loop
+from jaxloop import actions, eval_loop, outer_loop, step, train_loop
 
 # -- the device's sleep ----------------------------------------------------------------------
 
@@ -335,6 +335,94 @@ def with_jaxloop(jaxloop_step: step.Step, batches: list[dict], loop_steps: int,
     return run
 
 
+def eval_fn_of(device_sleep: Callable[[jax.Array], jax.Array]) -> Callable[[Any, dict], Any]:
+    """An evaluation step whose device time is `device_sleep`; a batch's `mask` (where it
+    has one) weights the loss."""
+
+    def eval_fn(state: Any, batch: dict) -> tuple[Any, dict]:
+        errors = jnp.mean((state.apply_fn({"params": state.params}, batch["x"])
+                           - batch["y"]) ** 2, axis=-1)
+        mask = batch.get("mask", jnp.ones_like(errors))
+        loss = jnp.sum(errors * mask) / jnp.sum(mask)
+        return state, {"loss": loss + device_sleep(loss)}
+
+    return eval_fn
+
+
+class SleepEvalStep(step.Step):
+    """A jaxloop evaluation Step running `eval_fn`."""
+
+    def __init__(self, eval_fn: Callable[[Any, dict], Any]):
+        super().__init__(jax.random.key(0), nn.Dense(16))
+        self._eval_fn = eval_fn
+
+    def run(self, state: Any, batch: dict) -> tuple[Any, Any]:
+        return self._eval_fn(state, batch)
+
+
+def add_alternating_eval(windows: dict[str, Window], pairs: dict[str, tuple[str, float]],
+                         loops: dict[str, int], device_sleep: Callable, batches: list[dict],
+                         length: int) -> None:
+    """An evaluation of `length` batches at a time, alternating a dataset whose batches carry
+    a `mask` with one whose batches do not: ``EvalLoop(step)(state, batches, num_steps=
+    length)`` ÷ ``jax.jit(eval_fn)`` called over the same batches, outputs kept. Each window
+    ends waiting for its last loss (an evaluation leaves the state as it is)."""
+    masked = [dict(b, mask=np.ones(len(b["x"]), np.float32)) for b in batches]
+    datasets = (batches, masked)
+    eval_fn = eval_fn_of(device_sleep)
+    evaluate = jax.jit(eval_fn)
+    loop = eval_loop.EvalLoop(SleepEvalStep(eval_fn))
+
+    def hand(state: Any, first: int, n: int) -> Any:
+        kept = []
+        for i in range(0, n, length):
+            for batch in cycle(datasets[i // length % 2], min(length, n - i)):
+                kept.append(evaluate(state, batch)[1])
+        jax.block_until_ready(kept[-1])
+        return state
+
+    def jaxloop_eval(state: Any, first: int, n: int) -> Any:
+        for i in range(0, n, length):
+            _, outputs = loop(state, cycle(datasets[i // length % 2], min(length, n - i)))
+        jax.block_until_ready(outputs["loss"][-1])
+        return state
+
+    windows["hand-written eval"] = hand
+    name = f"eval of {length}, two structures"
+    windows[name] = jaxloop_eval
+    pairs[name] = ("hand-written eval", 0.98)
+    loops[name] = loops["hand-written eval"] = length
+
+
+def add_fused_with_step_action(windows: dict[str, Window], pairs: dict[str, tuple[str, float]],
+                               loops: dict[str, int], step_fn: Callable, batches: list[dict],
+                               length: int) -> None:
+    """``OuterLoop(TrainLoop(step, steps_per_execution=16), progress=False)`` in loops of
+    `length`, the step with an end action every 5 steps (it keeps the outputs it is given,
+    reading nothing): executions of 5 steps. ÷ the hand-written loop with outputs."""
+
+    class KeepOutputs:
+        interval = 5
+
+        def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
+            self.outputs = outputs
+
+    fused = SleepStep(step_fn)
+    fused.end_actions.append(KeepOutputs())
+    outer = outer_loop.OuterLoop(train_loop.TrainLoop(fused, steps_per_execution=16),
+                                 progress=False)
+
+    def run(state: Any, first: int, n: int) -> Any:
+        state, _ = outer(state, cycle(batches, n), train_total_steps=first + n,
+                         train_loop_steps=length, log_train_total_steps=False)
+        return state
+
+    name = f"k=16, step action every 5, loops of {length}"
+    windows[name] = run
+    pairs[name] = ("hand-written, outputs", 0.98)
+    loops[name] = length
+
+
 def build(device_sleep: Callable, loop_lengths: list[int]
           ) -> tuple[dict[str, Window], dict[str, tuple[str, float]], dict[str, int],
                      Callable[[], Any]]:
@@ -363,6 +451,8 @@ def build(device_sleep: Callable, loop_lengths: list[int]
         pairs[name] = (reference, 0.97)
         loops[name] = loops[reference] = length
 
+    add_alternating_eval(windows, pairs, loops, device_sleep, batches, loop_lengths[0])
+    add_fused_with_step_action(windows, pairs, loops, with_out, batches, loop_lengths[-1])
     first = steps[True].initialize_model([1, 16])
 
     def fresh_state() -> Any:

@@ -261,8 +261,11 @@ class Loop:
             size=self._steps_per_execution, **kwargs)
         if return_state_from_step:
             state = new_state
-        per_step = [None] * count if stacked is None else staging.unstack(stacked)[:count]
         self._in_flight.add(in_flight.token(self._step, stacked, new_state))
+        if isinstance(stacked, dict) and type(self).update_outputs is Loop.update_outputs:
+            # Kept stacked: a step's entry is sliced off when something reads it.
+            return state, outputs.extend_stacked(loop_outputs, stacked, count), count
+        per_step = [None] * count if stacked is None else staging.unstack(stacked)[:count]
         for step_outputs in per_step:
             loop_outputs = self.update_outputs(loop_outputs, step_outputs)
         return state, loop_outputs, count

@@ -56,11 +56,6 @@ is_abstract = model_state.is_abstract
 _IDENTITY = optax.identity()
 
 
-def _index(tree: Any, i: int) -> Any:
-    # A static slice: `x[i]` would send the index to the devices first.
-    return jax.tree.map(lambda x: jax.lax.index_in_dim(x, i, keepdims=False), tree)
-
-
 class Step(step_state.StepState):
     """One batch of training or evaluation. Subclass and override `run`.
 
@@ -151,9 +146,11 @@ class Step(step_state.StepState):
         return jax.random.fold_in(self._base_prng, step)
 
     def compile(self, **jit_kwargs: Any) -> program_lib.Program:
-        """Jits `run` with `jit_kwargs` for `jax.jit`; returns the program ``step(state,
-        batch)`` runs. ``donate_argnums=(0,)`` consumes the state of every call; otherwise a
-        training step donates only inside a loop (`donating_state`)."""
+        """Jits `run` with `jit_kwargs` for `jax.jit` (through the partitioner's `partition`);
+        returns the program ``step(state, batch)`` runs. ``donate_argnums=(0,)`` consumes the
+        state of every call; otherwise a training step donates only inside a loop
+        (`donating_state`). ``out_shardings`` places `run`'s outputs (a sharding, or the
+        pair ``(state's, outputs')``): the state keeps the partitioner's shardings."""
         self._jit_kwargs = dict(jit_kwargs)
         self._programs = {}
         return self._program()
@@ -337,7 +334,7 @@ class Step(step_state.StepState):
                  else self.shard_batch(self.preprocess_batch(b))
                  if custom or (separate and place_first)
                  else self.preprocess_batch(b) for b in batches]
-        stacked = (staging.padded(ready, size) if separate else
+        stacked = (staging.padded(ready, size, moved_once=True) if separate else
                    staging.stack(ready, size, self._partitioner, place_it=place_first))
         if self._begin_actions and any(action_fires(a, first, True) for a in self._begin_actions):
             step_actions.fire(self._begin_actions, True, first, state,
@@ -353,5 +350,6 @@ class Step(step_state.StepState):
         state = new_state if carry_state else state
         state, outputs = self._hook(self.end, state, outputs)
         if self._end_actions:
-            step_actions.fire(self._end_actions, False, last, state, _index(outputs, count - 1))
+            step_actions.fire(self._end_actions, False, last, state,
+                              staging.entry(outputs, count - 1))
         return state, outputs

@@ -216,7 +216,8 @@ def test_fused_runs_equal_single_steps_and_compile_nothing_after_the_first_loop(
         tl = train_loop_lib.TrainLoop(step, steps_per_execution=spe)
         data = forever()
         with counting_compiles() as first:
-            state, _ = tl(state, data, num_steps=192)  # a multiple of 16, then others
+            state, outputs = tl(state, data, num_steps=192)  # a multiple of 16, then others
+            assert len(list(outputs["loss"])) == 192  # read, as the later loops' are
         losses = []
         with counting_compiles() as later:
             for num_steps in (200, 200, 37, 5, 16, 1):
@@ -367,6 +368,84 @@ def test_stacked_batches_are_placed_like_their_steps():
     bad = {"x": np.zeros((4, 12, 16), np.float32)}
     with pytest.raises(ValueError, match=r"\['x'\] has shape \(4, 12, 16\) \(4 stacked"):
         part.shard_stacked_batch(bad)
+
+
+class MovedBytes(partition.DataParallelPartitioner):
+    """Counts the batch bytes each compiled call moves to the devices: host leaves given to
+    the program (jit copies each, a repeat too) and each distinct placed array (placed once),
+    through the partitioner's `partition` hook; and the rows `shard_stacked_batch` places."""
+
+    def __init__(self):
+        super().__init__(Mesh(np.array(jax.devices()), ("data",)), "data")
+        self.moved, self.stacked_rows = [], 0
+
+    def partition(self, fn, **jit_kwargs):
+        jitted = super().partition(fn, **jit_kwargs)
+
+        def measured(state, batches, *args):
+            leaves = jax.tree.leaves(batches)
+            placed = {id(x): x for x in leaves if isinstance(x, jax.Array)}
+            self.moved.append(sum(x.nbytes for x in leaves if isinstance(x, np.ndarray))
+                              + sum(x.nbytes for x in placed.values()))
+            return jitted(state, batches, *args)
+
+        return measured
+
+    def shard_stacked_batch(self, batch):
+        self.stacked_rows += len(jax.tree.leaves(batch)[0])
+        return super().shard_stacked_batch(batch)
+
+
+class StackedBeginStep(ClassifierStep):
+    """A step with its own `begin`, which sees an execution's batches stacked."""
+
+    def begin(self, state, batch):
+        return state, batch
+
+
+@pytest.mark.parametrize("step_cls", [ClassifierStep, StackedBeginStep])
+def test_a_partial_execution_moves_only_its_own_batches(step_cls):
+    batch_bytes = sum(x.nbytes for x in jax.tree.leaves(BATCHES[0]))
+    results = {}
+    for spe in (1, 16):
+        part = MovedBytes()
+        step = step_cls(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
+                        partitioner=part, train=True)
+        tl = train_loop_lib.TrainLoop(step, steps_per_execution=spe)
+        # 16 + 3 steps: a full execution, then one of 3 that the program runs as 16.
+        results[spe] = tl(step.initialize_model([1, 16]), forever(), num_steps=19)
+    if step_cls is ClassifierStep:
+        assert part.moved == [16 * batch_bytes, 3 * batch_bytes]
+    else:  # stacked on the host and placed for the full one; the 3 placed as they are
+        assert part.stacked_rows == 16
+    (state1, out1), (state16, out16) = results[1], results[16]
+    jax.tree.map(np.testing.assert_array_equal, host(state1.params), host(state16.params))
+    assert_same_outputs(out1, out16)
+
+
+def test_fused_outputs_stay_stacked_until_read():
+    step = make_step()
+    state = step.initialize_model([1, 16])
+    _, plain = train_loop_lib.TrainLoop(make_step(), steps_per_execution=1)(
+        state, forever(), num_steps=37)
+    tl = train_loop_lib.TrainLoop(step, steps_per_execution=16)
+    gc.collect()
+    before = len(jax.live_arrays())
+    state, outputs = tl(state, forever(), num_steps=37)  # executions of 16, 16 and 5
+    gc.collect()
+    # Three stacked arrays per key, not 37 per-step ones, plus the state's.
+    assert len(jax.live_arrays()) - before < 3 * len(outputs) + len(jax.tree.leaves(state))
+    losses = outputs["loss"]
+    assert len(losses) == 37 and isinstance(losses, list)
+    np.testing.assert_array_equal(np.asarray(losses[36]), np.asarray(plain["loss"][36]))
+    np.testing.assert_array_equal(np.asarray(losses[-20]), np.asarray(plain["loss"][17]))
+    with pytest.raises(IndexError):
+        losses[37]
+    assert [float(x) for x in losses] == [float(x) for x in plain["loss"]]
+    assert_same_outputs(outputs, plain)
+    assert float(np.mean(outputs["accuracy"])) == float(np.mean(plain["accuracy"]))
+    host_lists = jax.device_get(outputs)
+    assert isinstance(host_lists["loss"][0], np.ndarray) and len(host_lists["loss"]) == 37
 
 
 # -- no hidden per-step host sync ----------------------------------------------------------

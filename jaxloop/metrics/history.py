@@ -20,6 +20,7 @@ import jax
 
 from jaxloop import types
 from jaxloop.engine import host_count, metric_values
+from jaxloop.engine import outputs as outputs_lib
 from jaxloop.engine.action import Action
 
 TRAIN = "train"
@@ -113,7 +114,7 @@ class History:
         """Records a loop's scalar outputs under ``prefix/<key>`` without waiting for the
         device: a per-step list of ``step - first_step`` values gives one value per step,
         any other scalar output (weighted per step by `weights`) one value at `step`."""
-        scalars = {k: _stacked(list(v)) if type(v) is list else v
+        scalars = {k: _stacked(list(v)) if type(v) in (list, outputs_lib.StepList) else v
                    for k, v in (outputs or {}).items()
                    if not k.startswith(_STATS_PREFIX) and _scalar_like(v)}
         if weights:  # under a name no recorded output has (stats are left out)
