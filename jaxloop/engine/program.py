@@ -158,8 +158,10 @@ class Program:
 
     def _batch_shardings_of(self, batch: PyTree, stacked: bool) -> PyTree:
         rule = self._partitioner.batch_shardings(batch, stacked=stacked)
+        # An uncommitted array (a plain `jax.device_put`) goes where the rule says.
         return jax.tree.map(
             lambda x, s: x.sharding if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+            and getattr(x, "committed", True)
             and isinstance(getattr(x, "sharding", None), jax.sharding.Sharding) else s,
             batch, rule,
         )
