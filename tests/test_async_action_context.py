@@ -62,6 +62,31 @@ def test_first_failure_is_raised_with_a_note_then_all_are_forgotten():
         ctx.add_future("not a future", 3)
 
 
+def test_every_failure_is_reported_the_first_raised_the_others_logged(caplog):
+    """Issue 42.8: three pieces of background work fail; the first error is raised (as
+    google/jaxloop does), and the other two are logged, each with its traceback."""
+    ctx = AsyncActionContext()
+
+    def fail(error):
+        raise error
+
+    for name, error in [("upload", ValueError("no space left")),
+                        ("export", KeyError("missing column")),
+                        ("thumbnail", OSError("disk gone"))]:
+        futures.wait([ctx.submit(name, fail, error)])
+    with caplog.at_level(logging.ERROR, logger="jaxloop.async_action_context"):
+        with pytest.raises(ValueError, match="no space left") as info:
+            ctx.check_exceptions_and_raise()
+    notes = " ".join(info.value.__notes__)
+    assert "upload" in notes and "'export', 'thumbnail'" in notes
+    logged = {r.getMessage(): r.exc_info for r in caplog.records}
+    assert set(logged) == {"Background work 'export' failed:",
+                           "Background work 'thumbnail' failed:"}
+    assert [type(e[1]) for e in logged.values()] == [KeyError, OSError]
+    assert all(e[2] is not None for e in logged.values())  # with their tracebacks
+    assert "in fail" in caplog.text and "disk gone" in caplog.text
+
+
 def test_errors_can_be_logged_instead_of_raised(caplog):
     ctx = AsyncActionContext()
     ctx.add_exception("summary upload", RuntimeError("offline"))
