@@ -9,7 +9,9 @@ boundary that must report it.
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
+import shutil
 import threading
 import time
 from concurrent import futures
@@ -234,3 +236,35 @@ def test_a_failed_background_save_is_raised_once_at_the_next_boundary(context, t
     assert action(fresh.replace(step=10), None)
     manager.close()
     assert checkpoint.all_steps(tmp_path / "ckpt") == [10]
+
+
+def test_a_failed_save_names_its_step_and_directory_and_the_state_stays_live(context, tmp_path):
+    """Issue 42.8: the checkpoint directory stops being one mid-run (as root, permissions do
+    not stop a write, so a regular file takes its place). The run fails loudly, naming the
+    step that was lost and the directory; outer.state is live and training goes on from it
+    into another directory."""
+    directory = tmp_path / "ckpt"
+    manager = checkpoint.make_manager(directory)
+
+    class DiskGoes(actions.Action):
+        def __call__(self, state, outputs, **kwargs):
+            if int(state.step) == 4:
+                manager.wait_until_finished()  # step 2's save is complete
+                shutil.rmtree(directory)
+                directory.write_text("not a directory")
+
+    loop, state, batches = make_loop([DiskGoes(), actions.CheckpointAction(manager)])
+    outer = outer_loop.OuterLoop(train_loop=loop, progress=False, prefetch=0)
+    with pytest.raises(OSError) as info:
+        outer(state, train_dataset=itertools.cycle(batches), train_total_steps=10,
+              train_loop_steps=2)
+    assert any(f"checkpoint of step 4 to {directory} failed" in note
+               for note in info.value.__notes__), info.value.__notes__
+    live = outer.state
+    assert jax.device_get(live.params) is not None and int(live.step) >= 4
+    again = checkpoint.make_manager(tmp_path / "elsewhere")
+    loop.end_actions[-1] = actions.CheckpointAction(again)
+    final, _ = outer(live, train_dataset=itertools.cycle(batches), train_total_steps=10,
+                     train_loop_steps=2)
+    assert int(final.step) == 10
+    again.close()

@@ -162,7 +162,7 @@ class Resumer:
         ahead of the latest checkpoint is kept."""
         step = self._train_loop.step
         for action in train_checkpoint_actions(self._train_loop):
-            action.ckpt_manager.wait_until_finished()
+            action.wait_until_finished()
         # An abstract state has no step: it is restored into place, or initialised.
         given = None if step_lib.is_abstract(state) else host_count.host_step(state)
         directory = self.directory()
