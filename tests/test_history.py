@@ -1,6 +1,14 @@
 """OuterLoop.history: recorded per step and per evaluation, continued by a second call,
 restored with a checkpoint in a fresh OuterLoop, plotted and tabulated."""
 
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import jax
 import matplotlib
 import optax
@@ -230,3 +238,43 @@ def test_a_checkpoint_of_an_earlier_release_brings_its_history_back(tmp_path):
     restored = History()
     assert restored.load_file(tmp_path / "ckpt.history.jsonl", step=8)
     assert restored.as_dict() == outer.history.as_dict()
+
+
+JOB = Path(__file__).resolve().parent / "history_job.py"
+
+
+def _run_job(result_dir, workdir, *args, hang=False):
+    proc = subprocess.Popen([sys.executable, str(JOB), str(result_dir), str(workdir), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if hang:
+        deadline = time.monotonic() + 240
+        while not (result_dir / "ready").exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the job did not reach its hang step"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+        return None
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads((result_dir / "result-0.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_history_after_kill_9_between_saves_equals_the_uninterrupted_run(tmp_path):
+    """Issue 42.4: a job is killed (SIGKILL) after its checkpoint at step 40 and its
+    history file have been written; the checkpoint of step 40 is then lost as a kill
+    during its commit loses it, so the file holds values past the latest checkpoint (30).
+    The same command resumes from step 30 and ends with the uninterrupted run's history."""
+    whole = _run_job(tmp_path / "whole", tmp_path / "a", "50")
+    _run_job(tmp_path / "killed", tmp_path / "b", "50", "40", hang=True)
+    ckpt = tmp_path / "b" / "checkpoints"
+    shutil.rmtree(ckpt / "40")
+    on_disk = History()
+    on_disk.load_file(ckpt.parent / "checkpoints.history.jsonl", step=10**9)
+    assert on_disk["train/loss"].steps[-1] == 40 and checkpoint.all_steps(ckpt)[-1] == 30
+    resumed = _run_job(tmp_path / "resumed", tmp_path / "b", "50")
+    assert resumed["step"] == whole["step"] == 50
+    assert resumed["history"] == whole["history"]
+    assert whole["history"]["step"].count(50) == len(set(whole["history"]["name"]))
