@@ -74,8 +74,8 @@ class CheckpointAction(Action):
             step, args=ocp.args.PyTreeSave(state), metrics=scalar_metrics(outputs))
 
     def set_resume_metadata(self, metadata: Any) -> None:
-        """Saves ``metadata.save(directory)`` (JSON) in each checkpoint's metadata (an
-        `OuterLoop`'s `resume.ResumeMetadata`); None stops it."""
+        """Saves ``metadata.save()`` (JSON) in each checkpoint's metadata (an `OuterLoop`'s
+        `resume.ResumeMetadata`); None stops it."""
         self._resume_metadata = metadata
 
     def __call__(self, state: State, outputs: Output | None, loop: Any = None,
@@ -106,7 +106,7 @@ class CheckpointAction(Action):
         extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
         meta = {**(extra or {}), "loop_count": getattr(loop, "loop_count", None)}
         if self._resume_metadata is not None and (force or self._ckpt_manager.should_save(step)):
-            meta.update(self._resume_metadata.save(self._ckpt_manager.directory))
+            meta.update(self._resume_metadata.save())
         try:
             if type(self).save is not CheckpointAction.save:
                 saved = self.save(step, state, outputs)  # code written against the reference

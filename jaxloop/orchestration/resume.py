@@ -11,7 +11,6 @@ save nothing.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ State = types.TrainState
 EARLY_STOPPING_META = "early_stopping"
 EVALS_PENDING_META = "evals_pending"
 HISTORY_META = "history"
-HISTORY_FILE = "file"  # HISTORY_META's key for the history file's name
+HISTORY_FILE = "file"  # HISTORY_META's one key: the name of the history file (when saved)
 # Whether the checkpoint's loop ended before its boundary: the resumed run finishes it.
 LOOP_PARTIAL_META = "loop_partial"
 
@@ -94,16 +93,18 @@ class ResumeMetadata:
         return [a for lp in self._loops if lp is not None for a in lp.end_actions
                 if isinstance(a, actions_lib.EarlyStoppingAction)]
 
-    def save(self, directory: Any) -> dict[str, Any]:
-        """The JSON values a checkpoint into `directory` saves now, beside the data position
-        and loop count; process 0 brings the history file beside `directory` up to date."""
+    def save(self) -> dict[str, Any]:
+        """The JSON values a checkpoint saves now, beside the data position and loop count;
+        process 0 brings the history file beside each checkpoint directory up to date."""
         partial = self.loop_partial()
-        path = history_lib.file_path(directory)
+        paths = [history_lib.file_path(a.ckpt_manager.directory)
+                 for a in train_checkpoint_actions(self._train_loop)]
         if jax.process_index() == 0:
-            self._history.save_file(path)
+            for path in paths:
+                self._history.save_file(path)
         return {
             EARLY_STOPPING_META: [a.state_dict() for a in self.early_stopping_actions()],
-            HISTORY_META: {HISTORY_FILE: path.name},
+            HISTORY_META: {HISTORY_FILE: paths[0].name if paths else None},
             LOOP_PARTIAL_META: partial,
             # Pending only for a save at a loop's end before its evaluations ran.
             EVALS_PENDING_META: not partial and self._evaluations.result is None,
@@ -121,8 +122,8 @@ class ResumeMetadata:
         for action, progress in zip(self.early_stopping_actions(), saved, strict=False):
             action.load_state_dict(progress)
         saved = meta.get(HISTORY_META)
-        if isinstance(saved, dict) and isinstance(saved.get(HISTORY_FILE), str):
-            path = history_lib.file_path(directory).parent / os.path.basename(saved[HISTORY_FILE])
+        if isinstance(saved, dict) and set(saved) == {HISTORY_FILE}:
+            path = history_lib.file_path(directory)  # beside the one resumed from
             if not self._history.load_file(path, step):
                 log.warning("The history of the checkpoint at step %d is not in %s: "
                             "outer.history starts empty.", step, path)
