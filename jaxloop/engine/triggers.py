@@ -32,7 +32,8 @@ class Trigger:
     """When an action fires; conditions are OR-ed (bobbin's ``CronTab``). `first_n_steps`
     fires at steps 0 .. n, `first_n_process_steps` at the first n steps this process looks
     at, `every_secs` when that many seconds of process 0's `clock` have passed since the
-    last firing. Example::
+    last firing (decided once per loop: at its end for a loop's action, at its first step
+    for a Step's own action, which fires there). Example::
 
         Trigger(every_n_steps=100).fires(100)        # True
         Trigger(at_steps=(3, 7)).fires(first=1, last=5)  # True: step 3 is in 1..5
