@@ -342,7 +342,7 @@ class OuterLoop:
         """Waits for checkpoint writes, flushes writers, marks training as finished."""
         writers, ckpt_actions = self._writers_and_managers()
         for action in ckpt_actions:
-            action.ckpt_manager.wait_until_finished()
+            action.wait_until_finished()  # a failed save names its step and directory
         for writer in writers:
             writer.flush()
         async_action_context.get_async_action_context().check_exceptions_and_raise()

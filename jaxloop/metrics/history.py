@@ -1,8 +1,10 @@
 """The scalars a run reported, per step, kept on the host for plots and tables.
 
 `OuterLoop.history` records the train loop's scalar outputs at their steps and each eval
-loop's results at the step evaluated (``train/<key>``, ``eval/<key>``, ``eval_<i>/<key>``),
-and is saved with each checkpoint. After an `OuterLoop` run::
+loop's results at the step evaluated (``train/<key>``, ``eval/<key>``, ``eval_<i>/<key>``).
+With checkpoints it is kept on disk beside them, appended as it grows (`save_file`, e.g.
+``checkpoints.history.jsonl`` beside ``checkpoints/``), and a resume reads it back up to the
+restored step (`load_file`). After an `OuterLoop` run::
 
     outer.history['eval/accuracy'].values[-1]
     outer.history.plot()             # a matplotlib figure: one panel per metric
@@ -12,11 +14,15 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import json
+import logging
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+from etils import epath
 
 from jaxloop import types
 from jaxloop.engine import host_count, metric_values
@@ -27,6 +33,9 @@ TRAIN = "train"
 EVAL = "eval"
 _STATS_PREFIX = "jaxloop/"
 _WEIGHTS = _STATS_PREFIX + "example_weights"  # an eval loop's, pending beside its outputs
+FILE_SUFFIX = ".history.jsonl"
+
+log = logging.getLogger(__name__)
 
 
 class Series(NamedTuple):
@@ -64,6 +73,8 @@ class History:
         self._series: dict[str, Series] = {}
         # Loop outputs not read yet: (prefix, step, scalar outputs, first_step).
         self._pending: list[tuple[str, int, dict[str, Any], int | None]] = []
+        # Per file written: per series, the first index the file does not hold yet.
+        self._unwritten: dict[str, dict[str, int]] = {}
 
     def _settled(self, ready_only: bool = False) -> dict[str, Series]:
         """The series, pending loop outputs read in order (`ready_only`: those computed)."""
@@ -105,6 +116,8 @@ class History:
             return
         series = self._settled().setdefault(name, Series([], []))
         keep = bisect.bisect_left(series.steps, steps[0])
+        for unwritten in self._unwritten.values():
+            unwritten[name] = min(unwritten.get(name, keep), keep)
         del series.steps[keep:], series.values[keep:]
         series.steps.extend(int(s) for s in steps)
         series.values.extend(float(v) for v in values)
@@ -210,9 +223,55 @@ class History:
         """Replaces the history with one saved by `state_dict` (None: keeps it)."""
         if saved is None:
             return
-        self._pending = []
+        self._pending, self._unwritten = [], {}
         self._series = {name: Series([int(s) for s in steps], [float(v) for v in values])
                         for name, (steps, values) in saved.items()}
+
+    def save_file(self, path: Any) -> None:
+        """Brings the JSON-lines file at `path` up to date: it appends what was recorded
+        since the last call (writing the whole history the first time, and after a load),
+        and syncs it to disk. Each line is one `record` call; replayed in order they give
+        this history back, so a file never holds more than each value once per record."""
+        path = epath.Path(path)
+        series = self._settled()
+        unwritten = self._unwritten.get(str(path))
+        lines = [json.dumps({"name": name, "steps": s.steps[start:], "values": s.values[start:]})
+                 for name, s in series.items()
+                 if (start := 0 if unwritten is None else unwritten.get(name, 0)) < len(s.steps)]
+        if unwritten is None:  # a new file: written whole, then renamed into place
+            tmp = path.parent / f"{path.name}.tmp"
+            with tmp.open("w") as f:
+                f.write("".join(line + "\n" for line in lines))
+                _sync(f)
+            tmp.replace(path)
+        elif lines:
+            with path.open("a") as f:
+                f.write("".join(line + "\n" for line in lines))
+                _sync(f)
+        self._unwritten[str(path)] = {name: len(s.steps) for name, s in series.items()}
+
+    def load_file(self, path: Any, step: int) -> bool:
+        """Replaces the history with the one `save_file` wrote to `path`, up to `step` (a
+        run killed after its last checkpoint wrote values past it); whether there was one."""
+        path = epath.Path(path)
+        if not path.exists():
+            return False
+        self.load_state_dict({})
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:
+                    break  # the process was killed while writing it
+                raise ValueError(f"{path}, line {i + 1}, is not a history record") from None
+            self.record(entry["name"], entry["steps"], entry["values"])
+        for name, series in list(self._series.items()):
+            keep = bisect.bisect_right(series.steps, step)
+            del series.steps[keep:], series.values[keep:]
+            if not series.steps:
+                del self._series[name]
+        return True
 
     @contextlib.contextmanager
     def recording(self, train_loop: Any, eval_loops: Sequence[Any]) -> Iterator[None]:
@@ -229,6 +288,21 @@ class History:
         finally:
             for loop, recorder in recorders:
                 loop.end_actions.remove(recorder)
+
+
+def file_path(checkpoint_dir: Any) -> epath.Path:
+    """Where the history of checkpoints in `checkpoint_dir` lives: beside that directory
+    (which holds step folders only), e.g. ``runs/a/checkpoints.history.jsonl``."""
+    directory = epath.Path(checkpoint_dir)
+    return directory.parent / f"{directory.name}{FILE_SUFFIX}"
+
+
+def _sync(f: Any) -> None:
+    """Flushes `f` to the disk where it is a local file (a checkpoint saved after this
+    must never be found without the history up to its step)."""
+    f.flush()
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.fsync(f.fileno())
 
 
 def _scalar_like(value: Any) -> bool:
