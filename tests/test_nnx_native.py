@@ -27,6 +27,7 @@ from models import toy_data
 from jaxloop import actions, data, eval_loop, outer_loop, partition, train_loop
 from jaxloop import step as step_lib
 from jaxloop.checkpointing import checkpoint
+from jaxloop.recipes import accumulate, ema
 
 
 class Net(nnx.Module):
@@ -361,10 +362,92 @@ def test_an_nnx_run_on_a_linen_module_names_the_fix():
         step(state, batches(1)[0])
 
 
-def test_a_dtype_policy_on_an_nnx_run_names_the_fix():
-    step = train_step(dtype_policy="bfloat16")
-    with pytest.raises(ValueError, match=r"dtype_policy.*set\s+dtype= .*nnx layers"):
+def test_a_dtype_policy_computes_the_nnx_layers_in_bfloat16_and_keeps_float32_params():
+    model = Net(rngs=nnx.Rngs(0))
+    data = batches(1)[0]
+    runs = {}
+    for policy in (None, "bfloat16"):
+        step = train_step(model, dtype_policy=policy)
+        state = step.initialize_model([1, 16])
+        losses = []
+        for _ in range(10):
+            state, out = step(state, data)
+            losses.append(float(out["loss"].compute()))
+        runs[policy] = state, losses, out["logits"]
+    state, losses, logits = runs["bfloat16"]
+    assert logits.dtype == jnp.bfloat16  # the layers computed in bfloat16
+    stored = jax.tree.leaves((state.params, state.batch_stats, state.opt_state[0].mu))
+    assert {x.dtype for x in stored} == {jnp.dtype(jnp.float32)}
+    assert losses[-1] < 0.6 * losses[0]
+    np.testing.assert_allclose(losses, runs[None][1], rtol=0.02)  # as float32 trains
+    evaluate = EvalStep(jax.random.key(0), Net(rngs=nnx.Rngs(0)), dtype_policy="bfloat16")
+    assert evaluate(state, data)[1]["logits"].dtype == jnp.bfloat16
+    assert model.dense1.dtype is None  # the caller's model keeps its own dtypes
+
+
+class EmaTrainStep(NnxStep):
+    def run(self, model, optimizer, ema, batch):
+        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m, batch)[0])(model)
+        optimizer.update(model, grads)
+        ema.update(model, 0.5)
+        return {"loss": loss}
+
+
+def test_an_nnx_run_updates_the_ema_and_eval_loop_evaluates_it():
+    step = EmaTrainStep(jax.random.key(0), Net(rngs=nnx.Rngs(0)), optimizer=optax.adam(1e-2),
+                        train=True)
+    with pytest.raises(TypeError, match=r"ema\.init\(step\.initialize_model"):
         step(step.initialize_model([1, 16]), batches(1)[0])
+    start = ema.init(step.initialize_model([1, 16]))
+    before = jax.device_get(start.ema_params)
+    state, _ = step(start, batches(1)[0])
+    expected = jax.tree.map(lambda e, p: 0.5 * e + 0.5 * p, before, jax.device_get(state.params))
+    assert isinstance(state, ema.EmaState)
+    assert jax.tree.all(jax.tree.map(np.allclose, expected, jax.device_get(state.ema_params)))
+    state, _ = train_loop.TrainLoop(step)(state, iter(batches(3)), num_steps=3)
+    evaluate = EvalStep(jax.random.key(0), Net(rngs=nnx.Rngs(0)))
+    _, out = eval_loop.EvalLoop(evaluate, use_ema=True)(state, iter(batches(2)))
+    _, averaged = eval_loop.EvalLoop(evaluate)(ema.swap_in(state), iter(batches(2)))
+    _, trained = eval_loop.EvalLoop(evaluate)(state, iter(batches(2)))
+    assert float(out["loss"].compute()) == float(averaged["loss"].compute())
+    assert float(out["loss"].compute()) != float(trained["loss"].compute())
+
+
+def mlp(rngs):
+    return nnx.Sequential(nnx.Linear(16, 32, rngs=rngs), nnx.relu, nnx.Linear(32, 10, rngs=rngs))
+
+
+class AccumulatingStep(NnxStep):
+    def run(self, model, optimizer, batch):
+        grad_fn = accumulate.nnx_value_and_grad(loss_fn, num_microbatches=4, has_aux=True,
+                                                aux="stack")
+        (loss, logits), grads = grad_fn(model, batch)
+        optimizer.update(model, grads)
+        return {"loss": loss, "logits": logits}
+
+
+def test_gradient_accumulation_in_an_nnx_run_equals_one_big_batch():
+    data = batches(3)
+    plain, accumulating = (cls(jax.random.key(0), mlp(nnx.Rngs(0)), optimizer=optax.adam(1e-2),
+                               train=True) for cls in (TrainStep, AccumulatingStep))
+    a, b = plain.initialize_model([1, 16]), accumulating.initialize_model([1, 16])
+    for batch in data:
+        a, out_a = plain(a, batch)
+        b, out_b = accumulating(b, batch)
+        np.testing.assert_allclose(float(out_b["loss"]), float(out_a["loss"].compute()),
+                                   rtol=1e-5)
+    assert jax.tree.all(jax.tree.map(functools.partial(np.allclose, rtol=1e-5, atol=1e-6),
+                                     jax.device_get(a.params), jax.device_get(b.params)))
+    # Dropout and BatchNorm: each microbatch draws its own mask (here all four hold the same
+    # examples), and the statistics move.
+    step = AccumulatingStep(jax.random.key(0), Net(rngs=nnx.Rngs(0)), optimizer=optax.adam(1e-2),
+                            train=True)
+    state = step.initialize_model([1, 16])
+    same = jax.tree.map(lambda x: np.repeat(x[:2], 4, axis=0), data[0])
+    new_state, out = step(state, same)
+    assert out["logits"].shape == (4, 2, 10)
+    assert len({np.asarray(x).tobytes() for x in out["logits"]}) == 4
+    assert not np.allclose(new_state.batch_stats["bn"]["mean"], 0)
 
 
 def test_an_nnx_run_that_names_the_state_names_the_fix():

@@ -20,8 +20,10 @@ Example::
 `run` names what it takes after ``model``, in any order: ``optimizer`` (an `nnx.Optimizer` of
 the step's optax optimizer, ``wrt=nnx.Param``), ``metrics`` (the step's ``metrics()``: its
 `nnx.metrics.Average` entries, `Accuracy` included, come out as `clu.metrics.Average`
-outputs that a loop merges), ``rngs`` (``nnx.Rngs`` of ``self.prng_key(step)``) and
-``batch``. It updates the objects in place and may return a dict of further outputs.
+outputs that a loop merges), ``ema`` (`jaxloop.recipes.ema.NnxEma`, for a state made with
+``ema.init``), ``rngs`` (``nnx.Rngs`` of ``self.prng_key(step)``) and ``batch``. It updates
+the objects in place and may return a dict of further outputs. A step's ``dtype_policy``
+sets the model's layer dtypes (`jaxloop.recipes.precision.Policy.set_layer_dtypes`).
 
 Inside the compiled step the objects are merged from the loop's state and split back into it
 while `jax.jit` traces (the fast path: no `nnx.jit` per call), so the state stays a
@@ -43,9 +45,10 @@ from clu import metrics as clu_metrics
 from flax import nnx
 
 from jaxloop import types
+from jaxloop.recipes import ema as ema_lib
 from jaxloop.state import model as model_lib
 
-ARGUMENTS = ("model", "optimizer", "metrics", "rngs", "batch")
+ARGUMENTS = ("model", "optimizer", "metrics", "ema", "rngs", "batch")
 """What an NNX-native `run` may name (``model`` first)."""
 
 
@@ -153,13 +156,11 @@ def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, bat
             f"model as an nnx.Module), but the step's model is a {type(step.model).__name__}, "
             "a linen module. For linen write run(self, state, batch) and call "
             "state.apply_fn({'params': params}, x); or give the step an nnx.Module.")
-    if step.dtype_policy is not None:
-        raise ValueError(
-            "dtype_policy wraps state.apply_fn, which an NNX-native run does not call: set "
-            "dtype= (and param_dtype=) on the model's nnx layers instead.")
     names = _arguments(step)
     adapter.describe(step.prng_key(0))  # an eval step may run a state it did not build
     model = adapter.merge({"params": state.params, "batch_stats": state.batch_stats})
+    if step.dtype_policy is not None:
+        step.dtype_policy.set_layer_dtypes(model)
     if step.train:
         model.train()
     else:
@@ -178,6 +179,9 @@ def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, bat
                 "def metrics(self): return nnx.MultiMetric(...) on the step (a fresh one "
                 "is made for every step).")
         metrics = given["metrics"] = make()
+    if "ema" in names:
+        given["ema"] = ema_lib.NnxEma(state, lambda: state.step + (
+            optimizer.updates_made if optimizer is not None else 0))
     if "rngs" in names:
         given["rngs"] = nnx.Rngs(**keys) if isinstance(keys, Mapping) else nnx.Rngs(keys)
     result = step.run(*(given[n] for n in names), *args, **kwargs)
@@ -193,6 +197,8 @@ def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, bat
             outputs[name] = value
     variables = adapter.split(model)
     new_state = state.replace(params=variables["params"], batch_stats=variables["batch_stats"])
+    if "ema" in names:
+        new_state = new_state.replace(ema_params=given["ema"].params)
     if optimizer is not None:
         opt_state = jax.tree.unflatten(jax.tree.structure(state.opt_state),
                                        [s.get_value() for s in _slots(optimizer)])
