@@ -209,7 +209,8 @@ class OuterLoop:
         self._metadata.start_call()
         with (preemption.handling_preemption(),
               train_loop.prefetching(iterator, self._ahead(train_loop)),
-              contextlib.closing(progress), at_end.installed()):
+              contextlib.closing(progress), at_end.installed(),
+              actions_lib.deferred_writes()):
             if evals_pending:
                 # The evaluations after the restored checkpoint are not in it: run them first.
                 stop = at_end.evaluate(state, step)

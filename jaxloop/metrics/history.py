@@ -74,6 +74,11 @@ class History:
             self._read(*self._pending.pop(0))
         return self._series
 
+    def ready(self) -> Mapping[str, Series]:
+        """The series as far as the device has computed them, never waiting (what a progress
+        display shows): pending loop outputs are read only where ready. Do not modify."""
+        return self._settled(ready_only=True)
+
     def __contains__(self, name: object) -> bool:
         return name in self._settled()
 
@@ -102,7 +107,12 @@ class History:
             raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
         if not steps:
             return
-        series = self._settled().setdefault(name, Series([], []))
+        self._settled()
+        self._append(name, steps, values)
+
+    def _append(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
+        # Not `record`: reading one pending loop must not read (and wait for) the next first.
+        series = self._series.setdefault(name, Series([], []))
         keep = bisect.bisect_left(series.steps, steps[0])
         del series.steps[keep:], series.values[keep:]
         series.steps.extend(int(s) for s in steps)
@@ -129,10 +139,10 @@ class History:
             for key in list(outputs):
                 host = metric_values.scalar_values(outputs[key])
                 if isinstance(host, list) and len(host) == step - first_step:
-                    self.record(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
+                    self._append(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
                     del outputs[key]
         for key, value in metric_values.scalar_metrics(outputs, weights).items():
-            self.record(f"{prefix}/{key}", [step], [value])
+            self._append(f"{prefix}/{key}", [step], [value])
 
     def steps_after(self, step: int) -> tuple[int, int, list[str]] | None:
         """(first step, last step, metric names) of what is recorded after `step`, or None:

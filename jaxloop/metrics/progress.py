@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -29,7 +30,9 @@ class ProgressAction(Action):
     Shows step/total, steps/s between two updates (none after the first loop, which
     compiles), the latest train `metric` and, given a `history`, the latest evaluation's
     results with their step (``eval at step 400: accuracy=0.98, loss=0.07``). Updated at
-    each loop end, never per step. `enabled=None`: only when the output is interactive.
+    each loop end, never per step, with the values the device has computed by then (a loop
+    end never waits: the last loop's show when the bar closes). `enabled=None`: only when
+    the output is interactive.
     """
 
     # tqdm's own rate and estimate would count the compilation and dispatch: left out.
@@ -47,6 +50,7 @@ class ProgressAction(Action):
         self._bar: Any = None
         self._last: tuple[int, float] | None = None  # (step, time) of the last update
         self._postfix: dict[str, str] = {}
+        self._unread: Any = None  # without a history: the last step's value, not shown yet
 
     @staticmethod
     def _interactive() -> bool:
@@ -64,35 +68,43 @@ class ProgressAction(Action):
             from tqdm.std import tqdm  # noqa: PLC0415
         return tqdm
 
-    def _latest_eval(self) -> dict[str, str]:
+    def _latest_eval(self, series: Mapping[str, Any]) -> dict[str, str]:
         """The latest evaluation's results, keyed by the text the bar shows them under."""
-        names = [n for n in self._history.names if n.startswith("eval/")]
-        if not names:
+        evals = {n.removeprefix("eval/"): s for n, s in series.items()
+                 if n.startswith("eval/") and s.steps}
+        if not evals:
             return {}
-        series = {n.removeprefix("eval/"): self._history[n] for n in names}
-        step = max(s.steps[-1] for s in series.values() if s.steps)
-        values = ", ".join(f"{k}={s.values[-1]:.4g}" for k, s in series.items()
-                           if s.steps and s.steps[-1] == step)
+        step = max(s.steps[-1] for s in evals.values())
+        values = ", ".join(f"{k}={s.values[-1]:.4g}" for k, s in sorted(evals.items())
+                           if s.steps[-1] == step)
         return {f"eval at step {step}": values}
 
-    def _latest(self, outputs: Output | None) -> dict[str, str]:
-        """The latest train metric, as the bar shows it."""
-        shown = {}
+    def _series(self, wait: bool) -> Mapping[str, Any]:
+        """The history's series: as far as the device has computed them, unless `wait`."""
+        if self._history is None:
+            return {}
+        return {n: self._history[n] for n in self._history.names} if wait else (
+            self._history.ready())
+
+    def _latest(self, outputs: Output | None, wait: bool) -> dict[str, str]:
+        """The latest train metric the device has computed (with `wait`: the last one)."""
         if self._history is not None:
-            train = self._history.latest("train")
-            if self._metric in train:
-                shown[self._metric] = f"{train[self._metric]:.4g}"
-            return shown
+            train = self._series(wait).get(f"train/{self._metric}")
+            return {self._metric: f"{train.values[-1]:.4g}"} if train and train.values else {}
         values = (outputs or {}).get(self._metric)
         if isinstance(values, list) and values:
-            # The last step's value; a clu metric is computed first.
-            shown[self._metric] = f"{float(jax.device_get(metric_values.computed(values[-1]))):.4g}"
-        return shown
+            self._unread = values[-1]
+        if self._unread is None or not (wait or all(
+                x.is_ready() for x in jax.tree.leaves(self._unread) if isinstance(x, jax.Array))):
+            return {}
+        # The last step's value; a clu metric is computed first.
+        value, self._unread = self._unread, None
+        return {self._metric: f"{float(jax.device_get(metric_values.computed(value))):.4g}"}
 
-    def _show(self, refresh: bool = True) -> None:
-        evaluated = self._latest_eval() if self._history is not None else {}
+    def _show(self, refresh: bool = True, wait: bool = False) -> None:
+        self._postfix.update(self._latest(None, wait) if wait else {})
         parts = [f"{k}={v}" for k, v in self._postfix.items()]
-        parts += [f"{k}: {v}" for k, v in evaluated.items()]
+        parts += [f"{k}: {v}" for k, v in self._latest_eval(self._series(wait)).items()]
         self._bar.set_postfix_str(", ".join(parts), refresh=refresh)
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
@@ -107,7 +119,9 @@ class ProgressAction(Action):
                 unit="step", dynamic_ncols=True,
                 bar_format=self._COUNTER_FORMAT if self._total is None else self._BAR_FORMAT)
         bar = self._bar
-        postfix = self._latest(outputs)  # read from the device: the loop's steps are done
+        # What the device has computed: a loop end never waits for its last steps (they
+        # show at the next update, or when the bar closes).
+        postfix = self._latest(outputs, wait=False)
         now = time.perf_counter()
         if self._last is not None and step > self._last[0] and now > self._last[1]:
             self._postfix["steps/s"] = f"{(step - self._last[0]) / (now - self._last[1]):.1f}"
@@ -120,6 +134,6 @@ class ProgressAction(Action):
     def close(self) -> None:
         """Closes the bar, showing the last evaluation's results first."""
         if self._bar is not None:
-            self._show()
+            self._show(wait=True)  # the last loop's values, before the call returns
             self._bar.close()
             self._bar = None
