@@ -19,7 +19,7 @@ import importlib
 import logging
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -121,6 +121,13 @@ def _close_block(failing: bool) -> None:
             log.exception("SummaryAction could not write its last values")
 
 
+class _Stacked(NamedTuple):
+    """A per-step list of device scalars as `metric_values.stack_groups` stacked them."""
+
+    groups: tuple[jax.Array, ...]
+    count: int
+
+
 def _ready(tree: Any) -> bool:
     """Whether the device has computed every array of `tree` (asked without waiting)."""
     return all(x.is_ready() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
@@ -181,7 +188,13 @@ class SummaryAction(Action):
                 raise ValueError(
                     f"Output {key!r} has metric type {value.type}, which SummaryAction does "
                     f"not write; supported: {[t.name for t in self.SUPPORTED_TYPES]}")
-            items[key] = list(value) if type(value) is list else value  # the loop's may grow
+            if type(value) is list:  # copied (the loop's may grow)
+                # Stacked now, behind the loop's steps, so that reading it later (once
+                # computed) waits for no computation queued after them.
+                groups = (metric_values.stack_groups(value)
+                          if metric_values.all_numbers(value) else None)
+                value = list(value) if groups is None else _Stacked(groups, len(value))
+            items[key] = value
         counts = getattr(loop, "example_counts", None)
         self._pending.append((host_count.host_step(state), items, first_step,
                               list(counts) if counts else None))
@@ -226,7 +239,8 @@ class SummaryAction(Action):
             if isinstance(value, MetricWithMetadata):
                 typed.setdefault(value.type, {})[key] = np.asarray(fetch(value.value))
                 continue
-            host = metric_values.scalar_values(value)  # None for per-example arrays
+            host = (metric_values.read_groups(*value) if isinstance(value, _Stacked)
+                    else metric_values.scalar_values(value))  # None for per-example arrays
             if isinstance(host, list):
                 if first_step is not None and step - first_step == len(host):
                     for i, number in enumerate(host):

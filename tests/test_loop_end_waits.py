@@ -24,7 +24,7 @@ from test_waits import waits  # noqa: E402, F401, F811 (the fixture counting the
 
 from jaxloop import actions, outer_loop, train_loop  # noqa: E402
 
-LOOP, LOOPS = 4, 3
+LOOP, LOOPS = 10, 2  # more than 8 steps: their values are stacked on the device
 
 
 class WaitsSoFar(actions.Action):
@@ -41,7 +41,7 @@ class WaitsSoFar(actions.Action):
 
 @pytest.mark.parametrize("summary", [False, True], ids=["progress bar", "summary"])
 def test_a_loop_end_shows_and_writes_without_waiting(waits, capsys, summary):  # noqa: F811
-    step = SleepStep(make_step_fn(ffi_sleep(0.03), with_outputs=True))
+    step = SleepStep(make_step_fn(ffi_sleep(0.02), with_outputs=True))
     writer = RecordingWriter()
     noted = WaitsSoFar(waits)
     loop = train_loop.TrainLoop(

@@ -61,7 +61,7 @@ HISTORY = textwrap.dedent("""
 TABLE = "print(param_table.table(state))"
 TABLE_LOGGED = textwrap.dedent(f"""
     import logging
-    logging.getLogger("jaxloop.diagnostics.param_table").setLevel(logging.INFO)
+    logging.getLogger("jaxloop.diagnostics.param_table").setLevel(logging.DEBUG)
     more = outer_loop.OuterLoop(train_loop.TrainLoop(train_step), progress=False)
     state, _ = more(state, train_dataset=forever(), train_total_steps={TOTAL + 5})
 """)

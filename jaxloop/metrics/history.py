@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -26,6 +27,8 @@ TRAIN = "train"
 EVAL = "eval"
 _STATS_PREFIX = "jaxloop/"
 _WEIGHTS = _STATS_PREFIX + "example_weights"  # an eval loop's, pending beside its outputs
+
+log = logging.getLogger(__name__)
 
 
 class Series(NamedTuple):
@@ -61,6 +64,7 @@ class History:
 
     def __init__(self) -> None:
         self._series: dict[str, Series] = {}
+        self._warned_nonfinite = False
         # Loop outputs not read yet: (prefix, step, scalar outputs, first_step).
         self._pending: list[tuple[str, int, dict[str, Any], int | None]] = []
 
@@ -112,6 +116,13 @@ class History:
 
     def _append(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
         # Not `record`: reading one pending loop must not read (and wait for) the next first.
+        if not self._warned_nonfinite and name.startswith(f"{TRAIN}/") and "loss" in name:
+            bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+            if bad is not None:  # once per history: the values are on the host already
+                self._warned_nonfinite = True
+                log.warning("%s is %s at step %d, the first non-finite value. "
+                            "jaxloop.recipes.guard.NonFiniteGuard skips (or stops at) such "
+                            "updates.", name, values[bad], steps[bad])
         series = self._series.setdefault(name, Series([], []))
         keep = bisect.bisect_left(series.steps, steps[0])
         del series.steps[keep:], series.values[keep:]

@@ -9,9 +9,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 import jax
@@ -51,6 +52,8 @@ class ProgressAction(Action):
         self._last: tuple[int, float] | None = None  # (step, time) of the last update
         self._postfix: dict[str, str] = {}
         self._unread: Any = None  # without a history: the last step's value, not shown yet
+        self._closed = False
+        self._status: str | None = None  # the running evaluation's, e.g. 'evaluating eval: 3/8'
 
     @staticmethod
     def _interactive() -> bool:
@@ -105,6 +108,8 @@ class ProgressAction(Action):
         self._postfix.update(self._latest(None, wait) if wait else {})
         parts = [f"{k}={v}" for k, v in self._postfix.items()]
         parts += [f"{k}: {v}" for k, v in self._latest_eval(self._series(wait)).items()]
+        if self._status is not None:
+            parts.append(self._status)
         self._bar.set_postfix_str(", ".join(parts), refresh=refresh)
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
@@ -113,12 +118,7 @@ class ProgressAction(Action):
         if not self._enabled:
             return
         step = host_count.host_step(state)
-        if self._bar is None:
-            self._bar = self._bar_class()(
-                total=self._total, initial=kwargs.get("first_step") or 0, desc=self._desc,
-                unit="step", dynamic_ncols=True,
-                bar_format=self._COUNTER_FORMAT if self._total is None else self._BAR_FORMAT)
-        bar = self._bar
+        bar = self._ensure_bar(kwargs.get("first_step") or 0)
         # What the device has computed: a loop end never waits for its last steps (they
         # show at the next update, or when the bar closes).
         postfix = self._latest(outputs, wait=False)
@@ -131,9 +131,85 @@ class ProgressAction(Action):
         bar.update(max(step - bar.n, 0))
         bar.refresh()
 
+    def _ensure_bar(self, initial: int) -> Any:
+        if self._bar is None:
+            self._bar = self._bar_class()(
+                total=self._total, initial=initial, desc=self._desc, unit="step",
+                dynamic_ncols=True,
+                bar_format=self._COUNTER_FORMAT if self._total is None else self._BAR_FORMAT)
+        return self._bar
+
+    @contextlib.contextmanager
+    def evaluating(self, label: str, spec: Any, batches: Iterator[Any], step: int
+                   ) -> Iterator[Iterator[Any]]:
+        """Inside: `batches`, with the bar showing ``evaluating <label>: n/total`` as the
+        evaluation at `step` reads them (the total: `spec`'s ``num_steps``, or the length of
+        a finite ``dataset``, else none); `batches` unchanged when no bar is shown.
+
+        Example::
+
+            with progress.evaluating('eval', spec, iter(eval_batches), 400) as batches:
+                eval_loop(state, batches)
+        """
+        if self._enabled is None:
+            self._enabled = self._interactive()
+        if not self._enabled or self._closed:
+            yield batches
+            return
+        totals = [n for n in (getattr(spec, "num_steps", None),
+                              _length(getattr(spec, "dataset", None))) if n is not None]
+        bar = self._ensure_bar(step)
+        try:
+            yield _Counted(self, bar, batches, f"evaluating {label}", min(totals, default=None))
+        finally:
+            self._evaluating(None)
+
+    def _evaluating(self, status: str | None) -> None:
+        self._status = status
+        if self._bar is not None:
+            self._show()
+
     def close(self) -> None:
         """Closes the bar, showing the last evaluation's results first."""
+        self._closed = True  # an evaluation after the run shows no bar of its own
         if self._bar is not None:
             self._show(wait=True)  # the last loop's values, before the call returns
             self._bar.close()
             self._bar = None
+
+
+def _length(dataset: Any) -> int | None:
+    """The number of batches of a finite dataset that says it (a list, a grain dataset)."""
+    if isinstance(dataset, Sized) and not isinstance(dataset, Iterator):
+        try:
+            return len(dataset)
+        except TypeError:  # an infinite grain dataset
+            return None
+    return None
+
+
+class _Counted:
+    """An evaluation's batches, counted on the bar as they are read (at most ten redraws
+    a second; the count includes the batches a prefetch thread read ahead)."""
+
+    def __init__(self, progress: ProgressAction, bar: Any, batches: Iterator[Any], label: str,
+                 total: int | None):
+        self._progress, self._bar, self._batches = progress, bar, batches
+        self._label, self._total, self._count, self._drawn = label, total, 0, 0.0
+        progress._evaluating(self._text())
+
+    def _text(self) -> str:
+        return f"{self._label}: {self._count}" + (
+            "" if self._total is None else f"/{self._total}")
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._batches)
+        self._count += 1
+        now = time.monotonic()
+        if now - self._drawn >= 0.1 or self._count == self._total:
+            self._drawn = now
+            self._progress._evaluating(self._text())
+        return batch
