@@ -13,12 +13,18 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 from test_notebooks import kernel_env  # noqa: E402, F401 (the fixture: a kernel on this Python)
-from test_second_hour_notebook import bar_states, stream, visible  # noqa: E402
+from test_second_hour_notebook import (  # noqa: E402, F401 (text_bar: the fixture)
+    bar_states,
+    stream,
+    text_bar,
+    visible,
+)
 
 TOTAL, LOOP, EVAL_BATCHES = 400, 20, 4
 
 SETUP = textwrap.dedent("""
-    import sys
+    import importlib.util, sys
+    assert importlib.util.find_spec("ipywidgets") is None  # the text bar (the fixture)
     sys.path.insert(0, {tests!r})
     import os, signal
     import jax, numpy as np, optax
@@ -130,7 +136,7 @@ def lines(outputs):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("kernel_env")
+@pytest.mark.usefixtures("text_bar")
 def test_a_cell_prints_one_line_per_event(tmp_path):
     out = run_cells(tmp_path)
     train, out_of_order, more, stop, after_stop, exhausted, nan, routine = out[1:]

@@ -56,16 +56,23 @@ class ProgressAction(Action):
         self._status: str | None = None  # the running evaluation's, e.g. 'evaluating eval: 3/8'
 
     @staticmethod
-    def _interactive() -> bool:
-        return "ipykernel" in sys.modules or sys.stderr.isatty()
+    def _in_kernel() -> bool:
+        """Whether this runs in a Jupyter kernel (not merely beside an imported ipykernel)."""
+        shell_class = getattr(sys.modules.get("ipykernel.zmqshell"), "ZMQInteractiveShell", None)
+        ipython = sys.modules.get("IPython")
+        return shell_class is not None and isinstance(ipython.get_ipython(), shell_class)
 
-    @staticmethod
-    def _bar_class() -> Any:
+    @classmethod
+    def _interactive(cls) -> bool:
+        return cls._in_kernel() or sys.stderr.isatty()
+
+    @classmethod
+    def _bar_class(cls) -> Any:
         """tqdm's widget bar where a notebook has ipywidgets, else its text bar (`tqdm.auto`
         would warn in every cell that ipywidgets is missing)."""
         import importlib.util  # noqa: PLC0415
 
-        if "ipykernel" in sys.modules and importlib.util.find_spec("ipywidgets") is not None:
+        if cls._in_kernel() and importlib.util.find_spec("ipywidgets") is not None:
             from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
         else:
             from tqdm.std import tqdm  # noqa: PLC0415
@@ -162,6 +169,8 @@ class ProgressAction(Action):
         try:
             yield _Counted(self, bar, batches, f"evaluating {label}", min(totals, default=None))
         finally:
+            # Training reached `step`: the bar shows it beside that evaluation's results.
+            bar.update(max(step - bar.n, 0))
             self._evaluating(None)
 
     def _evaluating(self, status: str | None) -> None:
