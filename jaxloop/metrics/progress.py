@@ -54,6 +54,7 @@ class ProgressAction(Action):
         self._unread: Any = None  # without a history: the last step's value, not shown yet
         self._closed = False
         self._status: str | None = None  # the running evaluation's, e.g. 'evaluating eval: 3/8'
+        self._evaluated: dict[str, str] = {}  # the latest evaluation's results, as shown
 
     @staticmethod
     def _in_kernel() -> bool:
@@ -113,8 +114,14 @@ class ProgressAction(Action):
 
     def _show(self, refresh: bool = True, wait: bool = False) -> None:
         self._postfix.update(self._latest(None, wait) if wait else {})
+        self._evaluated = self._latest_eval(self._series(wait))
+        self._draw(refresh)
+
+    def _draw(self, refresh: bool = True) -> None:
+        """Draws what `_show` read last, and the running evaluation's count (a prefetch
+        thread may count: it reads nothing here)."""
         parts = [f"{k}={v}" for k, v in self._postfix.items()]
-        parts += [f"{k}: {v}" for k, v in self._latest_eval(self._series(wait)).items()]
+        parts += [f"{k}: {v}" for k, v in self._evaluated.items()]
         if self._status is not None:
             parts.append(self._status)
         self._bar.set_postfix_str(", ".join(parts), refresh=refresh)
@@ -167,16 +174,16 @@ class ProgressAction(Action):
                               _length(getattr(spec, "dataset", None))) if n is not None]
         bar = self._ensure_bar(step)
         try:
-            yield _Counted(self, bar, batches, f"evaluating {label}", min(totals, default=None))
+            yield _Counted(self, batches, f"evaluating {label}", min(totals, default=None))
         finally:
             # Training reached `step`: the bar shows it beside that evaluation's results.
+            self._status = None
             bar.update(max(step - bar.n, 0))
-            self._evaluating(None)
-
-    def _evaluating(self, status: str | None) -> None:
-        self._status = status
-        if self._bar is not None:
             self._show()
+
+    def _evaluating(self, status: str) -> None:
+        self._status = status
+        self._draw()
 
     def close(self) -> None:
         """Closes the bar, showing the last evaluation's results first."""
@@ -201,9 +208,9 @@ class _Counted:
     """An evaluation's batches, counted on the bar as they are read (at most ten redraws
     a second; the count includes the batches a prefetch thread read ahead)."""
 
-    def __init__(self, progress: ProgressAction, bar: Any, batches: Iterator[Any], label: str,
+    def __init__(self, progress: ProgressAction, batches: Iterator[Any], label: str,
                  total: int | None):
-        self._progress, self._bar, self._batches = progress, bar, batches
+        self._progress, self._batches = progress, batches
         self._label, self._total, self._count, self._drawn = label, total, 0, 0.0
         progress._evaluating(self._text())
 
