@@ -56,8 +56,8 @@ class _OneLine:
 
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: stopped at step {self.step}; {_saved_text(self.saved)}."
-                " The live state is the OuterLoop's `.state` (and this exception's `.state`):"
-                " run the training cell with it to continue."]
+                " The live state is the OuterLoop's `.state` (a bare loop's `.stopped_state`,"
+                " this exception's `.state`): continue from it."]
 
 
 class Interrupted(_OneLine, KeyboardInterrupt):
