@@ -179,6 +179,8 @@ def test_a_cell_prints_one_line_per_event(tmp_path):
     warned = [line for line in lines(nan) if "non-finite" in line]
     assert len(warned) == 1 and "train/loss is nan at step 1" in warned[0], lines(nan)
     assert "jaxloop.recipes.guard" in warned[0], warned
+    # On a line of its own, not after the text bar's.
+    assert warned[0] in visible(stream(nan, "stderr")), stream(nan, "stderr")
 
     # The routine lines, on request.
     saves = [line for line in lines(routine) if "Saving checkpoint for step" in line]

@@ -41,7 +41,14 @@ class _FallbackHandler(logging.StreamHandler):
         if logging.getLogger().hasHandlers():
             return  # the root's handlers show it (the user's, or basicConfig's)
         self.setStream(sys.stderr)
-        super().emit(record)
+        tqdm_std = sys.modules.get("tqdm.std")
+        if tqdm_std is None:
+            super().emit(record)
+            return
+        try:  # on a line of its own: tqdm clears a text bar drawn there and redraws it below
+            tqdm_std.tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
 
 
 class _NotInACell(logging.Filter):

@@ -10,8 +10,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
@@ -53,6 +55,7 @@ class ProgressAction(Action):
         self._postfix: dict[str, str] = {}
         self._unread: Any = None  # without a history: the last step's value, not shown yet
         self._closed = False
+        self._redirect = contextlib.ExitStack()  # the root logger's console lines, via tqdm
         self._status: str | None = None  # the running evaluation's, e.g. 'evaluating eval: 3/8'
         self._evaluated: dict[str, str] = {}  # the latest evaluation's results, as shown
 
@@ -147,10 +150,20 @@ class ProgressAction(Action):
 
     def _ensure_bar(self, initial: int) -> Any:
         if self._bar is None:
-            self._bar = self._bar_class()(
+            bar_class = self._bar_class()
+            self._bar = bar_class(
                 total=self._total, initial=initial, desc=self._desc, unit="step",
                 dynamic_ncols=True,
                 bar_format=self._COUNTER_FORMAT if self._total is None else self._BAR_FORMAT)
+            root = logging.getLogger()
+            if any(isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+                   for h in root.handlers):
+                # A log line gets a line of its own, not the end of the bar's, while it is up.
+                with warnings.catch_warnings():  # tqdm.contrib imports tqdm.auto, which would
+                    warnings.simplefilter("ignore")  # warn in a kernel without ipywidgets
+                    from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
+
+                self._redirect.enter_context(logging_redirect_tqdm([root], bar_class))
         return self._bar
 
     @contextlib.contextmanager
@@ -192,6 +205,7 @@ class ProgressAction(Action):
             self._show(wait=True)  # the last loop's values, before the call returns
             self._bar.close()
             self._bar = None
+        self._redirect.close()
 
 
 def _length(dataset: Any) -> int | None:
