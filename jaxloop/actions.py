@@ -81,10 +81,10 @@ _open_blocks = 0
 @contextlib.contextmanager
 def deferred_writes() -> Iterator[None]:
     """Lets every `SummaryAction` write a loop's values once the device has produced them,
-    so that a loop end waits for nothing: at the latest at its next call (one loop late, as
-    MaxText logs the previous step's metrics), and all that is left, flushed, when the
-    outermost block ends. `OuterLoop` trains inside one; outside any, a SummaryAction writes
-    at once.
+    so that a loop end waits for nothing: at the first of its calls that finds them computed
+    (with several processes, at its next call: one loop late, as MaxText logs the previous
+    step's metrics), and all that is left, flushed, when the outermost block ends.
+    `OuterLoop` trains inside one; outside any, a SummaryAction writes at once.
 
     Example, a hand-written outer loop::
 
