@@ -14,6 +14,10 @@ hand-written reference, timed side by side:
                            given); ÷ a hand-written loop that reads the same values at the
                            same steps: at every L steps one ``jax.device_get`` of that
                            loop's losses, written at their steps (goal >= 0.97)
+  loops of L, progress bar the outputs variant with the progress bar shown (as in a
+                           notebook); ÷ the hand-written loop that never waits (goal >= 0.98)
+  loops of L, summary each loop  the summary variant ÷ the hand-written loop that never
+                           waits (goal >= 0.98)
 
 A window is one ``OuterLoop`` call (or one pass of the hand-written loop) over --steps
 steps, then one ``jax.block_until_ready`` of the state. Each variant trains one state
@@ -319,12 +323,13 @@ def hand_written(step_fn: Callable, batches: list[dict], read_every: int | None 
 
 
 def with_jaxloop(jaxloop_step: step.Step, batches: list[dict], loop_steps: int,
-                 summary: bool = False) -> Window:
+                 summary: bool = False, progress: bool = False) -> Window:
     """``OuterLoop(TrainLoop(step), progress=False)`` with its defaults, one call per window
-    in loops of `loop_steps`; with `summary`, a `SummaryAction` at every loop."""
+    in loops of `loop_steps`; with `summary`, a `SummaryAction` at every loop; with
+    `progress`, the progress bar shown (as in a notebook)."""
     end_actions = [actions.SummaryAction(RecordingWriter())] if summary else []
     outer = outer_loop.OuterLoop(train_loop.TrainLoop(jaxloop_step, end_actions=end_actions),
-                                 progress=False)
+                                 progress=progress)
 
     def run(state: Any, first: int, n: int) -> Any:
         # train_total_steps is absolute: the state goes on from `first`.
@@ -423,6 +428,20 @@ def add_fused_with_step_action(windows: dict[str, Window], pairs: dict[str, tupl
     loops[name] = length
 
 
+def add_display_cases(windows: dict[str, Window], pairs: dict[str, tuple[str, float]],
+                      loops: dict[str, int], jaxloop_step: step.Step, batches: list[dict],
+                      length: int) -> None:
+    """The progress bar on, and a SummaryAction every loop, each ÷ the hand-written loop
+    that never waits (goal >= 0.98): a loop end neither needs waits for nothing."""
+    for display in ("progress bar", "summary each loop"):
+        name = f"loops of {length}, {display}"
+        bar = display == "progress bar"
+        windows[name] = with_jaxloop(jaxloop_step, batches, length, summary=not bar,
+                                     progress=bar)
+        pairs[name] = ("hand-written, outputs", 0.98)
+        loops[name] = length
+
+
 def build(device_sleep: Callable, loop_lengths: list[int]
           ) -> tuple[dict[str, Window], dict[str, tuple[str, float]], dict[str, int],
                      Callable[[], Any]]:
@@ -450,6 +469,7 @@ def build(device_sleep: Callable, loop_lengths: list[int]
         windows[name] = with_jaxloop(steps[True], batches, length, summary=True)
         pairs[name] = (reference, 0.97)
         loops[name] = loops[reference] = length
+        add_display_cases(windows, pairs, loops, steps[True], batches, length)
 
     add_alternating_eval(windows, pairs, loops, device_sleep, batches, loop_lengths[0])
     add_fused_with_step_action(windows, pairs, loops, with_out, batches, loop_lengths[-1])

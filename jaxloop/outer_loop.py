@@ -128,10 +128,13 @@ class OuterLoop:
     def __call__(self, state: State, train_dataset: Iterator[Any] | Iterable[Any] | None = None,
                  train_total_steps: int | None = None, train_loop_steps: int | None = None,
                  eval_specs: Sequence[EvalSpec] | None = None,
-                 log_train_total_steps: bool = True) -> tuple[State, Output | None]:
+                 log_train_total_steps: bool = True, train_steps: int | None = None,
+                 ) -> tuple[State, Output | None]:
         """Runs training and evaluation; returns the final state and the outputs of the last
         train loop that advanced the step, with ``outputs[STOP_LOOP]`` set to whether a loop
-        asked to stop (when only evaluating, the last eval loop's state and outputs)."""
+        asked to stop (when only evaluating, the last eval loop's state and outputs).
+        ``train_total_steps`` is the step to train to; ``train_steps=n`` instead trains n
+        more steps from where training goes on (the given state's step, or a resumed one's)."""
         specs = self._evals.check_specs(eval_specs)
         if self._train_loop is None:
             with (self.history.recording(None, self._eval_loops),
@@ -141,14 +144,18 @@ class OuterLoop:
                 return state, outputs
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
+        if train_steps is not None and train_total_steps is not None:
+            raise ValueError("Pass train_total_steps (the step to train to) or train_steps "
+                             f"(how many more), not both: got {train_total_steps} and "
+                             f"{train_steps}")
         for name, value in (("train_total_steps", train_total_steps),
-                            ("train_loop_steps", train_loop_steps)):
+                            ("train_loop_steps", train_loop_steps), ("train_steps", train_steps)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         with (self.history.recording(self._train_loop, self._eval_loops),
               debugging_lib.session(*self._debugging)):
             return self._train(state, train_dataset, train_total_steps, train_loop_steps, specs,
-                               log_train_total_steps)
+                               log_train_total_steps, train_steps)
 
     def _evaluate_only(self, state: State, specs: list[EvalSpec]) -> tuple[State, Output | None]:
         if not self._eval_loops:
@@ -182,7 +189,7 @@ class OuterLoop:
 
     def _train(self, state: State, train_dataset: Any, total_steps: int | None,
                loop_steps: int | None, specs: list[EvalSpec], log_total_steps: bool,
-               ) -> tuple[State, Output | None]:
+               more_steps: int | None = None) -> tuple[State, Output | None]:
         train_loop = self._train_loop
         iterator = self._iterator(train_dataset)
         if self._checkpoint_spec is not None and jax.process_index() == 0:
@@ -209,13 +216,18 @@ class OuterLoop:
             self._logged_layouts.append(layout)
         # A state restored or built here may be donated without a copy.
         owned = state is not given
-        if log_total_steps:
-            log.info("Training from step %d to %s.", step, total_steps)
+        if more_steps is not None:
+            total_steps = step + more_steps
         if total_steps is not None and step >= total_steps:
             log.warning("Nothing to train: the state is at step %d and train_total_steps is "
-                        "%d (raise train_total_steps to train further).", step, total_steps)
+                        "%d, the step to train to%s. Pass train_steps=n to train n more "
+                        "steps, or a train_total_steps above %d.", step, total_steps,
+                        "" if step == total_steps else ", not a number of steps", step)
+        elif log_total_steps:
+            log.info("Training from step %d to %s.", step, total_steps)
         progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress,
                                               history=self.history)
+        self._evals.display = progress.evaluating
         outputs: Output | None = None
         stop = self.preempted = False
         self.stopped_state = None
@@ -227,7 +239,8 @@ class OuterLoop:
         self._metadata.start_call()
         with (preemption.handling_preemption(),
               train_loop.prefetching(iterator, self._ahead(train_loop)),
-              contextlib.closing(progress), at_end.installed()):
+              contextlib.closing(progress), at_end.installed(),
+              actions_lib.deferred_writes()):
             if evals_pending:
                 # The evaluations after the restored checkpoint are not in it: run them first.
                 stop = at_end.evaluate(state, step)
@@ -263,6 +276,11 @@ class OuterLoop:
                 # A loop that ran no step keeps the outputs of the last one that trained.
                 new_step = host_count.host_step(state)
                 advanced = new_step != step
+                if train_loop.dataset_exhausted and new_step == 0:
+                    raise ValueError(
+                        f"The train dataset {train_dataset!r} gave no batch: it was exhausted "
+                        "before step 0 (an iterator a cell already used up?). Pass a fresh "
+                        "iterator, or a list (repeated for epochs: docs/notebooks.md).")
                 if advanced or outputs is None:
                     outputs = new_outputs
                 step = new_step
@@ -335,7 +353,8 @@ class OuterLoop:
         for writer in writers:
             writer.flush()
         log.warning("Stopped at step %d; %s.", step,
-                    "a checkpoint was saved" if saved else "nothing was saved")
+                    "a checkpoint was saved" if saved else "nothing was saved",
+                    extra=preemption.STOP_NOTICE)
         raise preemption.stopped(state, step, saved)
 
     def _finish(self, step: int) -> None:

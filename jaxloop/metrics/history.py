@@ -37,6 +37,8 @@ FILE_SUFFIX = ".history.jsonl"
 
 log = logging.getLogger(__name__)
 
+log = logging.getLogger(__name__)
+
 
 class Series(NamedTuple):
     """One metric's recorded values and their steps."""
@@ -71,6 +73,7 @@ class History:
 
     def __init__(self) -> None:
         self._series: dict[str, Series] = {}
+        self._warned_nonfinite = False
         # Loop outputs not read yet: (prefix, step, scalar outputs, first_step).
         self._pending: list[tuple[str, int, dict[str, Any], int | None]] = []
         # Per file written: per series, the first index the file does not hold yet.
@@ -85,6 +88,11 @@ class History:
                 break
             self._read(*self._pending.pop(0))
         return self._series
+
+    def ready(self) -> Mapping[str, Series]:
+        """The series as far as the device has computed them, never waiting (what a progress
+        display shows): pending loop outputs are read only where ready. Do not modify."""
+        return self._settled(ready_only=True)
 
     def __contains__(self, name: object) -> bool:
         return name in self._settled()
@@ -114,7 +122,19 @@ class History:
             raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
         if not steps:
             return
-        series = self._settled().setdefault(name, Series([], []))
+        self._settled()
+        self._append(name, steps, values)
+
+    def _append(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
+        # Not `record`: reading one pending loop must not read (and wait for) the next first.
+        if not self._warned_nonfinite and name.startswith(f"{TRAIN}/") and "loss" in name:
+            bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+            if bad is not None:  # once per history: the values are on the host already
+                self._warned_nonfinite = True
+                log.warning("%s is %s at step %d, the first non-finite value. "
+                            "jaxloop.recipes.guard.NonFiniteGuard skips (or stops at) such "
+                            "updates.", name, values[bad], steps[bad])
+        series = self._series.setdefault(name, Series([], []))
         keep = bisect.bisect_left(series.steps, steps[0])
         for unwritten in self._unwritten.values():
             unwritten[name] = min(unwritten.get(name, keep), keep)
@@ -143,10 +163,10 @@ class History:
             for key in list(outputs):
                 host = metric_values.scalar_values(outputs[key])
                 if isinstance(host, list) and len(host) == step - first_step:
-                    self.record(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
+                    self._append(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
                     del outputs[key]
         for key, value in metric_values.scalar_metrics(outputs, weights).items():
-            self.record(f"{prefix}/{key}", [step], [value])
+            self._append(f"{prefix}/{key}", [step], [value])
 
     def steps_after(self, step: int) -> tuple[int, int, list[str]] | None:
         """(first step, last step, metric names) of what is recorded after `step`, or None:
