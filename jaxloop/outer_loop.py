@@ -324,8 +324,9 @@ class OuterLoop:
         partial = train_loop.partial_outputs
         if partial and first is not None and step > first:
             self.history.record_outputs(history_lib.TRAIN, step, partial, first)
-        elif partial is None and first is not None and step > first:
-            self._evals_owed = step  # the loop ended: its evaluations (or actions) failed
+        elif (partial is None and first is not None and step > first
+              and self._at_loop_end.result is None):
+            self._evals_owed = step  # the loop ended, its evaluations did not
 
     def _save_at_stop(self, state: State, outputs: Output | None) -> None:
         """An early stop saves the state where it stopped, whatever the order of the train
