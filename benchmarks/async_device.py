@@ -14,6 +14,10 @@ hand-written reference, timed side by side:
                            given); ÷ a hand-written loop that reads the same values at the
                            same steps: at every L steps one ``jax.device_get`` of that
                            loop's losses, written at their steps (goal >= 0.97)
+  loops of L, progress bar the outputs variant with the progress bar shown (as in a
+                           notebook); ÷ the hand-written loop that never waits (goal >= 0.98)
+  loops of L, summary each loop  the summary variant ÷ the hand-written loop that never
+                           waits (goal >= 0.98)
 
 A window is one ``OuterLoop`` call (or one pass of the hand-written loop) over --steps
 steps, then one ``jax.block_until_ready`` of the state. Each variant trains one state
@@ -67,7 +71,7 @@ import numpy as np
 import optax
 from jax.experimental import io_callback
 
-from jaxloop import actions, outer_loop, step, train_loop
+from jaxloop import actions, eval_loop, outer_loop, step, train_loop
 
 # -- the device's sleep ----------------------------------------------------------------------
 
@@ -319,12 +323,13 @@ def hand_written(step_fn: Callable, batches: list[dict], read_every: int | None 
 
 
 def with_jaxloop(jaxloop_step: step.Step, batches: list[dict], loop_steps: int,
-                 summary: bool = False) -> Window:
+                 summary: bool = False, progress: bool = False) -> Window:
     """``OuterLoop(TrainLoop(step), progress=False)`` with its defaults, one call per window
-    in loops of `loop_steps`; with `summary`, a `SummaryAction` at every loop."""
+    in loops of `loop_steps`; with `summary`, a `SummaryAction` at every loop; with
+    `progress`, the progress bar shown (as in a notebook)."""
     end_actions = [actions.SummaryAction(RecordingWriter())] if summary else []
     outer = outer_loop.OuterLoop(train_loop.TrainLoop(jaxloop_step, end_actions=end_actions),
-                                 progress=False)
+                                 progress=progress)
 
     def run(state: Any, first: int, n: int) -> Any:
         # train_total_steps is absolute: the state goes on from `first`.
@@ -333,6 +338,108 @@ def with_jaxloop(jaxloop_step: step.Step, batches: list[dict], loop_steps: int,
         return state
 
     return run
+
+
+def eval_fn_of(device_sleep: Callable[[jax.Array], jax.Array]) -> Callable[[Any, dict], Any]:
+    """An evaluation step whose device time is `device_sleep`; a batch's `mask` (where it
+    has one) weights the loss."""
+
+    def eval_fn(state: Any, batch: dict) -> tuple[Any, dict]:
+        errors = jnp.mean((state.apply_fn({"params": state.params}, batch["x"])
+                           - batch["y"]) ** 2, axis=-1)
+        mask = batch.get("mask", jnp.ones_like(errors))
+        loss = jnp.sum(errors * mask) / jnp.sum(mask)
+        return state, {"loss": loss + device_sleep(loss)}
+
+    return eval_fn
+
+
+class SleepEvalStep(step.Step):
+    """A jaxloop evaluation Step running `eval_fn`."""
+
+    def __init__(self, eval_fn: Callable[[Any, dict], Any]):
+        super().__init__(jax.random.key(0), nn.Dense(16))
+        self._eval_fn = eval_fn
+
+    def run(self, state: Any, batch: dict) -> tuple[Any, Any]:
+        return self._eval_fn(state, batch)
+
+
+def add_alternating_eval(windows: dict[str, Window], pairs: dict[str, tuple[str, float]],
+                         loops: dict[str, int], device_sleep: Callable, batches: list[dict],
+                         length: int) -> None:
+    """An evaluation of `length` batches at a time, alternating a dataset whose batches carry
+    a `mask` with one whose batches do not: ``EvalLoop(step)(state, batches, num_steps=
+    length)`` ÷ ``jax.jit(eval_fn)`` called over the same batches, outputs kept. Each window
+    ends waiting for its last loss (an evaluation leaves the state as it is)."""
+    masked = [dict(b, mask=np.ones(len(b["x"]), np.float32)) for b in batches]
+    datasets = (batches, masked)
+    eval_fn = eval_fn_of(device_sleep)
+    evaluate = jax.jit(eval_fn)
+    loop = eval_loop.EvalLoop(SleepEvalStep(eval_fn))
+
+    def hand(state: Any, first: int, n: int) -> Any:
+        kept = []
+        for i in range(0, n, length):
+            for batch in cycle(datasets[i // length % 2], min(length, n - i)):
+                kept.append(evaluate(state, batch)[1])
+        jax.block_until_ready(kept[-1])
+        return state
+
+    def jaxloop_eval(state: Any, first: int, n: int) -> Any:
+        for i in range(0, n, length):
+            _, outputs = loop(state, cycle(datasets[i // length % 2], min(length, n - i)))
+        jax.block_until_ready(outputs["loss"][-1])
+        return state
+
+    windows["hand-written eval"] = hand
+    name = f"eval of {length}, two structures"
+    windows[name] = jaxloop_eval
+    pairs[name] = ("hand-written eval", 0.98)
+    loops[name] = loops["hand-written eval"] = length
+
+
+def add_fused_with_step_action(windows: dict[str, Window], pairs: dict[str, tuple[str, float]],
+                               loops: dict[str, int], step_fn: Callable, batches: list[dict],
+                               length: int) -> None:
+    """``OuterLoop(TrainLoop(step, steps_per_execution=16), progress=False)`` in loops of
+    `length`, the step with an end action every 5 steps (it keeps the outputs it is given,
+    reading nothing): executions of 5 steps. ÷ the hand-written loop with outputs."""
+
+    class KeepOutputs:
+        interval = 5
+
+        def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
+            self.outputs = outputs
+
+    fused = SleepStep(step_fn)
+    fused.end_actions.append(KeepOutputs())
+    outer = outer_loop.OuterLoop(train_loop.TrainLoop(fused, steps_per_execution=16),
+                                 progress=False)
+
+    def run(state: Any, first: int, n: int) -> Any:
+        state, _ = outer(state, cycle(batches, n), train_total_steps=first + n,
+                         train_loop_steps=length, log_train_total_steps=False)
+        return state
+
+    name = f"k=16, step action every 5, loops of {length}"
+    windows[name] = run
+    pairs[name] = ("hand-written, outputs", 0.98)
+    loops[name] = length
+
+
+def add_display_cases(windows: dict[str, Window], pairs: dict[str, tuple[str, float]],
+                      loops: dict[str, int], jaxloop_step: step.Step, batches: list[dict],
+                      length: int) -> None:
+    """The progress bar on, and a SummaryAction every loop, each ÷ the hand-written loop
+    that never waits (goal >= 0.98): a loop end neither needs waits for nothing."""
+    for display in ("progress bar", "summary each loop"):
+        name = f"loops of {length}, {display}"
+        bar = display == "progress bar"
+        windows[name] = with_jaxloop(jaxloop_step, batches, length, summary=not bar,
+                                     progress=bar)
+        pairs[name] = ("hand-written, outputs", 0.98)
+        loops[name] = length
 
 
 def build(device_sleep: Callable, loop_lengths: list[int]
@@ -362,7 +469,10 @@ def build(device_sleep: Callable, loop_lengths: list[int]
         windows[name] = with_jaxloop(steps[True], batches, length, summary=True)
         pairs[name] = (reference, 0.97)
         loops[name] = loops[reference] = length
+        add_display_cases(windows, pairs, loops, steps[True], batches, length)
 
+    add_alternating_eval(windows, pairs, loops, device_sleep, batches, loop_lengths[0])
+    add_fused_with_step_action(windows, pairs, loops, with_out, batches, loop_lengths[-1])
     first = steps[True].initialize_model([1, 16])
 
     def fresh_state() -> Any:

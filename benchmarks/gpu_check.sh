@@ -7,29 +7,45 @@
 #   4. the step time with batches placed ahead in the prefetch thread
 #      (`loop.prefetching(it, size=2, place=True)`) against placed by jit in its dispatch
 #      (`place=False`), in alternating rounds.
-# It installs nothing: it runs the project's .venv/bin/python, else `python` on PATH, with
+# On a machine without this project's .venv (the lent GPU machines: their image has jax with
+# CUDA, flax, optax and orbax, no network) it first installs the wheels that
+# `scripts/gpu_wheels.sh` downloaded into .whl/ (carried with the checkout) with `pip
+# --no-index --no-deps --target` into a fresh folder, and runs on the image's `python3`, with
 # this checkout's jaxloop first on PYTHONPATH. JAX runs on its default backend (the
-# accelerator where there is one) unless JAX_PLATFORMS says otherwise.
+# accelerator where there is one) unless JAX_PLATFORMS says otherwise. Each part is bounded by
+# PART_SECS (default 150 s), so the whole check ends inside one 10-minute device call.
 #
-#   bash benchmarks/gpu_check.sh                   # full settings (tens of minutes)
-#   QUICK=1 bash benchmarks/gpu_check.sh           # short settings, a minute or two
+#   bash benchmarks/gpu_check.sh                   # the settings for a lent GPU (minutes)
+#   QUICK=1 bash benchmarks/gpu_check.sh           # short settings
 #   bash benchmarks/gpu_check.sh --only mlp        # arguments go to overhead.py
+#   PY=/path/python WHL=/tmp/whl bash benchmarks/gpu_check.sh   # another interpreter, wheels
 #
 # Each part runs even when an earlier one failed; the exit status is 1 if any failed.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
-if [ -x "$ROOT/.venv/bin/python" ]; then
+WHL="${WHL:-$ROOT/.whl}"
+if [ -n "${PY:-}" ]; then
+  :
+elif [ -x "$ROOT/.venv/bin/python" ]; then
   PY="$ROOT/.venv/bin/python"
-elif command -v python >/dev/null 2>&1; then
-  PY="$(command -v python)"
+elif command -v python3 >/dev/null 2>&1; then
+  PY="$(command -v python3)"
 else
-  echo "gpu_check: no .venv/bin/python and no python on PATH" >&2
+  echo "gpu_check: no .venv/bin/python and no python3 on PATH" >&2
   exit 1
 fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+SITE=""
+if [ -d "$WHL" ] && ls "$WHL"/*.whl >/dev/null 2>&1; then
+  SITE="${SITE_DIR:-$(mktemp -d /tmp/jaxloop-site.XXXXXX)}"
+  echo "installing $(ls "$WHL"/*.whl | wc -l) wheels from $WHL into $SITE (no index)"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$WHL"/*.whl || { echo "gpu_check: installing the wheels failed" >&2; exit 1; }
+fi
+export PYTHONPATH="$ROOT${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
 QUICK="${QUICK:-0}"
+PART_SECS="${PART_SECS:-150}"
 FAILED=()
 
 section() { printf '\n== %s\n' "$*"; }
@@ -37,8 +53,9 @@ run_part() {  # run_part NAME COMMAND...: runs it, notes a failure by name
   local name="$1"
   shift
   local start=$SECONDS
-  "$@"
+  timeout --kill-after=10 "$PART_SECS" "$@"
   local rc=$?
+  [ $rc -eq 124 ] && echo "gpu_check: $name stopped at its ${PART_SECS} s bound"
   if [ $rc -ne 0 ]; then
     FAILED+=("$name (exit $rc)")
     echo "gpu_check: $name failed with exit status $rc"
@@ -59,7 +76,12 @@ if [ -z "${JAX_PLATFORMS+x}" ]; then
     echo "gpu_check: jax does not start with $PY" >&2
     exit 1
   fi
-  export JAX_PLATFORMS="$BACKEND"
+  if [ "$BACKEND" = gpu ]; then  # JAX_PLATFORMS names the plugin: gpu would also try rocm
+    if command -v nvidia-smi >/dev/null 2>&1; then BACKEND=cuda; else BACKEND=rocm; fi
+  fi
+  # The CPU too, listed second: io_callback (async_device.py's device sleep) runs on it.
+  export JAX_PLATFORMS="$BACKEND${BACKEND:+,}cpu"
+  [ "$BACKEND" = cpu ] && export JAX_PLATFORMS=cpu
 fi
 "$PY" -c 'import jax, jaxloop; print("jax", jax.__version__, "| backend", jax.default_backend(), "|", jax.devices()); print("jaxloop from", jaxloop.__file__)' \
   || FAILED+=("jax.devices")
@@ -68,6 +90,8 @@ echo "python $PY; JAX_PLATFORMS=$JAX_PLATFORMS; QUICK=$QUICK"
 section "benchmarks/overhead.py"
 if [ "$QUICK" = 1 ] && [ $# -eq 0 ]; then
   set -- --only tiny --rounds 3 --processes 1
+elif [ $# -eq 0 ]; then
+  set -- --rounds 10 --processes 1  # inside PART_SECS on a GPU; the README's are 60 x 3
 fi
 echo "python benchmarks/overhead.py $*"
 run_part overhead.py "$PY" benchmarks/overhead.py "$@"
@@ -80,57 +104,7 @@ else
 fi
 
 section "batches placed ahead (prefetch thread) against placed by jit"
-place_ahead() {
-  QUICK="$QUICK" "$PY" - <<'EOF'
-"""Step time of a TrainLoop reading host batches through `loop.prefetching(it, size=2,
-place=...)`: placed on the devices in the prefetch thread (place=True) or handed to the
-step as host arrays that jit copies in its dispatch (place=False); alternating rounds, the
-ratio taken within each round."""
-import os
-import statistics
-import sys
-import time
-
-import jax
-import optax
-
-sys.path.insert(0, "benchmarks")
-import common  # noqa: E402
-from jaxloop import train_loop  # noqa: E402
-
-quick = os.environ.get("QUICK") == "1"
-hidden, batch_size, steps, rounds = (256, 32, 20, 3) if quick else (1024, 256, 200, 7)
-step = common.TrainStep(jax.random.key(0), common.MLP(hidden=hidden),
-                        optimizer=optax.sgd(1e-3), train=True)
-loop = train_loop.TrainLoop(step)
-states = {place: step.initialize_model([1, 784]) for place in (True, False)}
-
-
-def window(place):
-    it = common.batches(batch_size, steps)
-    with loop.prefetching(it, size=2, place=place):
-        state, _ = loop(states[place], it, num_steps=steps)
-    states[place] = jax.block_until_ready(state)
-
-
-for place in states:  # compiles
-    window(place)
-times = {True: [], False: []}
-for r in range(rounds):
-    for place in ((True, False) if r % 2 == 0 else (False, True)):
-        start = time.perf_counter()
-        window(place)
-        times[place].append((time.perf_counter() - start) / steps)
-ratios = [a / b for a, b in zip(times[True], times[False], strict=True)]
-print(f"MLP 784-{hidden}-{hidden}-10, batch {batch_size}, {steps} steps x {rounds} rounds on "
-      f"{jax.devices()[0].device_kind}: step time placed ahead "
-      f"{statistics.median(times[True]) * 1e3:.3f} ms, placed by jit "
-      f"{statistics.median(times[False]) * 1e3:.3f} ms; ahead / by jit "
-      f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}] "
-      "(below 1: placing ahead is faster)")
-EOF
-}
-run_part place-ahead place_ahead
+run_part place-ahead env QUICK="$QUICK" "$PY" benchmarks/place_ahead.py
 
 section "summary"
 if [ ${#FAILED[@]} -gt 0 ]; then

@@ -6,6 +6,7 @@ Measures, side by side in one run, steps/s of
   defaults        ``OuterLoop(train_loop=TrainLoop(step))``, everything at its default
                   (on CPUs no prefetch thread: see `jaxloop.engine.prefetch`), train loops of
                   --loop-steps steps (default 200)
+  p=0             the same with ``prefetch=0``: no read-ahead thread (the default on CPUs)
   p=2             the same with ``prefetch=2``: a thread that reads two batches ahead
   k=K             ``TrainLoop(step, steps_per_execution=K)``, defaults otherwise: K steps
                   per compiled call (the CNN: with ``unroll=True``)
@@ -35,6 +36,12 @@ Cases: MLP 784-256-10 and the guide's CNN at batch 32 on one device (the CNN in 
 and with FSDP (loops of 1/4 the length). Each device count runs in its own subprocess,
 since the device count is fixed when jax starts.
 
+NNX case (``--only nnx``): the same MLP as an nnx.Module trained by an NNX-native step
+(``run(self, model, optimizer, batch)``) against a hand-written NNX loop written the fast
+way: ``nnx.split`` once, a donated `jax.jit` of a pure function that calls ``nnx.merge``
+inside and returns ``nnx.state``; beside them ``nnx.jit`` on the model and optimizer
+objects, called per step (the tutorial's way). Goal: defaults >= 0.97 of the fast loop.
+
 On 8 CPU devices the hand-written loop waits for the step before the one it just
 dispatched (the policy of jaxloop's default there, ``max_steps_in_flight=2``): dispatching
 hundreds of sharded steps without ever waiting crashes XLA's CPU collectives ("Expected 8
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import math
 import os
@@ -65,6 +73,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -155,6 +164,7 @@ class Case:
         self.window = {}  # steps per timed window, where not loop_steps
         self.variants = {"hand-written": self.hand_written,
                          "defaults": self.jaxloop("defaults", 1),
+                         "p=0": self.jaxloop("p=0", 1, prefetch=0),
                          "p=2": self.jaxloop("p=2", 1, prefetch=2)}
         for k in fused:
             self.variants[f"k={k}"] = self.jaxloop(f"k={k}", k, unroll=unroll)
@@ -164,6 +174,10 @@ class Case:
 
     def fresh_state(self):
         return jax.block_until_ready(self.step.initialize_model([1, *self.shape]))
+
+    def start(self, name):
+        """A fresh state for variant `name` (the jaxloop state unless it keeps its own)."""
+        return self.fresh_state()
 
     def hand_written(self, state, first, n):
         losses = []
@@ -205,7 +219,7 @@ class Case:
         states, done = {}, {}
         # Compiles every program a window uses (one per variant).
         for name, run in self.variants.items():
-            states[name], done[name] = self.fresh_state(), 0
+            states[name], done[name] = self.start(name), 0
             n = self.window.get(name, self.loop_steps)
             states[name] = jax.block_until_ready(run(states[name], done[name], n))
             done[name] += n
@@ -222,6 +236,86 @@ class Case:
                 cpu[name].append((time.thread_time() - start_cpu) / n)
                 done[name] += n
         return rates, cpu
+
+
+class NnxMLP(nnx.Module):
+    """MLP 784-256-10 as an nnx.Module."""
+
+    def __init__(self, hidden=256, *, rngs):
+        self.dense1 = nnx.Linear(784, hidden, rngs=rngs)
+        self.dense2 = nnx.Linear(hidden, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense2(nnx.relu(self.dense1(x.reshape((x.shape[0], -1)))))
+
+
+def nnx_train(model, optimizer, batch):
+    """The one NNX computation every NNX variant runs."""
+
+    def loss_fn(model):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+class NnxTrainStep(step.Step):
+    def run(self, model, optimizer, batch):
+        return nnx_train(model, optimizer, batch)
+
+
+class NnxCase(Case):
+    """The MLP as an nnx.Module on one device: jaxloop's NNX-native step against a
+    hand-written loop written the fast way, and `nnx.jit` per step."""
+
+    def __init__(self, batch_size, loop_steps=200):
+        self.shape, self.loop_steps = (784,), loop_steps
+        self.batches = make_batches(self.shape, batch_size)
+        self.tx = optax.sgd(0.005, 0.9)
+        self.step = NnxTrainStep(jax.random.key(0), NnxMLP(rngs=nnx.Rngs(0)), optimizer=self.tx,
+                                 train=True)
+        self.graphdef, _ = nnx.split(self.objects())
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def fast(state, batch):
+            model, optimizer = nnx.merge(self.graphdef, state)
+            out = nnx_train(model, optimizer, batch)
+            return nnx.state((model, optimizer)), out
+
+        self.fast = fast
+        self.nnx_jit = nnx.jit(nnx_train)
+        self.loops, self.window = {}, {}
+        self.variants = {"hand-written": self.hand_written, "defaults": self.jaxloop("defaults", 1),
+                         "nnx.jit": self.nnx_jitted}
+
+    def objects(self):
+        model = NnxMLP(rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, self.tx, wrt=nnx.Param)
+
+    def start(self, name):
+        if name == "hand-written":
+            return jax.block_until_ready(nnx.split(self.objects())[1])
+        if name == "nnx.jit":
+            return self.objects()
+        return self.fresh_state()
+
+    def hand_written(self, state, first, n):
+        """nnx.split once (in `start`), then a donated jax.jit of a pure function."""
+        losses = []
+        for batch in cycle(self.batches, n):
+            state, out = self.fast(state, batch)
+            losses.append(out["loss"])
+        return state
+
+    def nnx_jitted(self, objects, first, n):
+        """The tutorial's way: nnx.jit called on the objects every step."""
+        model, optimizer = objects[:2]
+        losses = []
+        for batch in cycle(self.batches, n):
+            losses.append(self.nnx_jit(model, optimizer, batch)["loss"])
+        return model, optimizer, losses[-1]
 
 
 def median_ci(values):
@@ -261,6 +355,7 @@ def cases_for(devices, loop_steps):
             ("guide CNN, batch 32", lambda: Case(
                 GuideCNN(), (28, 28, 1), 32, single, loop_steps // 5,
                 fused=(2, 4, 8), unroll=True)),
+            ("NNX 784-256-10 (nnx.Module), batch 32", lambda: NnxCase(32, loop_steps)),
         ]
     mesh = Mesh(np.array(jax.devices()), ("data",))
     return [

@@ -5,11 +5,15 @@ Variants (FSDP over 8 CPU devices, adam, the benchmarks' 784-1024-1024-10 MLP):
   copies it once and donates only the states its steps produce;
 - opt-in: ``TrainLoop(..., donate_input_state=True)`` consumes the state passed in;
 - resume: `OuterLoop` restores a checkpoint onto ``step.abstract_state(spec)``: the
-  restored state is the run's own, never copied.
+  restored state is the run's own, never copied;
+- reads: as opt-in, over 4 loops whose end action reads the state (a norm) and keeps
+  nothing: every step still donates;
+- keeps: the same action also keeps the state of every loop (``self.kept.append(state)``):
+  those stay usable, and cost their memory.
 
 Device bytes are those of every live array's addressable shards (what the devices hold
 between XLA programs; a step's temporaries are not arrays and are not counted). They are
-sampled after every step (a step end action) and by a thread in between.
+sampled after every step (a step end action).
 
     python benchmarks/state_memory.py
 """
@@ -21,7 +25,6 @@ import gc
 import os
 import sys
 import tempfile
-import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -38,30 +41,36 @@ SPEC = [1, 784]
 
 
 class Peak(actions.Action):
-    """The most device bytes seen above `base`, sampled after each step and by a thread."""
+    """The most device bytes seen above `base`, sampled after each step (in the training
+    thread: a sampling thread would hold the arrays while the loop looks for holders)."""
 
     def __init__(self) -> None:
         super().__init__(interval=1)
         self.base = self.peak = 0
-        self._stop = threading.Event()
 
     def __call__(self, state, outputs, **kwargs) -> None:
         self.peak = max(self.peak, memory.live_device_bytes() - self.base)
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self(None, None)
-
     def __enter__(self) -> Peak:
         gc.collect()
         self.base = memory.live_device_bytes()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        pass
+
+
+class ReadsState(actions.Action):
+    """A loop-end action that reads the state (its first kernel's norm), keeping it if asked."""
+
+    def __init__(self, keep: bool) -> None:
+        super().__init__(interval=1)
+        self.keep, self.kept, self.norms = keep, [], []
+
+    def __call__(self, state, outputs, **kwargs) -> None:
+        self.norms.append(float(np.linalg.norm(np.asarray(jax.tree.leaves(state.params)[0]))))
+        if self.keep:
+            self.kept.append(state)
 
 
 def batches(n: int = 64):
@@ -104,6 +113,16 @@ def run(variant: str, steps: int, workdir: str) -> tuple[float, int]:
         return peak.peak / one, one
     state = train.initialize_model(SPEC)  # the caller's: it stays live in both variants
     one = state_bytes(state)
+    if variant in ("reads", "keeps"):
+        reads = ReadsState(keep=variant == "keeps")
+        loop = train_loop.TrainLoop(train, donate_input_state=True, end_actions=[reads])
+        with peak:
+            it = batches()
+            for _ in range(4):
+                state, _ = loop(state, it, num_steps=steps // 4)
+            peak(None, None)
+        # The passed state was live before the run (in `base`), then consumed.
+        return (peak.peak + one) / one, one
     loop = train_loop.TrainLoop(train, donate_input_state=variant == "opt-in")
     with peak:
         final, _ = loop(state, batches(), num_steps=steps)
@@ -119,7 +138,7 @@ def main() -> int:
     print(f"{jax.device_count()} devices ({jax.devices()[0].platform}), {args.steps} steps")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in ("default", "opt-in", "resume"):
+        for variant in ("default", "opt-in", "resume", "reads", "keeps"):
             ratio, one = run(variant, args.steps, os.path.join(tmp, variant))
             rows.append((variant, ratio, one))
             gc.collect()

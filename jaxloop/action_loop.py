@@ -16,7 +16,7 @@ from typing import Any
 from jaxloop import actions as actions_lib
 from jaxloop import async_action_context, stat_loop, stop_handler, types
 from jaxloop import step as step_lib
-from jaxloop.engine import host_count, triggers
+from jaxloop.engine import host_count, ownership, triggers
 
 Action = actions_lib.Action
 Output = types.Output
@@ -79,8 +79,9 @@ class ActionLoop(stat_loop.StatLoop):
             if trigger is None and self._loop_count % action.interval == 0 or (
                     trigger is not None and self._triggered(trigger, state, outputs is None)):
                 try:
-                    action(state, outputs, loop=self, loop_count=self._loop_count,
-                           first_step=self._first_step)
+                    # An action may keep the state: the next step then consumes nothing.
+                    ownership.call(action, state, outputs, loop=self,
+                                   loop_count=self._loop_count, first_step=self._first_step)
                 except stop_handler.StopTrainingError as e:
                     # Live here; the one the caller passed in may have been donated.
                     e.state = state

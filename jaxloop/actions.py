@@ -14,12 +14,14 @@ Example, a custom action that logs the learning rate::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import numpy as np
 
 from jaxloop import stop_handler, types
@@ -57,7 +59,7 @@ __all__ = [
     "Action", "BestCheckpointAction", "CheckpointAction", "EarlyStoppingAction",
     "MetricMonitoringStopHandler", "MetricType", "MetricWithMetadata", "ProgressAction",
     "StepNumberAction", "StepNumberFileWriter", "StopTrainingError", "SummaryAction",
-    "example_weights", "fetch", "scalar_metrics", "scalar_summary",
+    "deferred_writes", "example_weights", "fetch", "scalar_metrics", "scalar_summary",
 ]
 
 
@@ -74,6 +76,66 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_ELSEWHERE})
 
 
+# SummaryActions holding values not written yet, while a `deferred_writes` block is open.
+_deferring: dict[int, SummaryAction] = {}
+_open_blocks = 0
+
+
+@contextlib.contextmanager
+def deferred_writes() -> Iterator[None]:
+    """Lets every `SummaryAction` write a loop's values once the device has produced them,
+    so that a loop end waits for nothing: at the first of its calls that finds them computed
+    (with several processes, at its next call: one loop late, as MaxText logs the previous
+    step's metrics), and all that is left, flushed, when the outermost block ends.
+    `OuterLoop` trains inside one; outside any, a SummaryAction writes at once.
+
+    Example, a hand-written outer loop::
+
+        with actions.deferred_writes():
+            for _ in range(10):
+                state, _ = train_loop(state, batches, num_steps=100)
+    """
+    global _open_blocks
+    _open_blocks += 1
+    try:
+        yield
+    except BaseException:
+        _close_block(failing=True)
+        raise
+    _close_block(failing=False)
+
+
+def _close_block(failing: bool) -> None:
+    """Ends a `deferred_writes` block; the outermost writes and flushes what is pending (when
+    an exception ends it, an error in that is logged: the exception is the news)."""
+    global _open_blocks
+    _open_blocks -= 1
+    if _open_blocks:
+        return
+    pending = list(_deferring.values())
+    _deferring.clear()
+    for action in pending:
+        try:
+            action.write_pending()
+            action.summary_writer.flush()
+        except Exception:
+            if not failing:
+                raise
+            log.exception("SummaryAction could not write its last values")
+
+
+class _Stacked(NamedTuple):
+    """A per-step list of device scalars as `metric_values.stack_groups` stacked them."""
+
+    groups: tuple[jax.Array, ...]
+    count: int
+
+
+def _ready(tree: Any) -> bool:
+    """Whether the device has computed every array of `tree` (asked without waiting)."""
+    return all(x.is_ready() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
+
+
 class SummaryAction(Action):
     """Writes loop outputs with a clu-style metric writer (`jaxloop.metrics.writers` or clu's).
 
@@ -81,7 +143,8 @@ class SummaryAction(Action):
     their mean over examples, like plain scalars and clu metrics, at ``state.step``.
     `MetricWithMetadata` values go to the writer method of their type (audio is a
     ValueError). Per-step lists of other arrays are skipped. Every process runs it: give
-    the others a writer that drops values.
+    the others a writer that drops values. Inside `deferred_writes` (an `OuterLoop` call)
+    values the device has not computed yet are written later, never waited for at a loop end.
 
     Args:
       flush_each_call: flush the writer after each write (the file is then readable at once).
@@ -91,6 +154,8 @@ class SummaryAction(Action):
         super().__init__(interval)
         self._summary_writer = summary_writer
         self._flush_each_call = flush_each_call
+        # (step, outputs, first_step, example counts) of the calls not written yet.
+        self._pending: list[tuple[int, Output, int | None, list[Any] | None]] = []
 
     @property
     def summary_writer(self) -> Any:
@@ -117,12 +182,7 @@ class SummaryAction(Action):
                  loop: Any = None, **kwargs: Any) -> None:
         if not outputs:
             return
-        step = host_count.host_step(state)
-        weights = example_weights(loop)
-        per_step: dict[int, dict[str, float]] = {}
-        at_step: dict[str, Any] = {}
-        typed: dict[MetricType, dict[str, Any]] = {}
-        items = []
+        items = {}
         for key, value in outputs.items():
             if isinstance(value, list | tuple) and value and isinstance(value[-1],
                                                                         MetricWithMetadata):
@@ -131,14 +191,59 @@ class SummaryAction(Action):
                 raise ValueError(
                     f"Output {key!r} has metric type {value.type}, which SummaryAction does "
                     f"not write; supported: {[t.name for t in self.SUPPORTED_TYPES]}")
-            items.append((key, value))
-        for key, value in items:
+            if type(value) is list:  # copied (the loop's may grow)
+                # Stacked now, behind the loop's steps, so that reading it later (once
+                # computed) waits for no computation queued after them.
+                groups = (metric_values.stack_groups(value)
+                          if metric_values.all_numbers(value) else None)
+                value = list(value) if groups is None else _Stacked(groups, len(value))
+            items[key] = value
+        counts = getattr(loop, "example_counts", None)
+        self._pending.append((host_count.host_step(state), items, first_step,
+                              list(counts) if counts else None))
+        if not _open_blocks:
+            self.write_pending()
+            return
+        if jax.process_count() == 1:  # what the device has computed, in order
+            ready = 0
+            while ready < len(self._pending) and _ready(self._pending[ready][1:]):
+                ready += 1
+            self._write_first(ready)
+        else:  # one call late, so that every process reads (maybe a collective) at one call
+            self._write_first(len(self._pending) - 1)
+        if self._pending:
+            _deferring[id(self)] = self
+
+    def _write_first(self, count: int) -> None:
+        """Writes the values of the first `count` calls not written yet."""
+        if count <= 0:
+            return
+        written, self._pending = self._pending[:count], self._pending[count:]
+        for step, outputs, first_step, counts in written:
+            self._write(step, outputs, first_step, counts)
+        if self._flush_each_call:
+            self._summary_writer.flush()
+
+    def write_pending(self) -> None:
+        """Writes the values of the calls not written yet (waiting for the device where it
+        has not produced them)."""
+        self._write_first(len(self._pending))
+
+    def _write(self, step: int, outputs: Output, first_step: int | None,
+               counts: list[Any] | None) -> None:
+        weights = metric_values.scalar_values(counts) if counts else None
+        weights = weights if isinstance(weights, list) else None
+        per_step: dict[int, dict[str, float]] = {}
+        at_step: dict[str, Any] = {}
+        typed: dict[MetricType, dict[str, Any]] = {}
+        for key, value in outputs.items():
             if isinstance(value, MetricWithMetadata) and value.type == MetricType.SCALAR:
                 value = value.value  # written with the plain scalars, as one of them
             if isinstance(value, MetricWithMetadata):
                 typed.setdefault(value.type, {})[key] = np.asarray(fetch(value.value))
                 continue
-            host = metric_values.scalar_values(value)  # None for per-example arrays
+            host = (metric_values.read_groups(*value) if isinstance(value, _Stacked)
+                    else metric_values.scalar_values(value))  # None for per-example arrays
             if isinstance(host, list):
                 if first_step is not None and step - first_step == len(host):
                     for i, number in enumerate(host):
@@ -156,8 +261,6 @@ class SummaryAction(Action):
             self._summary_writer.write_scalars(s, per_step[s])
         if at_step:
             self._summary_writer.write_scalars(step, at_step)
-        if self._flush_each_call:
-            self._summary_writer.flush()
 
 
 class EarlyStoppingAction(Action):

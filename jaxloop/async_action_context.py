@@ -103,9 +103,10 @@ class AsyncActionContext:
         return False
 
     def check_exceptions_and_raise(self, raise_exception: bool = True, wait: bool = True) -> None:
-        """Raises the exception of the first failed future (only logs it with
-        ``raise_exception=False``), then forgets the futures. ``wait=False`` looks only at
-        the futures already done, so a loop boundary never waits."""
+        """Raises the exception of the first failed future, after logging every other
+        failure with its traceback (with ``raise_exception=False`` all are logged), then
+        forgets the futures. ``wait=False`` looks only at the futures already done, so a
+        loop boundary never waits."""
         with self._mutex:
             pending = list(self._futures)
         if wait:
@@ -118,17 +119,23 @@ class AsyncActionContext:
         with self._mutex:
             ids = {id(f) for _, f in checked}
             self._futures = [(n, f) for n, f in self._futures if id(f) not in ids]
-        for name, future in checked:
-            error = None if future.cancelled() else future.exception()
-            if error is None:
-                continue
-            note = f"The exception above was raised by background work: {name}."
-            if not raise_exception:
-                log.error("%s: %r", note, error)
-                continue
-            if note not in getattr(error, "__notes__", ()):
-                error.add_note(note)
-            raise error
+        failures = [(name, error) for name, future in checked
+                    if not future.cancelled() and (error := future.exception()) is not None]
+        if not failures:
+            return
+        for name, error in failures[1:] if raise_exception else failures:
+            log.error("Background work %r failed:", name, exc_info=error)
+        if not raise_exception:
+            return
+        name, error = failures[0]
+        note = f"The exception above was raised by background work: {name}."
+        if len(failures) > 1:
+            others = ", ".join(repr(n) for n, _ in failures[1:])
+            note += (f" {len(failures) - 1} other background failure(s) were logged with "
+                     f"their tracebacks: {others}.")
+        if note not in getattr(error, "__notes__", ()):
+            error.add_note(note)
+        raise error
 
 
 _context: AsyncActionContext | None = None

@@ -111,6 +111,14 @@ class EvalLoop(action_loop.ActionLoop):
         return [int(s) if lo else c for s, c, lo in zip(summed, self._counts, self._local,
                                                         strict=True)]
 
+    def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
+        """Runs the end actions, unless Ctrl-C or a preemption cut the evaluation short:
+        a part of an evaluation is no result (no summary, history point or early-stopping
+        update)."""
+        if self.preempted:
+            return state, outputs
+        return super().end(state, outputs)
+
     def run(self, state: State, dataset: Iterator[Any], num_steps: int | None = None,
             log_num_flops: bool = False, **kwargs: Any) -> tuple[State, Output | None]:
         kwargs.setdefault("return_state_from_step", False)

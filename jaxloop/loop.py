@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import signal
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxloop import step as step_lib
 from jaxloop import types
-from jaxloop.engine import in_flight, outputs, staging, step_actions
+from jaxloop.engine import in_flight, outputs, ownership, staging, step_actions
 from jaxloop.engine import prefetch as prefetch_lib
 from jaxloop.engine.host_count import host_step, remember_step
 from jaxloop.launch import preemption
@@ -36,14 +34,9 @@ Step = step_lib.Step
 MetricList = outputs.MetricList
 
 
-@functools.lru_cache(maxsize=32)
-def _copier(shardings: tuple[jax.sharding.Sharding, ...]) -> Callable[[list], list]:
-    """Copies arrays on their devices, keeping their shardings, in one dispatch (not one
-    per leaf)."""
-    def copy_state(arrays: list) -> list:
-        return [jnp.copy(x) for x in arrays]
-
-    return jax.jit(copy_state, out_shardings=list(shardings))
+def _deleted(state: Any) -> bool:
+    """Whether a leaf of `state` was consumed (donated) by a step."""
+    return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state))
 
 
 class Loop:
@@ -54,8 +47,14 @@ class Loop:
       steps_per_execution: steps per compiled call (`Step.call_steps`), cut so the host
         sees what it would at k=1 (step actions, layout changes, preemption).
       unroll: compile an execution's steps straight-line, not as one loop body.
-      donate_input_state: True consumes the state you pass; False copies it once on the
-        devices. An `adopt`-ed state is never copied.
+      donate_input_state: True consumes the state you pass; False (default): the first
+        step runs without donating it (new buffers beside yours, no copy), and the steps
+        after it consume only states the loop made. An `adopt`-ed state is consumed.
+
+    What the user keeps stays usable: a state (or any part of one) that an action, a hook
+    or a cell keeps is never consumed; the step after it runs without donation
+    (`engine.ownership`). After any exception, `stopped_state` is the live state at the
+    last completed step.
 
     Override `begin`, `run`, `end` or `update_outputs` to customise; `_get_next_batch`,
     `_run_one_step` and `_run_steps` are the per-batch hooks.
@@ -82,6 +81,11 @@ class Loop:
         self._prefetch: prefetch_lib.Prefetcher | None = None
         # A batch of another layout, left for the next execution.
         self._pending: Any = None
+        # Batches read from a dataset but not trained on (read ahead when a call ended):
+        # the next call on that dataset takes them first. (dataset, [(batch, position)]).
+        self._unread: tuple[Any, list[tuple[Any, Any]]] | None = None
+        # The outputs of the steps a call completed before an exception ended it.
+        self.partial_outputs: Output | None = None
         self.dataset_exhausted = False
         self.preempted = False
         self.num_steps_run = 0
@@ -107,23 +111,12 @@ class Loop:
         return state
 
     def _own(self, state: State) -> State:
-        """`state` where the loop may consume it, else a copy on the devices."""
+        """Marks `state` held by the caller (its first step consumes nothing) unless it was
+        adopted or ``donate_input_state`` is set."""
         adopted, self._adopted = self._adopted, None
-        step = self._step
-        if (state is adopted or self._donate_input_state or not getattr(step, "train", False)
-                or getattr(step, "donates_input_state", True)):
-            return state
-        leaves, treedef = jax.tree.flatten(state)
-        # One copy per set of devices: one jit takes only one set.
-        groups: dict[frozenset, list[int]] = {}
-        for i, x in enumerate(leaves):
-            if isinstance(x, jax.Array):
-                groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
-        for at in groups.values():
-            copies = _copier(tuple(leaves[i].sharding for i in at))([leaves[i] for i in at])
-            for i, copy in zip(at, copies, strict=True):
-                leaves[i] = copy
-        return jax.tree.unflatten(treedef, leaves)
+        if state is not adopted and not self._donate_input_state:
+            ownership.mark_held(state)
+        return state
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         """Called before the first step; returns the state and `dataset` as an iterator."""
@@ -137,6 +130,8 @@ class Loop:
             if not isinstance(dataset, Iterable):
                 raise TypeError(f"dataset must be an iterator or iterable, got {type(dataset)}")
             dataset = iter(dataset)
+        if self._unread is not None and self._unread[0] is not dataset:
+            self._unread = None  # batches of another dataset: never asked for again
         return state, dataset
 
     def update_outputs(self, loop_outputs: Output, step_outputs: Output | None) -> Output:
@@ -144,9 +139,37 @@ class Loop:
         return outputs.append(loop_outputs, step_outputs)
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
-        """The next batch (from the prefetcher inside `prefetching(dataset)`); raises
+        """The next batch: one an earlier call read but did not train on, else from the
+        prefetcher inside `prefetching(dataset)`, else from `dataset`; raises
         StopIteration at the end."""
+        unread = self._unread
+        if unread is not None and unread[0] is dataset and unread[1]:
+            batch = unread[1].pop(0)[0]
+            if isinstance(batch, BaseException):  # the source failed there when read ahead
+                raise batch
+            return batch
         return next(self._prefetch if self._prefetch is not None else dataset)
+
+    def _keep_unread(self, dataset: Any, batches: list[tuple[Any, Any]]) -> None:
+        """Keeps (batch, position before it) pairs read from `dataset` but not trained on,
+        after those kept already, for the next call on `dataset`."""
+        if not batches:
+            return
+        unread = self._unread
+        kept = unread[1] if unread is not None and unread[0] is dataset else []
+        self._unread = (dataset, [*kept, *batches])
+
+    def forget_unread(self, dataset: Any) -> None:
+        """Drops the batches kept unread from `dataset`, e.g. once a checkpoint moved it
+        back to their position."""
+        if self._unread is not None and self._unread[0] is dataset:
+            self._unread = None
+
+    def _hold_back(self, dataset: Any, batch: Any, position: Any) -> None:
+        """Puts `batch` (read at `position`) first among the unread batches."""
+        unread = self._unread
+        kept = unread[1] if unread is not None and unread[0] is dataset else []
+        self._unread = (dataset, [(batch, position), *kept])
 
     @contextlib.contextmanager
     def prefetching(self, dataset: Iterator[Any], size: int = 2, place: bool | None = None
@@ -155,6 +178,9 @@ class Loop:
         devices where `place` (None: `prefetch.places_ahead`). The loop reads its batches
         from the prefetcher it is handed here, and it, `run` and the actions still see
         `dataset` itself; calling the loop with another dataset meanwhile is an error.
+        Batches read ahead and not trained on when the block ends are the first the next
+        call on `dataset` trains on (a source with ``set_state``, such as grain's, is moved
+        back instead), so no batch is lost between calls.
 
         Example::
 
@@ -175,12 +201,17 @@ class Loop:
             yield dataset
         finally:
             current, self._prefetch = self._prefetch, previous
-            current.close()
+            self._keep_unread(dataset, current.close())
 
     def data_position(self, dataset: Any) -> Any:
-        """`dataset`'s checkpointable position after the batches consumed (or None)."""
+        """`dataset`'s checkpointable position after the batches trained on (or None)."""
+        unread = self._unread
+        if unread is not None and unread[0] is dataset and unread[1]:
+            return unread[1][0][1]
         if self._prefetch is not None:
             return self._prefetch.position()
+        if not callable(getattr(dataset, "get_state", None)):
+            return None
         from jaxloop import data  # noqa: PLC0415 (grain loads only when asked)
 
         return data.iterator_state(dataset)
@@ -206,16 +237,17 @@ class Loop:
         """Runs up to `num_steps` batches in one execution; returns the state, the outputs
         and the steps run (fewer at the dataset's end or before a batch of another layout,
         kept for the next execution)."""
-        batches = [self._pending] if self._pending is not None else []
+        batches = [self._pending[0]] if self._pending is not None else []
         self._pending = None
         layout = staging.batch_layout(batches[0]) if batches else None
         try:
             while len(batches) < num_steps:
+                position = self.data_position(dataset)
                 batch = self._get_next_batch(dataset)
                 if layout is None:
                     layout = staging.batch_layout(batch)
                 elif staging.batch_layout(batch) != layout:
-                    self._pending = batch
+                    self._pending = (batch, position)
                     break
                 batches.append(batch)
         except StopIteration:
@@ -229,8 +261,11 @@ class Loop:
             size=self._steps_per_execution, **kwargs)
         if return_state_from_step:
             state = new_state
-        per_step = [None] * count if stacked is None else staging.unstack(stacked)[:count]
         self._in_flight.add(in_flight.token(self._step, stacked, new_state))
+        if isinstance(stacked, dict) and type(self).update_outputs is Loop.update_outputs:
+            # Kept stacked: a step's entry is sliced off when something reads it.
+            return state, outputs.extend_stacked(loop_outputs, stacked, count), count
+        per_step = [None] * count if stacked is None else staging.unstack(stacked)[:count]
         for step_outputs in per_step:
             loop_outputs = self.update_outputs(loop_outputs, step_outputs)
         return state, loop_outputs, count
@@ -244,7 +279,6 @@ class Loop:
         loop_outputs: Output = collections.defaultdict(list)
         self.dataset_exhausted = False
         self.preempted = False
-        self._pending = None
         # Against the host's step count: the check never waits for the device.
         check_preemption = preemption.active() and train
         # A plain callable may advance `state.step` otherwise (or not at all).
@@ -257,39 +291,57 @@ class Loop:
             state = self._own(state)
         donating = getattr(self._step, "donating_state", None)
         size = self._steps_per_execution
-        with donating() if donating and train else contextlib.nullcontext():
-            while num_steps is None or done < num_steps:
-                first_flops = log_num_flops and done == 0
-                try:
-                    if size == 1 and self._pending is None:
-                        state, loop_outputs = self._run_one_step(
-                            state, dataset, loop_outputs, done + 1, log_num_flops=first_flops,
-                            return_state_from_step=train, **kwargs)
-                        ran = 1
-                    else:
-                        remaining = size if num_steps is None else min(size, num_steps - done)
-                        state, loop_outputs, ran = self._run_steps(
-                            state, dataset, loop_outputs, done + 1,
-                            step_actions.execution_length(
-                                self._step.begin_actions, self._step.end_actions, done + 1,
-                                remaining),
-                            log_num_flops=first_flops, return_state_from_step=train, **kwargs)
-                except StopIteration:
-                    self.dataset_exhausted = True
-                    break
-                done += ran
-                # The agreed sync step may fall inside an execution: stop at its end.
-                if check_preemption and (
-                        preemption.reached_sync_point(first_step + done) if ran == 1
-                        else any(preemption.reached_sync_point(first_step + n)
-                                 for n in range(done - ran + 1, done + 1))):
-                    self.preempted = True
-                    break
-                if check_interrupt and preemption.interrupted():
-                    self.preempted = True
-                    break
-                if self.dataset_exhausted:
-                    break
+        try:
+            with donating() if donating and train else contextlib.nullcontext():
+                while num_steps is None or done < num_steps:
+                    first_flops = log_num_flops and done == 0
+                    try:
+                        if size == 1 and self._pending is None:
+                            state, loop_outputs = self._run_one_step(
+                                state, dataset, loop_outputs, done + 1,
+                                log_num_flops=first_flops, return_state_from_step=train,
+                                **kwargs)
+                            ran = 1
+                        else:
+                            remaining = size if num_steps is None else min(size, num_steps - done)
+                            state, loop_outputs, ran = self._run_steps(
+                                state, dataset, loop_outputs, done + 1,
+                                step_actions.execution_length(
+                                    self._step.begin_actions, self._step.end_actions, done + 1,
+                                    remaining),
+                                log_num_flops=first_flops, return_state_from_step=train,
+                                **kwargs)
+                    except StopIteration:
+                        self.dataset_exhausted = True
+                        break
+                    done += ran
+                    # The agreed sync step may fall inside an execution: stop at its end.
+                    if check_preemption and (
+                            preemption.reached_sync_point(first_step + done) if ran == 1
+                            else any(preemption.reached_sync_point(first_step + n)
+                                     for n in range(done - ran + 1, done + 1))):
+                        self.preempted = True
+                        break
+                    if check_interrupt and preemption.interrupted():
+                        self.preempted = True
+                        break
+                    if self.dataset_exhausted:
+                        break
+        except BaseException:
+            # The live state: the one the failed step was given, or the one it made if it
+            # had consumed that (an error after its execution, in an end hook or action).
+            live = state
+            if train and _deleted(state):
+                made = getattr(self._step, "last_state", None)
+                live = made if made is not None and not _deleted(made) else state
+            self.stopped_state = live
+            self.partial_outputs = dict(loop_outputs)
+            self.num_steps_run = done
+            raise
+        finally:
+            if self._pending is not None:  # held back at a layout change: not trained on
+                self._hold_back(dataset, *self._pending)
+                self._pending = None
         if counted:
             remember_step(state, first_step + done)
         self.num_steps_run = done
@@ -307,12 +359,21 @@ class Loop:
         then `preemption.Interrupted` is raised with the live state (also `stopped_state`),
         unless an `OuterLoop` runs it."""
         self.stopped_state = None
+        self.partial_outputs = None
         owner = not preemption.active()
         with (preemption.handling_preemption((signal.SIGINT,)) if owner
               else contextlib.nullcontext()):
-            state, dataset = self.begin(state, dataset)
-            state, outputs = self.run(state, dataset, num_steps, **kwargs)
-            state, outputs = self.end(state, outputs)
+            try:
+                state, dataset = self.begin(state, dataset)
+                state, outputs = self.run(state, dataset, num_steps, **kwargs)
+                if type(self).end.__module__.startswith("jaxloop."):
+                    state, outputs = self.end(state, outputs)
+                else:  # a user's `end` may keep the state
+                    state, outputs = ownership.call(self.end, state, outputs)
+            except BaseException:
+                if self.stopped_state is None:  # (`run` sets it when it fails)
+                    self.stopped_state = state
+                raise
             if owner and self.preempted:
                 self.stopped_state = state
                 saved = self.save_checkpoint(state, outputs)
@@ -322,3 +383,4 @@ class Loop:
     def save_checkpoint(self, state: State, outputs: Output | None) -> bool:
         """Saves `state` now if the loop can; returns whether its step is saved (here never)."""
         return False
+

@@ -103,6 +103,9 @@ class OuterLoop:
         self._progress = progress
         self.history = history_lib.History()
         self._logged_layouts: list[Any] = []
+        self._train_source: tuple[Any, Iterator[Any]] | None = None
+        # The step whose evaluations an error or a stop cut short, to run first next call.
+        self._evals_owed: int | None = None
         self._evals = Evaluations(self._eval_loops, self._ahead)
         if train_loop is not None:
             self._at_loop_end = LoopEndEvaluations(train_loop, self._evals)
@@ -132,10 +135,13 @@ class OuterLoop:
     def __call__(self, state: State, train_dataset: Iterator[Any] | Iterable[Any] | None = None,
                  train_total_steps: int | None = None, train_loop_steps: int | None = None,
                  eval_specs: Sequence[EvalSpec] | None = None,
-                 log_train_total_steps: bool = True) -> tuple[State, Output | None]:
+                 log_train_total_steps: bool = True, train_steps: int | None = None,
+                 ) -> tuple[State, Output | None]:
         """Runs training and evaluation; returns the final state and the outputs of the last
         train loop that advanced the step, with ``outputs[STOP_LOOP]`` set to whether a loop
-        asked to stop (when only evaluating, the last eval loop's state and outputs)."""
+        asked to stop (when only evaluating, the last eval loop's state and outputs).
+        ``train_total_steps`` is the step to train to; ``train_steps=n`` instead trains n
+        more steps from where training goes on (the given state's step, or a resumed one's)."""
         specs = self._evals.check_specs(eval_specs)
         if self._train_loop is None:
             with (self.history.recording(None, self._eval_loops),
@@ -145,14 +151,18 @@ class OuterLoop:
                 return state, outputs
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
+        if train_steps is not None and train_total_steps is not None:
+            raise ValueError("Pass train_total_steps (the step to train to) or train_steps "
+                             f"(how many more), not both: got {train_total_steps} and "
+                             f"{train_steps}")
         for name, value in (("train_total_steps", train_total_steps),
-                            ("train_loop_steps", train_loop_steps)):
+                            ("train_loop_steps", train_loop_steps), ("train_steps", train_steps)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         with (self.history.recording(self._train_loop, self._eval_loops),
               debugging_lib.session(*self._debugging)):
             return self._train(state, train_dataset, train_total_steps, train_loop_steps, specs,
-                               log_train_total_steps)
+                               log_train_total_steps, train_steps)
 
     def _evaluate_only(self, state: State, specs: list[EvalSpec]) -> tuple[State, Output | None]:
         if not self._eval_loops:
@@ -162,6 +172,18 @@ class OuterLoop:
             results, _ = self._evals.run(state, specs, context)
             return state, evaluation.last(results)
         return continuous_eval_lib.ContinuousEval(self._checkpoint_spec, self._evals)(state, specs)
+
+    def _iterator(self, train_dataset: Any) -> Iterator[Any]:
+        """`train_dataset` as an iterator; the same one as in the last call when given the
+        same iterator again, so the batches read ahead then are trained on now."""
+        from jaxloop import data  # noqa: PLC0415
+
+        last = self._train_source
+        if last is not None and last[0] is train_dataset and isinstance(train_dataset, Iterator):
+            return last[1]
+        iterator = data.as_iterator(train_dataset)
+        self._train_source = (train_dataset, iterator)
+        return iterator
 
     def _report_rewind(self, step: int) -> None:
         later = self.history.steps_after(step)
@@ -174,20 +196,23 @@ class OuterLoop:
 
     def _train(self, state: State, train_dataset: Any, total_steps: int | None,
                loop_steps: int | None, specs: list[EvalSpec], log_total_steps: bool,
-               ) -> tuple[State, Output | None]:
-        from jaxloop import data  # noqa: PLC0415
-
+               more_steps: int | None = None) -> tuple[State, Output | None]:
         train_loop = self._train_loop
-        iterator = data.as_iterator(train_dataset)
+        iterator = self._iterator(train_dataset)
         if self._checkpoint_spec is not None and jax.process_index() == 0:
             # An earlier run's marker would end a continuous evaluator of this one.
             stop_marker.remove_stale(self._checkpoint_spec.checkpoint_dir)
         given = state
         state, align, step, evals_pending = self._resumer.restore(state, iterator, loop_steps)
+        if align and callable(getattr(iterator, "set_state", None)):
+            train_loop.forget_unread(iterator)  # the checkpoint's position supersedes them
         if not align and self._ended == (step, True) and loop_steps and step % loop_steps:
             # The last call was stopped inside a loop: finish that loop, as a resume does.
             align = True
             train_loop.loop_count = max(train_loop.loop_count - 1, 0)
+        if not align and self._evals_owed == step and self._eval_loops:
+            evals_pending = True  # cut short in the last call: run them in full first
+        self._evals_owed = None
         self._ended = None
         self._state = state
         self._resumer.check_saves(step)
@@ -198,13 +223,18 @@ class OuterLoop:
             self._logged_layouts.append(layout)
         # A state restored or built here may be donated without a copy.
         owned = state is not given
-        if log_total_steps:
-            log.info("Training from step %d to %s.", step, total_steps)
+        if more_steps is not None:
+            total_steps = step + more_steps
         if total_steps is not None and step >= total_steps:
             log.warning("Nothing to train: the state is at step %d and train_total_steps is "
-                        "%d (raise train_total_steps to train further).", step, total_steps)
+                        "%d, the step to train to%s. Pass train_steps=n to train n more "
+                        "steps, or a train_total_steps above %d.", step, total_steps,
+                        "" if step == total_steps else ", not a number of steps", step)
+        elif log_total_steps:
+            log.info("Training from step %d to %s.", step, total_steps)
         progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress,
                                               history=self.history)
+        self._evals.display = progress.evaluating
         outputs: Output | None = None
         stop = self.preempted = False
         self.stopped_state = None
@@ -216,7 +246,8 @@ class OuterLoop:
         self._metadata.start_call()
         with (preemption.handling_preemption(),
               train_loop.prefetching(iterator, self._ahead(train_loop)),
-              contextlib.closing(progress), at_end.installed()):
+              contextlib.closing(progress), at_end.installed(),
+              actions_lib.deferred_writes()):
             if evals_pending:
                 # The evaluations after the restored checkpoint are not in it: run them first.
                 stop = at_end.evaluate(state, step)
@@ -243,11 +274,20 @@ class OuterLoop:
                     if e.state is not None:
                         state = self._state = e.state
                     stop = True
+                    self._save_at_stop(state, None)
                     break
+                except BaseException:
+                    self._keep_live_state()
+                    raise
                 self._state = state
                 # A loop that ran no step keeps the outputs of the last one that trained.
                 new_step = host_count.host_step(state)
                 advanced = new_step != step
+                if train_loop.dataset_exhausted and new_step == 0:
+                    raise ValueError(
+                        f"The train dataset {train_dataset!r} gave no batch: it was exhausted "
+                        "before step 0 (an iterator a cell already used up?). Pass a fresh "
+                        "iterator, or a list (repeated for epochs: docs/notebooks.md).")
                 if advanced or outputs is None:
                     outputs = new_outputs
                 step = new_step
@@ -256,11 +296,16 @@ class OuterLoop:
                     self._stop(state, new_outputs)
                 if (new_outputs or {}).get(STOP_LOOP):
                     stop = True
+                    self._save_at_stop(state, new_outputs)
                     break
                 if at_end.result is not None:
                     stop = at_end.result  # they ran before the loop's checkpoint
                 elif advanced:
+                    self._evals_owed = step
                     stop = at_end.evaluate(state, step)
+                    self._evals_owed = None
+                if stop:
+                    self._save_at_stop(state, new_outputs)
                 if preemption.requested():  # Ctrl-C during the evaluations
                     self._stop(state, new_outputs)
                 if train_loop.dataset_exhausted:
@@ -270,6 +315,31 @@ class OuterLoop:
         self._ended = (step, False)
         self._finish(step)
         return state, None if outputs is None else {**outputs, STOP_LOOP: bool(stop)}
+
+    def _keep_live_state(self) -> None:
+        """After an exception in the train loop: the live state it left (`stopped_state`)
+        becomes `state`, the steps it completed join the history, and the next call
+        finishes that loop and the evaluations it owes."""
+        train_loop = self._train_loop
+        live = train_loop.stopped_state
+        if live is None:
+            return
+        self._state = self.stopped_state = live
+        step = host_count.host_step(live)
+        self._ended = (step, True)
+        first = train_loop.first_step
+        partial = train_loop.partial_outputs
+        if partial and first is not None and step > first:
+            self.history.record_outputs(history_lib.TRAIN, step, partial, first)
+        elif (partial is None and first is not None and step > first
+              and self._at_loop_end.result is None):
+            self._evals_owed = step  # the loop ended, its evaluations did not
+
+    def _save_at_stop(self, state: State, outputs: Output | None) -> None:
+        """An early stop saves the state where it stopped, whatever the order of the train
+        loop's actions (once: a step already saved is not saved again)."""
+        if resume_lib.train_checkpoint_actions(self._train_loop):
+            self._train_loop.save_checkpoint(state, outputs)
 
     def _writers_and_managers(self) -> tuple[list[Any], list[Any]]:
         loops = [self._train_loop, *self._eval_loops]
@@ -284,19 +354,22 @@ class OuterLoop:
         self.stopped_state = self._state = state
         step = host_count.host_step(state)
         self._ended = (step, self._metadata.loop_partial())
+        if not self._ended[1] and self._at_loop_end.result is None and self._eval_loops:
+            self._evals_owed = step  # stopped before or during them: the next call runs them
         saved = self._train_loop.save_checkpoint(state, outputs)
         writers, _ = self._writers_and_managers()
         for writer in writers:
             writer.flush()
         log.warning("Stopped at step %d; %s.", step,
-                    "a checkpoint was saved" if saved else "nothing was saved")
+                    "a checkpoint was saved" if saved else "nothing was saved",
+                    extra=preemption.STOP_NOTICE)
         raise preemption.stopped(state, step, saved)
 
     def _finish(self, step: int) -> None:
         """Waits for checkpoint writes, flushes writers, marks training as finished."""
         writers, ckpt_actions = self._writers_and_managers()
         for action in ckpt_actions:
-            action.ckpt_manager.wait_until_finished()
+            action.wait_until_finished()  # a failed save names its step and directory
         for writer in writers:
             writer.flush()
         async_action_context.get_async_action_context().check_exceptions_and_raise()

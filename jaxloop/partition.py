@@ -231,15 +231,25 @@ class Partitioner(abc.ABC):
         """`shard_batch` for k batches stacked on a new leading axis."""
         return staging.place(self, batch, stacked=True)
 
-    def partition(self, fn: Callable[..., Any], **jit_kwargs: Any) -> program_lib.Program:
+    def partition(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
         """Jits `fn(state, batch, ...)` pinned to the state's shardings; `jit_kwargs` go to
-        `jax.jit`.
+        `jax.jit`. Every step's program is made here: called with `in_shardings` (as a
+        step's program calls it, with `out_shardings` and the donation), it returns
+        ``jax.jit(fn, **jit_kwargs)``. Override it to wrap, log or change the jit of every
+        step, at one step per call and at k.
 
         Example::
 
             train_fn = partitioner.partition(step_fn, donate_argnums=(0,))
             state, outputs = train_fn(state, partitioner.shard_batch(batch))
+
+            class Logged(partition.DataParallelPartitioner):
+                def partition(self, fn, **jit_kwargs):
+                    print('jitting', fn.__name__)
+                    return super().partition(fn, **jit_kwargs)
         """
+        if "in_shardings" in jit_kwargs:
+            return jax.jit(fn, **jit_kwargs)
         return program_lib.Program(fn, self, returns_state=None, **jit_kwargs)
 
 

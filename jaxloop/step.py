@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -32,11 +33,11 @@ import optax
 
 from jaxloop import partition as partition_lib
 from jaxloop import types
+from jaxloop.engine import ownership, staging, step_actions
 from jaxloop.engine import program as program_lib
-from jaxloop.engine import staging, step_actions
 from jaxloop.recipes import precision as precision_lib
 from jaxloop.state import model as model_lib
-from jaxloop.state import model_state, specs, step_state
+from jaxloop.state import model_state, nnx_step, specs, step_state
 from jaxloop.state import sown as sown_lib
 
 Batch = types.Batch
@@ -56,11 +57,6 @@ is_abstract = model_state.is_abstract
 
 # Evaluation steps need no optimizer; one shared identity keeps the default immutable.
 _IDENTITY = optax.identity()
-
-
-def _index(tree: Any, i: int) -> Any:
-    # A static slice: `x[i]` would send the index to the devices first.
-    return jax.tree.map(lambda x: jax.lax.index_in_dim(x, i, keepdims=False), tree)
 
 
 class Step(step_state.StepState):
@@ -103,6 +99,7 @@ class Step(step_state.StepState):
         self._donating = False
         self._programs: dict[Any, program_lib.Program] = {}
         self._last_program: program_lib.Program | None = None
+        self._last_state: weakref.ref | None = None
         self._placing: tuple[bool, bool] | None = None
         self._num_params: int | None = None
         # The spec of the last `abstract_state`, to initialise it when nothing is restored.
@@ -152,9 +149,11 @@ class Step(step_state.StepState):
         return jax.random.fold_in(self._base_prng, step)
 
     def compile(self, **jit_kwargs: Any) -> program_lib.Program:
-        """Jits `run` with `jit_kwargs` for `jax.jit`; returns the program ``step(state,
-        batch)`` runs. ``donate_argnums=(0,)`` consumes the state of every call; otherwise a
-        training step donates only inside a loop (`donating_state`)."""
+        """Jits `run` with `jit_kwargs` for `jax.jit` (through the partitioner's `partition`);
+        returns the program ``step(state, batch)`` runs. ``donate_argnums=(0,)`` consumes the
+        state of every call; otherwise a training step donates only inside a loop
+        (`donating_state`). ``out_shardings`` places `run`'s outputs (a sharding, or the
+        pair ``(state's, outputs')``): the state keeps the partitioner's shardings."""
         self._jit_kwargs = dict(jit_kwargs)
         self._programs = {}
         return self._program()
@@ -179,9 +178,12 @@ class Step(step_state.StepState):
             self._donating = previous
 
     def _program(self, size: int | None = None, carry_state: bool = True,
-                 unroll: bool = False, separate: bool = False) -> program_lib.Program:
-        """The program of one step (`size` None) or of up to `size` steps, made on first use."""
-        donate = (self._train and self._donating and "donate_argnums" not in self._jit_kwargs
+                 unroll: bool = False, separate: bool = False, keep: bool = False
+                 ) -> program_lib.Program:
+        """The program of one step (`size` None) or of up to `size` steps, made on first use;
+        inside `donating_state` it consumes the state unless `keep` (someone holds it)."""
+        donate = (self._train and self._donating and not keep
+                  and "donate_argnums" not in self._jit_kwargs
                   and "donate_argnames" not in self._jit_kwargs)
         key = (size, carry_state, unroll, separate, donate)
         program = self._programs.get(key)
@@ -197,6 +199,25 @@ class Step(step_state.StepState):
                 run, self._partitioner, steps=size, carry_state=carry_state, unroll=unroll,
                 separate=separate, **kwargs)
         return program
+
+    @property
+    def last_state(self) -> State | None:
+        """The state the last compiled call returned, while anything still holds it: after
+        an error in an end hook or action, the live state (the one it was given was
+        consumed)."""
+        return None if self._last_state is None else self._last_state()
+
+    def _made(self, state: State) -> None:
+        try:
+            self._last_state = weakref.ref(state)
+        except TypeError:  # a plain container: the caller has it
+            self._last_state = None
+
+    def _hook(self, hook: Any, state: State, other: Any) -> tuple[State, Any]:
+        """Calls `begin` or `end`, watching a user's override for a kept state."""
+        if getattr(hook, "__func__", None) in (Step.begin, Step.end):
+            return hook(state, other)
+        return ownership.call(hook, state, other)
 
     @property
     def last_token(self) -> jax.Array | None:
@@ -250,11 +271,14 @@ class Step(step_state.StepState):
         return state, batch
 
     def run(self, state: State, batch: Batch) -> tuple[State, Output | None]:
-        """The computation for one batch; traced and compiled. Override this."""
+        """The computation for one batch; traced and compiled. Override this. (A `run` that
+        takes ``model`` first gets an nnx.Module: `jaxloop.state.nnx_step`.)"""
         raise NotImplementedError("Subclasses of Step must implement run(state, batch)")
 
     def _run_in_mode(self, state: State, batch: Batch, *args: Any,
                      **kwargs: Any) -> tuple[State, Output | None]:
+        if nnx_step.takes_model(self.run):  # run(self, model, ...): the NNX way
+            return nnx_step.run(self, self._state_builder.adapter, state, batch, *args, **kwargs)
         # nnx models follow this step's mode while `run` is traced.
         with model_lib.training_mode(self._train):
             if not self._sown:
@@ -272,18 +296,20 @@ class Step(step_state.StepState):
                  log_num_flops: bool = False, **kwargs: Any) -> tuple[State, Output | None]:
         """Runs one batch with its actions; ``batch_preprocessed=True`` (passed on to `run`
         with the other kwargs) skips `preprocess_batch`."""
-        program = self._last_program = self._program()
         batch = self._ready(batch, kwargs.get("batch_preprocessed", False))
         if self._begin_actions and any(
                 action_fires(a, per_loop_step_number, True) for a in self._begin_actions):
             # A placed copy for the actions only: the program keeps one batch form (no retrace).
             step_actions.fire(self._begin_actions, True, per_loop_step_number, state,
                               batch=self._placed(batch))
-        state, batch = self.begin(state, batch)
+        state, batch = self._hook(self.begin, state, batch)
         if log_num_flops:
             self.compute_num_flops(state, batch, **kwargs)
+        program = self._last_program = self._program(keep=ownership.is_held(state))
         state, outputs = program(state, batch, **kwargs)
-        state, outputs = self.end(state, outputs)
+        if self._train:
+            self._made(state)
+        state, outputs = self._hook(self.end, state, outputs)
         if self._end_actions:
             step_actions.fire(self._end_actions, False, per_loop_step_number, state, outputs)
         return state, outputs
@@ -311,18 +337,22 @@ class Step(step_state.StepState):
                  else self.shard_batch(self.preprocess_batch(b))
                  if custom or (separate and place_first)
                  else self.preprocess_batch(b) for b in batches]
-        stacked = (staging.padded(ready, size) if separate else
+        stacked = (staging.padded(ready, size, moved_once=True) if separate else
                    staging.stack(ready, size, self._partitioner, place_it=place_first))
         if self._begin_actions and any(action_fires(a, first, True) for a in self._begin_actions):
             step_actions.fire(self._begin_actions, True, first, state,
                               batch=self._placed(ready[0]))
-        state, stacked = self.begin(state, stacked)
+        state, stacked = self._hook(self.begin, state, stacked)
         if log_num_flops:
             self.compute_num_flops(state, ready[0], **kwargs)
-        program = self._last_program = self._program(size, carry_state, unroll, separate)
+        program = self._last_program = self._program(size, carry_state, unroll, separate,
+                                                     keep=ownership.is_held(state))
         new_state, outputs = program(state, stacked, count, **kwargs)
+        if carry_state and self._train:
+            self._made(new_state)
         state = new_state if carry_state else state
-        state, outputs = self.end(state, outputs)
+        state, outputs = self._hook(self.end, state, outputs)
         if self._end_actions:
-            step_actions.fire(self._end_actions, False, last, state, _index(outputs, count - 1))
+            step_actions.fire(self._end_actions, False, last, state,
+                              staging.entry(outputs, count - 1))
         return state, outputs

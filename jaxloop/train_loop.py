@@ -44,7 +44,7 @@ class TrainLoop(action_loop.ActionLoop):
                     and not isinstance(action, checkpoint_actions.BestCheckpointAction)):
                 if step not in action.ckpt_manager.all_steps():
                     action(state, outputs, loop=self, force=True)
-                action.ckpt_manager.wait_until_finished()
+                action.wait_until_finished()
                 return step in action.ckpt_manager.all_steps()
         log.warning("Stopped at step %d, but no CheckpointAction saves the state: nothing "
                     "was saved.", step)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv with the pinned versions in constraints.txt and the extras in
-# JAXLOOP_EXTRAS (the main job sets "examples"; the tests "tf,examples,test").
+# JAXLOOP_EXTRAS (the main job sets "examples"; the notebooks "examples,notebooks"; the tests
+# "tf,examples,test", which holds the notebooks').
 # Sourced by the two set-up commands; installs again only when the pins, pyproject or the
 # extras asked for change.
 set -euo pipefail

@@ -8,7 +8,11 @@
 Scenarios:
   every_secs: a train loop with a loop-level and a step-level action, each under a
     ``Trigger(every_secs=3)`` whose clock counts calls, 3x faster on process 1 than on
-    process 0; reports the steps each fired at.
+    process 0; reports the steps each fired at and the host exchanges of each loop.
+  parted: a train loop whose action, before CheckpointAction, runs a collective on process 1
+    only at step 4 (the sum of a data-sharded array: process 1 waits in it for process 0,
+    which never joins); writes RESULT_DIR/parting when it parts, and the error process 0
+    raises to its result file before exiting 3.
   integrity: `integrity.check_replicas` on a healthy data x model state laid across the
     processes, then on one whose replicated leaf differs on one device of process 1;
     reports both outcomes.
@@ -35,8 +39,10 @@ import optax  # noqa: E402
 from models import ClassifierStep, LinenMLP, toy_data  # noqa: E402
 
 from jaxloop import actions, data, partition, train_loop  # noqa: E402
+from jaxloop.checkpointing import checkpoint  # noqa: E402
 from jaxloop.diagnostics import integrity  # noqa: E402
 from jaxloop.engine import triggers  # noqa: E402
+from jaxloop.launch import agreement  # noqa: E402
 
 
 def counting_clock(rate: float):
@@ -61,12 +67,47 @@ def every_secs_job() -> dict:
     per_loop = Recorder(triggers.Trigger(every_secs=3, clock=counting_clock(rate)))
     step = ClassifierStep(jax.random.key(0), LinenMLP(hidden=8), optax.sgd(0.1),
                           partitioner=part, train=True, end_actions=[per_step])
-    loop = train_loop.TrainLoop(step, end_actions=[per_loop])
+    exchanges: list[int] = []
+
+    class CountExchanges(actions.Action):
+        def __call__(self, state, outputs, **kwargs):
+            exchanges.append(agreement.exchange_count())
+
+    loop = train_loop.TrainLoop(step, end_actions=[per_loop, CountExchanges()])
     batches = iter(data.GlobalBatchDataset(toy_data(64), 16, seed=1))
     state = step.initialize_model([1, 16])
-    for _ in range(12):
-        state, _ = loop(state, batches, num_steps=2)
-    return {"step": per_step.steps, "loop": per_loop.steps}
+    for _ in range(6):
+        state, _ = loop(state, batches, num_steps=4)
+    return {"step": per_step.steps, "loop": per_loop.steps, "exchanges": exchanges}
+
+
+def parted_job(result_dir: Path) -> dict:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    part = partition.DataParallelPartitioner(mesh, "data")
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    class OnProcessOneOnly(actions.Action):
+        """What parts them: a collective that one process runs and the other does not."""
+
+        def __call__(self, state, outputs, **kwargs):
+            if int(state.step) == 4 and jax.process_index() == 1:
+                (result_dir / "parting").write_text("4")
+                local = np.ones(4, np.float32)
+                float(jax.numpy.sum(jax.make_array_from_process_local_data(rows, local)))
+
+    step = ClassifierStep(jax.random.key(0), LinenMLP(hidden=8), optax.sgd(0.1),
+                          partitioner=part, train=True)
+    manager = checkpoint.make_manager(result_dir / "ckpt")
+    loop = train_loop.TrainLoop(step, end_actions=[OnProcessOneOnly(),
+                                                   actions.CheckpointAction(manager)])
+    batches = iter(data.GlobalBatchDataset(toy_data(64), 16, seed=1))
+    state = step.initialize_model([1, 16])
+    try:
+        for _ in range(4):
+            state, _ = loop(state, batches, num_steps=2)
+    except agreement.DisagreementError as e:
+        return {"error": str(e), "exit": 3}
+    return {"error": None, "exit": 0}
 
 
 def integrity_job() -> dict:
@@ -98,8 +139,13 @@ def integrity_job() -> dict:
 def main() -> None:
     scenario, result_dir = sys.argv[1], Path(sys.argv[2])
     result_dir.mkdir(parents=True, exist_ok=True)
-    result = {"every_secs": every_secs_job, "integrity": integrity_job}[scenario]()
+    if scenario == "parted":
+        result = parted_job(result_dir)
+    else:
+        result = {"every_secs": every_secs_job, "integrity": integrity_job}[scenario]()
     job_results.write(result_dir, result)
+    if result.get("exit"):
+        sys.exit(result["exit"])
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ boundary that must report it.
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
+import shutil
 import threading
 import time
 from concurrent import futures
@@ -60,6 +62,31 @@ def test_first_failure_is_raised_with_a_note_then_all_are_forgotten():
     ctx.check_exceptions_and_raise()  # nothing left to raise
     with pytest.raises(TypeError, match="concurrent.futures.Future"):
         ctx.add_future("not a future", 3)
+
+
+def test_every_failure_is_reported_the_first_raised_the_others_logged(caplog):
+    """Issue 42.8: three pieces of background work fail; the first error is raised (as
+    google/jaxloop does), and the other two are logged, each with its traceback."""
+    ctx = AsyncActionContext()
+
+    def fail(error):
+        raise error
+
+    for name, error in [("upload", ValueError("no space left")),
+                        ("export", KeyError("missing column")),
+                        ("thumbnail", OSError("disk gone"))]:
+        futures.wait([ctx.submit(name, fail, error)])
+    with caplog.at_level(logging.ERROR, logger="jaxloop.async_action_context"):
+        with pytest.raises(ValueError, match="no space left") as info:
+            ctx.check_exceptions_and_raise()
+    notes = " ".join(info.value.__notes__)
+    assert "upload" in notes and "'export', 'thumbnail'" in notes
+    logged = {r.getMessage(): r.exc_info for r in caplog.records}
+    assert set(logged) == {"Background work 'export' failed:",
+                           "Background work 'thumbnail' failed:"}
+    assert [type(e[1]) for e in logged.values()] == [KeyError, OSError]
+    assert all(e[2] is not None for e in logged.values())  # with their tracebacks
+    assert "in fail" in caplog.text and "disk gone" in caplog.text
 
 
 def test_errors_can_be_logged_instead_of_raised(caplog):
@@ -209,3 +236,35 @@ def test_a_failed_background_save_is_raised_once_at_the_next_boundary(context, t
     assert action(fresh.replace(step=10), None)
     manager.close()
     assert checkpoint.all_steps(tmp_path / "ckpt") == [10]
+
+
+def test_a_failed_save_names_its_step_and_directory_and_the_state_stays_live(context, tmp_path):
+    """Issue 42.8: the checkpoint directory stops being one mid-run (as root, permissions do
+    not stop a write, so a regular file takes its place). The run fails loudly, naming the
+    step that was lost and the directory; outer.state is live and training goes on from it
+    into another directory."""
+    directory = tmp_path / "ckpt"
+    manager = checkpoint.make_manager(directory)
+
+    class DiskGoes(actions.Action):
+        def __call__(self, state, outputs, **kwargs):
+            if int(state.step) == 4:
+                manager.wait_until_finished()  # step 2's save is complete
+                shutil.rmtree(directory)
+                directory.write_text("not a directory")
+
+    loop, state, batches = make_loop([DiskGoes(), actions.CheckpointAction(manager)])
+    outer = outer_loop.OuterLoop(train_loop=loop, progress=False, prefetch=0)
+    with pytest.raises(OSError) as info:
+        outer(state, train_dataset=itertools.cycle(batches), train_total_steps=10,
+              train_loop_steps=2)
+    assert any(f"checkpoint of step 4 to {directory} failed" in note
+               for note in info.value.__notes__), info.value.__notes__
+    live = outer.state
+    assert jax.device_get(live.params) is not None and int(live.step) >= 4
+    again = checkpoint.make_manager(tmp_path / "elsewhere")
+    loop.end_actions[-1] = actions.CheckpointAction(again)
+    final, _ = outer(live, train_dataset=itertools.cycle(batches), train_total_steps=10,
+                     train_loop_steps=2)
+    assert int(final.step) == 10
+    again.close()

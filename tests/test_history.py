@@ -1,6 +1,14 @@
 """OuterLoop.history: recorded per step and per evaluation, continued by a second call,
 restored with a checkpoint in a fresh OuterLoop, plotted and tabulated."""
 
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import jax
 import matplotlib
 import optax
@@ -160,3 +168,113 @@ def test_bfloat16_losses_are_recorded():
     assert outer.history["train/loss"].values == [
         float(v) for v in jax.device_get(outputs["loss"])]
     assert actions_lib.scalar_metrics(outputs)["loss"] > 0
+
+
+def _meta_bytes(step_dir):
+    return sum(f.stat().st_size for f in (step_dir / checkpoint.META_ITEM).rglob("*")
+               if f.is_file())
+
+
+def test_a_checkpoint_does_not_grow_with_the_run(tmp_path):
+    """Issue 42.4: the meta item a CheckpointAction writes at step 10,000 is within 1 KB of
+    the one at step 100, and the history lives in an append-only file beside the checkpoint
+    directory. 100 real steps, then 9,900 more steps' values recorded as a run records
+    them (a real 10,000-step run takes a minute here), saved through the same action."""
+    step = ClassifierStep(jax.random.key(0), LinenMLP(hidden=4), optimizer=optax.sgd(0.1),
+                          train=True)
+    ckpt = tmp_path / "ckpt"
+    manager = checkpoint.make_manager(ckpt, max_to_keep=None)
+    save = actions_lib.CheckpointAction(manager)
+    trainer = train_loop_lib.TrainLoop(step, end_actions=[save])
+    outer = outer_loop.OuterLoop(trainer, checkpoint_spec=outer_loop.CheckpointSpec(ckpt),
+                                 progress=False)
+    batches = iter(data.GlobalBatchDataset(DATA, 16, seed=0))
+    state, _ = outer(step.initialize_model([1, 16]), batches, train_total_steps=100,
+                     train_loop_steps=100)
+    losses = outer.history["train/loss"].values
+    outer.history.record("train/loss", range(101, 10_001), (losses * 99)[:9_900])
+    assert save(state.replace(step=10_000), None, loop=trainer)
+    manager.wait_until_finished()
+    early, late = _meta_bytes(ckpt / "100"), _meta_bytes(ckpt / "10000")
+    print(f"meta item: {early} B at step 100, {late} B at step 10,000")
+    assert abs(late - early) < 1024
+    assert "ckpt.history.jsonl" in [p.name for p in tmp_path.iterdir()]
+    manager.close()
+
+    # A new OuterLoop resumes the history from that file, up to the step restored.
+    again = checkpoint.make_manager(ckpt, max_to_keep=None)
+    resumed = outer_loop.OuterLoop(
+        train_loop_lib.TrainLoop(step, end_actions=[actions_lib.CheckpointAction(again)]),
+        checkpoint_spec=outer_loop.CheckpointSpec(ckpt), progress=False)
+    resumed(step.initialize_model([1, 16]), batches, train_total_steps=10_000,
+            train_loop_steps=100)
+    again.close()
+    assert resumed.history["train/loss"].steps == list(range(1, 10_001))
+    assert resumed.history["train/loss"].values == outer.history["train/loss"].values
+
+
+def test_a_checkpoint_of_an_earlier_release_brings_its_history_back(tmp_path):
+    """Checkpoints written before the history file held the history in their meta item:
+    they restore it, and the next saves move it into the file."""
+    step = ClassifierStep(jax.random.key(0), LinenMLP(hidden=4), optimizer=optax.sgd(0.1),
+                          train=True)
+    ckpt = tmp_path / "ckpt"
+    manager = checkpoint.make_manager(ckpt)
+    saved = {"train/loss": [[1, 2, 3, 4], [2.5, 2.0, 1.5, 1.25]], "eval/accuracy": [[4], [0.5]]}
+    checkpoint.save(manager, 4, step.initialize_model([1, 16]).replace(step=4),
+                    meta={"loop_count": 1, "history": saved, "loop_partial": False,
+                          "evals_pending": False, "early_stopping": []})
+    manager.close()
+    manager = checkpoint.make_manager(ckpt)
+    outer = outer_loop.OuterLoop(
+        train_loop_lib.TrainLoop(step, end_actions=[actions_lib.CheckpointAction(manager)]),
+        checkpoint_spec=outer_loop.CheckpointSpec(ckpt), progress=False)
+    outer(step.initialize_model([1, 16]), iter(data.GlobalBatchDataset(DATA, 16, seed=0)),
+          train_total_steps=8, train_loop_steps=4)
+    manager.close()
+    assert outer.history["train/loss"].steps == list(range(1, 9))
+    assert outer.history["train/loss"].values[:4] == [2.5, 2.0, 1.5, 1.25]
+    assert outer.history["eval/accuracy"].values == [0.5]
+    restored = History()
+    assert restored.load_file(tmp_path / "ckpt.history.jsonl", step=8)
+    assert restored.as_dict() == outer.history.as_dict()
+
+
+JOB = Path(__file__).resolve().parent / "history_job.py"
+
+
+def _run_job(result_dir, workdir, *args, hang=False):
+    proc = subprocess.Popen([sys.executable, str(JOB), str(result_dir), str(workdir), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if hang:
+        deadline = time.monotonic() + 240
+        while not (result_dir / "ready").exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the job did not reach its hang step"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+        return None
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads((result_dir / "result-0.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_history_after_kill_9_between_saves_equals_the_uninterrupted_run(tmp_path):
+    """Issue 42.4: a job is killed (SIGKILL) after its checkpoint at step 40 and its
+    history file have been written; the checkpoint of step 40 is then lost as a kill
+    during its commit loses it, so the file holds values past the latest checkpoint (30).
+    The same command resumes from step 30 and ends with the uninterrupted run's history."""
+    whole = _run_job(tmp_path / "whole", tmp_path / "a", "50")
+    _run_job(tmp_path / "killed", tmp_path / "b", "50", "40", hang=True)
+    ckpt = tmp_path / "b" / "checkpoints"
+    shutil.rmtree(ckpt / "40")
+    on_disk = History()
+    on_disk.load_file(ckpt.parent / "checkpoints.history.jsonl", step=10**9)
+    assert on_disk["train/loss"].steps[-1] == 40 and checkpoint.all_steps(ckpt)[-1] == 30
+    resumed = _run_job(tmp_path / "resumed", tmp_path / "b", "50")
+    assert resumed["step"] == whole["step"] == 50
+    assert resumed["history"] == whole["history"]
+    assert whole["history"]["step"].count(50) == len(set(whole["history"]["name"]))

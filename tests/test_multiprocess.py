@@ -586,3 +586,40 @@ def test_continuous_eval_on_two_processes_while_max_to_keep_deletes(tmp_path):
     assert steps == sorted(set(steps)) and set(steps) <= set(range(1, 41)) and steps[-1] == 40
     print(f"evaluated {len(steps)} of 40 checkpoints: {steps}; skipped as deleted: "
           f"{first['skipped']}")
+
+
+EXCHANGE_TIMEOUT = 10  # seconds, set through JAXLOOP_EXCHANGE_TIMEOUT
+# From the moment they part to both exits: the exchange's wait, then process 0's wait for
+# process 1 at shutdown, then process 1's for the gone coordinator (docs/multihost.md).
+PARTED_BOUND = EXCHANGE_TIMEOUT + FAILURE_SHUTDOWN + FAILURE_HEARTBEAT + 60
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + PARTED_BOUND)
+def test_processes_that_part_exit_with_an_error_naming_the_step_and_phase(tmp_path):
+    """Issue 42.7: an action runs a collective on process 1 only, at step 4, before the
+    CheckpointAction. Process 1 waits in it for a process 0 that never joins; process 0
+    waits at the checkpoint's host exchange. Neither hangs: both exit non-zero within the
+    bound, and process 0's DisagreementError names the step and the phase."""
+    port = free_port()
+    envs = [process_env(4, JAXLOOP_COORDINATOR=f"127.0.0.1:{port}", JAXLOOP_NUM_PROCESSES="2",
+                        JAXLOOP_PROCESS_ID=str(i), JAXLOOP_HEARTBEAT_TIMEOUT=str(FAILURE_HEARTBEAT),
+                        JAXLOOP_SHUTDOWN_TIMEOUT=str(FAILURE_SHUTDOWN),
+                        JAXLOOP_EXCHANGE_TIMEOUT=str(EXCHANGE_TIMEOUT))
+            for i in range(2)]
+    command = [sys.executable, str(REPO / "tests" / "sched_job.py"), "parted", str(tmp_path)]
+    with started([command] * 2, envs, tmp_path / "logs") as procs:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while not (tmp_path / "parting").exists():
+            assert all(p.poll() is None for p in procs), read_logs(tmp_path / "logs", 2)
+            assert time.monotonic() < deadline, "the job did not reach step 4"
+            time.sleep(0.1)
+        parted = time.monotonic()
+        try:
+            codes = wait_all(procs, PARTED_BOUND)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {PARTED_BOUND} s after parting (a hang)")
+        elapsed = time.monotonic() - parted
+    print(f"exit codes {codes} {elapsed:.1f} s after parting")
+    assert all(code != 0 for code in codes), codes
+    error = json.loads((tmp_path / "result-0.json").read_text())["error"]
+    assert "'checkpoint data position at step 4'" in error and "process(es) [1]" in error, error

@@ -22,7 +22,7 @@ kernelspec = pytest.importorskip("ipykernel.kernelspec")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NAMES = ["01_quick_start", "02_intermediate", "03_custom_loop_and_action", "04_simple_trainer",
-         "05_keep_your_state"]
+         "05_keep_your_state", "06_nnx"]
 
 # Appended to the executed copy only: TensorFlow must stay out of the notebooks even where it
 # is installed (the kernel does not inherit the TF-free tier's import block), and the kernel
@@ -151,6 +151,8 @@ def test_03_custom_loop_and_action(kernel_env, tmp_path):
     stopped = number(r"stopped at step (\d+) of 2000", text)
     assert stopped < 2000
     assert number(r"with eval accuracy ([0-9.]+)", text) >= 0.95
+    # The best state the stopping action kept is readable after training went on.
+    assert 0 < number(r"best kept state: step (\d+)", text) <= stopped
     assert number(r"predictions: (\d+)", text) == 359
     assert "tensorflow imported: False" in text
     print(f"03_custom_loop_and_action ran in {seconds:.1f} s")
@@ -183,3 +185,15 @@ def test_05_keep_your_state(kernel_env, tmp_path):
     assert any("image/png" in out.get("data", {}) for out in outputs)
     assert "tensorflow imported: False" in text
     print(f"05_keep_your_state ran in {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_06_nnx(kernel_env, tmp_path):
+    text, _, seconds = execute("06_nnx", tmp_path)
+    assert number(r"final eval accuracy: ([0-9.]+)", text) >= 0.9
+    assert "caller's model unchanged: True" in text
+    # The state's arrays in an nnx model give the evaluation's accuracy back.
+    assert number(r"trained model accuracy: ([0-9.]+)", text) == number(
+        r"final eval accuracy: ([0-9.]+)", text)
+    assert "tensorflow imported: False" in text
+    print(f"06_nnx ran in {seconds:.1f} s")

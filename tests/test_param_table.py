@@ -72,8 +72,13 @@ def test_outer_loop_logs_the_table_and_run_record_writes_it(tmp_path, caplog):
     step = ClassifierStep(jax.random.key(0), LinenMLP(hidden=8), optax.sgd(0.1), train=True)
     state = step.initialize_model([1, 8])
     data = toy_data(16, din=8)
-    outer = outer_loop.OuterLoop(train_loop.TrainLoop(step), progress=False)
     with caplog.at_level(logging.INFO, logger="jaxloop.diagnostics.param_table"):
+        # A script logging at INFO gets no table of about a line per parameter.
+        outer_loop.OuterLoop(train_loop.TrainLoop(step), progress=False)(
+            state, itertools.repeat(data), train_total_steps=1)
+    assert not [r for r in caplog.records if r.name == "jaxloop.diagnostics.param_table"]
+    outer = outer_loop.OuterLoop(train_loop.TrainLoop(step), progress=False)
+    with caplog.at_level(logging.DEBUG, logger="jaxloop.diagnostics.param_table"):
         state, _ = outer(state, itertools.repeat(data), train_total_steps=2,
                          train_loop_steps=2)
         # The training cell run again: the same state's layout is not logged again.

@@ -265,3 +265,62 @@ def test_spmd_state_with_params_the_user_placed_and_a_python_int_step_trains_in_
     assert jax.tree.map(lambda x: x.sharding, state.params) == on_model
     losses = [float(loss) for loss in outputs["loss"]]
     assert losses[-1] < losses[0]
+
+
+
+class CountingPartitioner(partition.DataParallelPartitioner):
+    """A user's partitioner wrapping every step's jit (google/jaxloop's extension point)."""
+
+    def __init__(self, mesh):
+        super().__init__(mesh, "data")
+        self.flags, self.calls = [], 0
+
+    def partition(self, fn, **jit_kwargs):
+        jitted = super().partition(fn, **jit_kwargs)
+        self.flags.append(set(jit_kwargs))
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return jitted(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_partitioners_own_partition_compiles_every_step(k):
+    data = toy_data(64)
+    batches = [{n: v[i:i + 8] for n, v in data.items()} for i in range(0, 64, 8)]
+    counting = CountingPartitioner(mesh1d())
+    states = []
+    for part in (counting, partition.DataParallelPartitioner(mesh1d())):
+        step = ClassifierStep(jax.random.key(0), LinenMLP(), optimizer=optax.sgd(0.1),
+                              partitioner=part, train=True)
+        loop = train_loop.TrainLoop(step, steps_per_execution=k)
+        # At k=4: an execution of 4 steps, then one of 2 (the same program).
+        state, outputs = loop(step.initialize_model([1, 16]), iter(batches), num_steps=6)
+        assert len(outputs["loss"]) == 6
+        states.append(state)
+    # One program, made by the user's `partition` with the shardings and the donation, and
+    # its wrapper called once per execution.
+    assert len(counting.flags) == 1
+    assert {"in_shardings", "out_shardings", "donate_argnums"} <= counting.flags[0]
+    assert counting.calls == (6 if k == 1 else 2)
+    assert jax.tree.all(jax.tree.map(np.array_equal, states[0].params, states[1].params))
+
+
+def test_compile_out_shardings_places_the_outputs_and_keeps_the_state():
+    part = partition.FSDPPartitioner(mesh1d(), "data", min_weight_size=64)
+    step = ClassifierStep(jax.random.key(0), LinenMLP(), partitioner=part)
+    state = step.initialize_model([1, 16])
+    replicated = NamedSharding(part.mesh, P())
+    step.compile(out_shardings=replicated)
+    new, outputs = step(state, toy_data(16))
+    assert outputs["logits"].sharding.is_fully_replicated
+    assert not step.compile()(state, part.shard_batch(toy_data(16)))[1][
+        "logits"].sharding.is_fully_replicated  # split along the data axis otherwise
+    step.compile(out_shardings=(None, {"loss": replicated, "accuracy": replicated,
+                                       "logits": replicated}))
+    new, outputs = step(state, toy_data(16))
+    assert outputs["logits"].sharding.is_fully_replicated
+    for before, after in zip(jax.tree.leaves(state), jax.tree.leaves(new), strict=True):
+        assert after.sharding == before.sharding  # FSDP's split stays

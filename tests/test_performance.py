@@ -193,7 +193,9 @@ def counting_compiles():
 
 def test_one_train_and_one_eval_program_for_any_loop_length():
     # Loops of 200 (12 x 16 + 8), 37, 5 and 1 steps with k=16: every execution, remainders
-    # included, runs through the one k-step program of its kind.
+    # included, runs through the one k-step program of its kind (training: one that
+    # consumes the state and one for the first execution of a call, which keeps the
+    # caller's).
     train, evaluate = make_step(), make_step(train=False)
     state = train.initialize_model([1, 16])
     tl = train_loop_lib.TrainLoop(train, steps_per_execution=16)
@@ -205,7 +207,7 @@ def test_one_train_and_one_eval_program_for_any_loop_length():
             _, evaluated = el(state, data, num_steps=num_steps)
             assert len(outputs["loss"]) == len(evaluated["loss"]) == num_steps
     assert int(state.step) == 243
-    assert [n for n in names if n == "jit(run)"] == ["jit(run)"] * 2, names
+    assert [n for n in names if n == "jit(run)"] == ["jit(run)"] * 3, names
 
 
 def test_fused_runs_equal_single_steps_and_compile_nothing_after_the_first_loop():
@@ -216,7 +218,8 @@ def test_fused_runs_equal_single_steps_and_compile_nothing_after_the_first_loop(
         tl = train_loop_lib.TrainLoop(step, steps_per_execution=spe)
         data = forever()
         with counting_compiles() as first:
-            state, _ = tl(state, data, num_steps=192)  # a multiple of 16, then others
+            state, outputs = tl(state, data, num_steps=192)  # a multiple of 16, then others
+            assert len(list(outputs["loss"])) == 192  # read, as the later loops' are
         losses = []
         with counting_compiles() as later:
             for num_steps in (200, 200, 37, 5, 16, 1):
@@ -241,10 +244,11 @@ def test_prefetching_compiles_the_step_once():
     with counting_compiles() as names:
         state, _ = outer(state, forever(), train_total_steps=20, train_loop_steps=10)
     assert int(state.step) == 20
-    # Besides the step, programs made once per process, whichever test made them first: the
-    # history's stacking of per-step scalars and the copy of the caller's state.
-    once = ("jit(_stack)", "jit(copy_state)")
-    assert [n for n in names if n not in once] == ["jit(run)"], names
+    # Besides the step (its first step keeps the caller's state: a second program),
+    # programs made once per process, whichever test made them first: the history's
+    # stacking of per-step scalars.
+    once = ("jit(_stack)",)
+    assert [n for n in names if n not in once] == ["jit(run)"] * 2, names
 
 
 def test_the_compiled_step_keeps_no_state_alive():
@@ -369,6 +373,84 @@ def test_stacked_batches_are_placed_like_their_steps():
         part.shard_stacked_batch(bad)
 
 
+class MovedBytes(partition.DataParallelPartitioner):
+    """Counts the batch bytes each compiled call moves to the devices: host leaves given to
+    the program (jit copies each, a repeat too) and each distinct placed array (placed once),
+    through the partitioner's `partition` hook; and the rows `shard_stacked_batch` places."""
+
+    def __init__(self):
+        super().__init__(Mesh(np.array(jax.devices()), ("data",)), "data")
+        self.moved, self.stacked_rows = [], 0
+
+    def partition(self, fn, **jit_kwargs):
+        jitted = super().partition(fn, **jit_kwargs)
+
+        def measured(state, batches, *args):
+            leaves = jax.tree.leaves(batches)
+            placed = {id(x): x for x in leaves if isinstance(x, jax.Array)}
+            self.moved.append(sum(x.nbytes for x in leaves if isinstance(x, np.ndarray))
+                              + sum(x.nbytes for x in placed.values()))
+            return jitted(state, batches, *args)
+
+        return measured
+
+    def shard_stacked_batch(self, batch):
+        self.stacked_rows += len(jax.tree.leaves(batch)[0])
+        return super().shard_stacked_batch(batch)
+
+
+class StackedBeginStep(ClassifierStep):
+    """A step with its own `begin`, which sees an execution's batches stacked."""
+
+    def begin(self, state, batch):
+        return state, batch
+
+
+@pytest.mark.parametrize("step_cls", [ClassifierStep, StackedBeginStep])
+def test_a_partial_execution_moves_only_its_own_batches(step_cls):
+    batch_bytes = sum(x.nbytes for x in jax.tree.leaves(BATCHES[0]))
+    results = {}
+    for spe in (1, 16):
+        part = MovedBytes()
+        step = step_cls(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2),
+                        partitioner=part, train=True)
+        tl = train_loop_lib.TrainLoop(step, steps_per_execution=spe)
+        # 16 + 3 steps: a full execution, then one of 3 that the program runs as 16.
+        results[spe] = tl(step.initialize_model([1, 16]), forever(), num_steps=19)
+    if step_cls is ClassifierStep:
+        assert part.moved == [16 * batch_bytes, 3 * batch_bytes]
+    else:  # stacked on the host and placed for the full one; the 3 placed as they are
+        assert part.stacked_rows == 16
+    (state1, out1), (state16, out16) = results[1], results[16]
+    jax.tree.map(np.testing.assert_array_equal, host(state1.params), host(state16.params))
+    assert_same_outputs(out1, out16)
+
+
+def test_fused_outputs_stay_stacked_until_read():
+    step = make_step()
+    state = step.initialize_model([1, 16])
+    _, plain = train_loop_lib.TrainLoop(make_step(), steps_per_execution=1)(
+        state, forever(), num_steps=37)
+    tl = train_loop_lib.TrainLoop(step, steps_per_execution=16)
+    gc.collect()
+    before = len(jax.live_arrays())
+    state, outputs = tl(state, forever(), num_steps=37)  # executions of 16, 16 and 5
+    gc.collect()
+    # Three stacked arrays per key, not 37 per-step ones, plus the state's.
+    assert len(jax.live_arrays()) - before < 3 * len(outputs) + len(jax.tree.leaves(state))
+    losses = outputs["loss"]
+    assert len(losses) == 37 and isinstance(losses, list)
+    np.testing.assert_array_equal(np.asarray(losses[36]), np.asarray(plain["loss"][36]))
+    np.testing.assert_array_equal(np.asarray(losses[-20]), np.asarray(plain["loss"][17]))
+    with pytest.raises(IndexError):
+        losses[37]
+    assert [float(x) for x in losses] == [float(x) for x in plain["loss"]]
+    assert_same_outputs(outputs, plain)
+    assert float(np.mean(outputs["accuracy"])) == float(np.mean(plain["accuracy"]))
+    host_lists = jax.device_get(outputs)
+    assert isinstance(host_lists["loss"][0], np.ndarray) and len(host_lists["loss"]) == 37
+
+
 # -- no hidden per-step host sync ----------------------------------------------------------
 
 
@@ -465,7 +547,9 @@ def test_loop_returns_before_its_first_step_finishes(spe):
     step = make_step(step_cls=SlowStep)
     state = step.initialize_model([1, 16])
     lp = loop.Loop(step, max_steps_in_flight=100, steps_per_execution=spe)
-    jax.block_until_ready(lp(state, forever(), num_steps=spe))  # compile outside the run
+    # Compiles outside the run: the first execution's program (it keeps the caller's
+    # state) and the one that consumes the loop's own.
+    jax.block_until_ready(lp(state, forever(), num_steps=spe + 1))
     state = jax.block_until_ready(step.initialize_model([1, 16]))
     with preemption.handling_preemption():
         state, outputs = lp.run(state, forever(), num_steps=6)

@@ -159,8 +159,8 @@ def test_compile_static_argnums_and_donation_reach_the_jit():
     kept = program.Program(scaled, part, static_argnums=(2,), donate_argnums=())
     kept(state, part.shard_batch(batches(1)[0]), 2)
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))
-    with pytest.raises(TypeError, match="out_shardings"):
-        program.Program(scaled, part, out_shardings=None)
+    with pytest.raises(TypeError, match="in_shardings"):
+        program.Program(scaled, part, in_shardings=None)
 
 
 class DroppingStep(ClassifierStep):

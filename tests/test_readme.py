@@ -17,6 +17,29 @@ def test_quick_start_snippet_runs(capsys):
     assert int(step) == 200 and float(loss) < 0.3
 
 
+def test_nnx_snippet_trains_an_nnx_module():
+    section = README.read_text().split("## Flax NNX, the NNX way", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from jaxloop import step, train_loop
+
+    scope = {"__name__": "readme", "step": step, "optax": optax, "nnx": nnx}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    x = np.random.default_rng(0).normal(size=(512, 16)).astype(np.float32)
+    batches = [{"x": x[i:i + 64], "y": (x[i:i + 64, 0] > 0).astype(np.int32)}
+               for i in range(0, 512, 64)]
+    train_step = scope["NnxStep"](jax.random.key(0), nnx.Linear(16, 2, rngs=nnx.Rngs(0)),
+                                  optimizer=optax.adam(1e-2), train=True)
+    state, _ = train_loop.TrainLoop(train_step)(
+        train_step.initialize_model([1, 16]), iter(batches * 25), num_steps=200)
+    logits = state.apply_fn({"params": state.params}, x)
+    assert int(state.step) == 200 and np.mean(logits.argmax(-1) == (x[:, 0] > 0)) > 0.95
+
+
 def test_readme_keeps_exactly_two_setup_commands():
     setup = README.read_text().split("## Set-up", 1)[1].split("##", 1)[0]
     commands = re.search(r"```bash\n(.*?)```", setup, re.S).group(1).strip().splitlines()

@@ -41,9 +41,9 @@ def test_run_json_and_hparams(tmp_path):
 
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    # tensorboardX's add_hparams writes a sub-run of the writer's run.
-    (session,) = [p for p in (tmp_path / "train").iterdir() if p.is_dir()]
-    acc = eam.EventAccumulator(str(session))
+    # In the writer's run: one run folder per writer, however often a run resumes.
+    assert not [p for p in (tmp_path / "train").iterdir() if p.is_dir()]
+    acc = eam.EventAccumulator(str(tmp_path / "train"))
     acc.Reload()
     content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hp = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams

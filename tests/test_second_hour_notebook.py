@@ -61,12 +61,24 @@ HISTORY = textwrap.dedent("""
 TABLE = "print(param_table.table(state))"
 TABLE_LOGGED = textwrap.dedent(f"""
     import logging
-    logging.getLogger("jaxloop.diagnostics.param_table").setLevel(logging.INFO)
+    logging.getLogger("jaxloop.diagnostics.param_table").setLevel(logging.DEBUG)
     more = outer_loop.OuterLoop(train_loop.TrainLoop(train_step), progress=False)
     state, _ = more(state, train_dataset=forever(), train_total_steps={TOTAL + 5})
 """)
 
 CELLS = [SETUP, RECIPE, RECIPE, HISTORY, TABLE, TABLE_LOGGED]
+
+
+@pytest.fixture
+def text_bar(kernel_env, tmp_path_factory, monkeypatch):  # noqa: F811
+    """Kernels that show the progress bar as text, as where ipywidgets is missing (the
+    widget shows the same text): the tests read it from the cell's stderr. An IPython
+    startup file hides ipywidgets from the kernel."""
+    ipython_dir = tmp_path_factory.mktemp("ipython")
+    startup = ipython_dir / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-text-bar.py").write_text("import sys\nsys.modules['ipywidgets'] = None\n")
+    monkeypatch.setenv("IPYTHONDIR", str(ipython_dir))
 
 
 def run_cells(workdir):
@@ -97,7 +109,7 @@ def bar_states(text):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("kernel_env")
+@pytest.mark.usefixtures("text_bar")
 def test_a_training_cell_shows_a_bar_and_a_line_per_evaluation_at_most(tmp_path):
     outputs = run_cells(tmp_path)
     eval_steps = [int(s) for s in re.search(r"eval steps: (.*)", stream(outputs[3], "stdout"))

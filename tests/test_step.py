@@ -315,3 +315,31 @@ def test_num_flops_are_the_compiled_per_device_figure():
     # axis), plus each device's copy of the optimizer update.
     assert single / 8 <= dp < single / 8 + 4 * weights
     assert single / 8 <= spmd < single / 4 + 4 * weights
+
+
+class TracedStep(ClassifierStep):
+    """Counts how often `run` is traced (once per compile)."""
+
+    traces = 0
+
+    def run(self, state, batch):
+        TracedStep.traces += 1
+        state, outputs = super().run(state, {"x": batch["x"], "y": batch["y"]})
+        if "mask" in batch:
+            outputs["masked"] = jnp.sum(batch["mask"])
+        return state, outputs
+
+
+def test_alternating_batch_structures_compile_once_each():
+    from jaxloop import eval_loop
+
+    step = TracedStep(jax.random.key(0), LinenMLP())
+    state = step.initialize_model([1, 16])
+    data = toy_data(8)
+    masked = dict(data, mask=np.ones(8, np.float32))
+    loop = eval_loop.EvalLoop(step)
+    TracedStep.traces = 0
+    for i in range(6):  # an eval alternating two datasets, one with a mask
+        _, outputs = loop(state, iter([masked if i % 2 else data] * 2))
+        assert ("masked" in outputs) == bool(i % 2)
+    assert TracedStep.traces == 2

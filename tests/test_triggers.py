@@ -85,27 +85,28 @@ def test_loop_action_fires_at_the_end_of_loops_that_ran_a_matching_step():
 
 def test_every_secs_fires_after_the_time_has_passed():
     now = [0.0]
-    timed = StepRecorder(triggers.Trigger(every_secs=10, clock=lambda: now[0]))
+    timed = StepRecorder(triggers.Trigger(every_secs=20, clock=lambda: now[0]))
 
     class Tick(actions.Action):  # the clock advances 4 s per step
         def __call__(self, state, outputs, **kwargs):
             now[0] += 4.0
 
-    train(make_step(end_actions=[Tick(), timed]), 4, 2)
-    # Looked at after each step (after the tick): 4, 8, 12 -> fire, 16, 20, 24 -> fire, ...
-    assert timed.steps == [3, 6]
+    train(make_step(end_actions=[Tick(), timed]), 4, 5)
+    # Decided once per loop, at its first step (after that step's tick): at 4, 20 (fires),
+    # 36, 52 (fires) and 68 s; never at a loop's later steps.
+    assert timed.steps == [5, 13]
 
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_every_secs_on_a_step_action_with_fused_steps(k):
-    # The clock advances one second each time it is read: the planned executions and the
-    # fired actions must agree (an action firing inside an execution would be an error).
+    # The clock advances one second each time it is read: read once per loop (plus once
+    # when it fires), the planned executions and the fired actions agree.
     ticks = itertools.count()
-    timed = StepRecorder(triggers.Trigger(every_secs=3, clock=lambda: float(next(ticks))))
+    timed = StepRecorder(triggers.Trigger(every_secs=2, clock=lambda: float(next(ticks))))
     step = make_step(end_actions=[timed])
-    state = train(step, 6, 2, steps_per_execution=k)
-    assert int(state.step) == 12 and timed.steps
-    assert timed.steps == sorted(set(timed.steps)) and timed.steps != list(range(1, 13))
+    state = train(step, 3, 8, steps_per_execution=k)
+    assert int(state.step) == 24
+    assert timed.steps == [4, 10, 16, 22]  # the first step of every other loop
 
 
 def test_first_n_process_steps_restarts_with_the_process(tmp_path):
@@ -156,4 +157,9 @@ def test_every_secs_fires_at_the_same_steps_on_two_processes(tmp_path):
     # Process 1's clock runs 3x as fast as process 0's: on its own it would fire more often.
     assert results[0]["loop"] == results[1]["loop"] and results[0]["loop"]
     assert results[0]["step"] == results[1]["step"] and results[0]["step"]
-    assert results[0]["loop"] != list(range(2, 25, 2))  # not every loop: time decided
+    assert results[0]["loop"] != list(range(4, 25, 4))  # not every loop: time decided
+    # Issue 44.3: the host waits once per loop for each time condition (the step-level one
+    # at the loop's first step, the loop-level one at its end), not at every step's look.
+    for result in results:
+        counts = result["exchanges"]
+        assert [b - a for a, b in zip([0, *counts], counts[:6], strict=True)] == [2] * 6, counts

@@ -325,7 +325,7 @@ def test_histograms(tmp_path):
 # ----------------------------------------------------------------------------- hparams
 
 
-def test_hparams_in_a_sub_run(tmp_path):
+def test_hparams_in_the_writers_run(tmp_path):
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     with writers.SummaryWriter(tmp_path) as w:
@@ -342,10 +342,10 @@ def test_hparams_in_a_sub_run(tmp_path):
         )
         w.write_scalars(0, {"loss": 1.0})
 
-    # tensorboardX's add_hparams: a sub-run (a session of its own) beside the run's scalars.
-    (session,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    # In the run itself, beside its scalars: no sub-run folder per call.
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
     assert load(tmp_path).Scalars("loss")[0].value == 1.0
-    contents = load(session).PluginTagToContent("hparams")
+    contents = load(tmp_path).PluginTagToContent("hparams")
     assert "_hparams_/session_start_info" in contents
     data = plugin_data_pb2.HParamsPluginData.FromString(contents["_hparams_/session_start_info"])
     hp = data.session_start_info.hparams
@@ -711,9 +711,8 @@ def test_import_and_writing_do_not_import_tensorflow(tmp_path):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    # One file for the run, one in the sub-run of the hparams.
-    assert sorted(p.parent.parent for p in event_files(tmp_path / "c")) == [
-        tmp_path, tmp_path / "c"]
+    # One file, in the run's folder: the hparams too (no sub-run folder).
+    assert [p.parent for p in event_files(tmp_path / "c")] == [tmp_path / "c"]
 
 
 # ----------------------------------------------------------------------------- clu interop

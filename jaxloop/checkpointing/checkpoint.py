@@ -88,7 +88,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: State,
     manager holds one item; returns whether a save started. Every process calls it."""
     if not force and not manager.should_save(step):
         return False
-    positions = agreement.gathered(dataset_state)
+    positions = agreement.gathered(dataset_state, phase="checkpoint data position", step=step)
     meta = {**(meta or {}), "dataset_state": positions[0], "dataset_states": positions,
             "process_count": len(positions)}
     single = ocp.args.PyTreeSave(state_arrays(state))

@@ -17,10 +17,9 @@ import orbax.checkpoint as ocp
 
 from jaxloop import types
 from jaxloop.checkpointing import checkpoint
-from jaxloop.engine import host_count
+from jaxloop.engine import host_count, triggers
 from jaxloop.engine.action import Action
 from jaxloop.engine.metric_values import scalar_metrics
-from jaxloop.launch import agreement
 
 Output = types.Output
 State = types.TrainState
@@ -42,29 +41,31 @@ class CheckpointAction(Action):
                  meta: Mapping[str, Any] | Any = None, every_secs: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
         super().__init__(interval)
-        bad = isinstance(every_secs, bool) or not isinstance(every_secs, int | float)
-        if every_secs is not None and (bad or not every_secs > 0):
-            raise ValueError(
-                f"`every_secs` must be a positive number of seconds, got {every_secs!r}")
-        if not callable(clock):
-            raise TypeError(f"`clock` must be a callable returning seconds, got {clock!r}")
-        self._every_secs, self._clock, self._last_save_time = every_secs, clock, clock()
+        self._time = None if every_secs is None else triggers.TimeCondition(
+            every_secs, clock, "CheckpointAction")
         self._ckpt_manager, self._extra_meta = ckpt_manager, meta
         self._warned_no_position = self._warned_later = False
         self._resume_metadata: Any = None
+        self._saving_step: int | None = None  # the step of a save that may still be running
 
     @property
     def every_secs(self) -> float | None:
-        return self._every_secs
-
-    def _time_due(self) -> bool:
-        # Every process calls the action at the same loop boundaries, so each reaches this.
-        return bool(agreement.agreed(
-            lambda: self._clock() - self._last_save_time >= self._every_secs))
+        return None if self._time is None else self._time.every_secs
 
     @property
     def ckpt_manager(self) -> ocp.CheckpointManager:
         return self._ckpt_manager
+
+    def wait_until_finished(self) -> None:
+        """Waits for the save in progress; one that failed raises its error here, with a
+        note naming the step and the directory (the state of that step is not saved)."""
+        try:
+            self._ckpt_manager.wait_until_finished()
+        except Exception as e:
+            _note_failure(e, self._saving_step, self._ckpt_manager.directory)
+            raise
+        finally:
+            self._saving_step = None
 
     def save(self, step: int, state: State, outputs: Output | None = None) -> bool:
         """Saves `state` alone as the manager's one PyTree item (google/jaxloop's way). A
@@ -83,13 +84,14 @@ class CheckpointAction(Action):
         step = host_count.host_step(state)
         if not self._ckpt_manager.is_saving_in_progress():
             # A finished background save that failed raises here, on the loop's thread.
-            self._ckpt_manager.wait_until_finished()
-        if self._every_secs is not None and not force:
-            if not self._time_due() or step in self._ckpt_manager.all_steps():
+            self.wait_until_finished()
+        if self._time is not None and not force:
+            if (not self._time.due(step, "checkpoint time policy")
+                    or step in self._ckpt_manager.all_steps()):
                 return False
             force = True  # the time policy decides, not the manager's step policy
-        if self._every_secs is not None:
-            self._last_save_time = self._clock()
+        if self._time is not None:
+            self._time.restart()
         from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
         iterator = getattr(loop, "dataset", None)
         position = getattr(loop, "data_position", None)  # knows about prefetched batches
@@ -103,14 +105,23 @@ class CheckpointAction(Action):
                 data.describe_iterator(iterator))
         extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
         meta = {**(extra or {}), "loop_count": getattr(loop, "loop_count", None)}
-        if self._resume_metadata is not None:
+        if self._resume_metadata is not None and (force or self._ckpt_manager.should_save(step)):
             meta.update(self._resume_metadata.save())
-        if type(self).save is not CheckpointAction.save:
-            saved = self.save(step, state, outputs)  # code written against the reference
-        else:
-            saved = checkpoint.save(self._ckpt_manager, step, state, meta=meta,
-                                    metrics=scalar_metrics(outputs, loop=loop), force=force,
-                                    dataset_state=dataset_state)
+        try:
+            if type(self).save is not CheckpointAction.save:
+                saved = self.save(step, state, outputs)  # code written against the reference
+            else:
+                saved = checkpoint.save(self._ckpt_manager, step, state, meta=meta,
+                                        metrics=scalar_metrics(outputs, loop=loop), force=force,
+                                        dataset_state=dataset_state)
+        except OSError as e:
+            # orbax may raise the failure of the save still in progress, before this one.
+            _note_failure(e, step if self._saving_step is None else self._saving_step,
+                          self._ckpt_manager.directory)
+            self._saving_step = None
+            raise
+        if saved:
+            self._saving_step = step
         if saved:
             log.info("Saving checkpoint for step %d to %s.", step, self._ckpt_manager.directory)
         elif not self._warned_later:
@@ -141,3 +152,12 @@ class BestCheckpointAction(CheckpointAction):
         # Reduced here, where the eval loop's example counts weight the means; the loop is
         # not passed on (its data position and count are not saved).
         return super().__call__(state, scalar_metrics(outputs, loop=loop), force=force)
+
+
+def _note_failure(error: BaseException, step: int | None, directory: Any) -> None:
+    """Adds to `error` which checkpoint it lost and that the training state is live."""
+    which = "a checkpoint" if step is None else f"the checkpoint of step {step}"
+    error.add_note(
+        f"Saving {which} to {directory} failed: it is not saved. The training state is "
+        "still live (OuterLoop.state, or the state you passed): fix the directory, or save "
+        "to another one, and continue from it.")

@@ -36,9 +36,10 @@ def _put(items: queue.Queue, stop: threading.Event, item: tuple[str, Any, Any]) 
 
 
 def _produce(source: Iterator[Batch], prepare: Callable[[Batch], Batch], items: queue.Queue,
-             stop: threading.Event, state_of: Callable[[Any], Any] | None) -> None:
+             stop: threading.Event, state_of: Callable[[Any], Any] | None,
+             spilled: list[tuple[str, Any, Any]]) -> None:
     # Module-level, holding no reference to the Prefetcher: an abandoned one is collected
-    # and its __del__ stops this thread.
+    # and its __del__ stops this thread. A batch read when it was stopped goes to `spilled`.
     try:
         while not stop.is_set():
             try:
@@ -47,10 +48,13 @@ def _produce(source: Iterator[Batch], prepare: Callable[[Batch], Batch], items: 
                 _put(items, stop, (_END, None, None))
                 return
             state = state_of(source) if state_of is not None else None
-            if not _put(items, stop, (_BATCH, prepare(batch), state)):
+            item = (_BATCH, prepare(batch), state)
+            if not _put(items, stop, item):
+                spilled.append(item)
                 return
     except BaseException as e:  # re-raised in the consumer thread
-        _put(items, stop, (_ERROR, e, None))
+        if not _put(items, stop, (_ERROR, e, None)):
+            spilled.append((_ERROR, e, None))
 
 
 class Prefetcher(Iterator[Batch]):
@@ -74,6 +78,9 @@ class Prefetcher(Iterator[Batch]):
         self._state: Any = None
         self._thread: threading.Thread | None = None
         self._finished = False
+        # Items read from the source but not returned, once the thread stopped.
+        self._unreturned: list[tuple[str, Any, Any]] = []
+        self._spilled: list[tuple[str, Any, Any]] = []
 
     def start(self) -> Prefetcher:
         """Starts reading ahead now, not at the first ``next()``; returns self."""
@@ -94,21 +101,28 @@ class Prefetcher(Iterator[Batch]):
         self._stop = threading.Event()
         self._thread = threading.Thread(  # daemon: a stuck source never blocks exit
             target=_produce,
-            args=(self._reader, self._prepare, self._items, self._stop, self._state_of),
+            args=(self._reader, self._prepare, self._items, self._stop, self._state_of,
+                  self._spilled),
             name=_THREAD_NAME, daemon=True)
         self._thread.start()
+
+    def _drain(self) -> None:
+        while not self._items.empty():
+            self._unreturned.append(self._items.get_nowait())
 
     def _shutdown(self, timeout: float | None = None) -> None:
         thread, self._thread = self._thread, None
         if thread is None:
             return
         self._stop.set()
-        while not self._items.empty():  # frees a producer blocked on a full queue
-            self._items.get_nowait()
+        self._drain()  # frees a producer blocked on a full queue
         if thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
                 logging.warning("jaxloop prefetch thread did not stop within %s s.", timeout)
+        self._drain()
+        self._unreturned.extend(self._spilled)
+        self._spilled.clear()
 
     def __iter__(self) -> Prefetcher:
         return self
@@ -170,23 +184,37 @@ class Prefetcher(Iterator[Batch]):
         if not callable(getattr(self._reader, "set_state", None)):
             iterators.restore_iterator_state(self._reader, state)  # raises, naming its type
         self._shutdown()
+        self._unreturned.clear()
         iterators.restore_iterator_state(self._reader, state)
         self._state = iterators.iterator_state(self._reader)
         self._start_thread()
 
-    def close(self, timeout: float | None = None) -> None:
-        """Stops the thread (later ``next()`` calls end iteration) and moves a source that
-        takes a position back to just after the last batch returned."""
+    def close(self, timeout: float | None = None) -> list[tuple[Batch, Any]]:
+        """Stops the thread (later ``next()`` calls end iteration). A source that takes a
+        position is moved back to just after the last batch returned; from any other, the
+        batches read ahead are returned instead, as (prepared batch, the source's position
+        before it) pairs, for whoever reads the source next (`Loop.prefetching` keeps them).
+        An error read ahead comes last, as (the exception, None)."""
         self._finished = True
         if self._reader is None:  # never read: the source is where it was
-            return
+            return []
         thread = self._thread
         self._shutdown(timeout)
         stopped = thread is None or not thread.is_alive()
+        unreturned, self._unreturned = self._unreturned, []
         if stopped and self._state is not None and callable(
                 getattr(self._reader, "set_state", None)):
             _iterators().restore_iterator_state(self._reader, self._state)
-
+            return []
+        kept, position = [], self._state
+        for kind, value, state in unreturned:
+            if kind == _END:
+                break
+            kept.append((value, position))
+            if kind == _ERROR:
+                break
+            position = state
+        return kept
     def __enter__(self) -> Prefetcher:
         return self
 

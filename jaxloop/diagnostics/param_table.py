@@ -138,6 +138,8 @@ def markdown(tree: Any) -> str:
 
 
 def log_table(tree: Any, logger: logging.Logger = log) -> None:
-    """Logs `table` at INFO level on process 0 (built only when that level is logged)."""
-    if jax.process_index() == 0 and logger.isEnabledFor(logging.INFO):
-        logger.info("State:\n%s", table(tree))
+    """Logs `table` at DEBUG level on process 0 (built only when that level is logged): about
+    a line per parameter, for a log file that asks for it
+    (``logging.getLogger('jaxloop.diagnostics.param_table').setLevel(logging.DEBUG)``)."""
+    if jax.process_index() == 0 and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("State:\n%s", table(tree))

@@ -1,5 +1,6 @@
 """A loop's outputs: one list per key, one entry per step; `clu.metrics` values go to a
-`MetricList`, whose `compute()` merges them over the loop.
+`MetricList`, whose `compute()` merges them over the loop. A fused execution's outputs are
+kept as it stacked them (`extend_stacked`): a step's entry is sliced off when read.
 
 Example::
 
@@ -11,10 +12,13 @@ Example::
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 from clu import metrics as clu_metrics
+
+from jaxloop.engine import staging
 
 _METRIC_TYPES = (clu_metrics.Metric, clu_metrics.Collection)
 
@@ -24,7 +28,84 @@ def _merge(merged: Any, metric: Any) -> Any:
     return merged.merge(metric)
 
 
-class MetricList(list):
+class StepList(list):
+    """Per-step values of one output: a list whose entries from fused executions stay
+    stacked on the devices (as the execution returned them) until read. ``len()`` and
+    reading one entry slice nothing else; any other use settles the list first, one split
+    per execution (`staging.unstack`). A pytree node as a plain list is.
+
+    Example::
+
+        losses = StepList()
+        losses.extend_stacked(stacked_losses, 5)   # the first 5 of an execution of k
+        len(losses), losses[-1]                    # 5, step 5's loss
+    """
+
+    # (stacked value, steps) after the list's own entries; a tuple until the first.
+    _stacked: Any = ()
+
+    def extend_stacked(self, stacked: Any, count: int) -> None:
+        """Appends the first `count` steps of a value stacked on a leading axis."""
+        if not self._stacked:
+            self._stacked = []
+        self._stacked.append((stacked, count))
+
+    def _settle(self) -> None:
+        if self._stacked:
+            chunks, self._stacked = self._stacked, []
+            for stacked, count in chunks:
+                list.extend(self, staging.unstack(stacked)[:count])
+
+    def __len__(self) -> int:
+        return list.__len__(self) + sum(count for _, count in self._stacked)
+
+    def __getitem__(self, index: Any) -> Any:
+        if not self._stacked or not isinstance(index, int):
+            self._settle()
+            return list.__getitem__(self, index)
+        size = len(self)
+        if not -size <= index < size:
+            raise IndexError("list index out of range")
+        index %= size
+        own = list.__len__(self)
+        if index < own:
+            return list.__getitem__(self, index)
+        index -= own
+        for stacked, count in self._stacked:
+            if index < count:
+                return staging.entry(stacked, index)
+            index -= count
+        raise AssertionError("unreachable")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self._settle()
+        return type(self), (list(self),)
+
+
+def _settling(name: str) -> Any:
+    method = getattr(list, name)
+
+    @functools.wraps(method)
+    def settled(self: StepList, *args: Any, **kwargs: Any) -> Any:
+        self._settle()
+        return method(self, *args, **kwargs)
+
+    return settled
+
+
+# Every other read or change of the list sees its entries.
+for _name in ("__iter__", "__reversed__", "__contains__", "__eq__", "__ne__", "__lt__",
+              "__le__", "__gt__", "__ge__", "__repr__", "__add__", "__iadd__", "__mul__",
+              "__rmul__", "__imul__", "__setitem__", "__delitem__", "append", "extend",
+              "insert", "pop", "remove", "index", "count", "sort", "reverse", "copy",
+              "clear"):
+    setattr(StepList, _name, _settling(_name))
+StepList.__radd__ = lambda self, other: list(other) + list(self)
+jax.tree_util.register_pytree_node(
+    StepList, lambda values: (list(values), None), lambda _, values: StepList(values))
+
+
+class MetricList(StepList):
     """Per-step `clu.metrics` values: a list with the merge over all steps (`merged`)."""
 
     def merged(self) -> Any:
@@ -47,4 +128,20 @@ def append(loop_outputs: dict[str, list[Any]], step_outputs: dict[str, Any] | No
         if values is None:
             values = loop_outputs[key] = MetricList() if isinstance(value, _METRIC_TYPES) else []
         values.append(value)
+    return loop_outputs
+
+
+def extend_stacked(loop_outputs: dict[str, list[Any]], stacked: Mapping[str, Any], count: int
+                   ) -> dict[str, list[Any]]:
+    """Appends the first `count` steps of an execution's stacked outputs to the per-key
+    lists of `loop_outputs`, kept stacked (`StepList`) until read."""
+    for key, value in stacked.items():
+        values = loop_outputs.get(key)
+        if values is None:
+            values = loop_outputs[key] = (
+                MetricList() if isinstance(value, _METRIC_TYPES) else StepList())
+        if isinstance(values, StepList):
+            values.extend_stacked(value, count)
+        else:
+            values.extend(staging.unstack(value)[:count])
     return loop_outputs

@@ -1,7 +1,8 @@
 """The compiled program of a step: ``jax.jit(fn, in_shardings=(state, batch, ...),
-out_shardings=(state, ...), donate_argnums=...)``, built on the first call from the state's
-and the batch's shardings, then called directly every step (jit places a host batch). Jit
-flags use the positions and names of `fn`'s own signature.
+out_shardings=(state, ...), donate_argnums=...)``, built through the partitioner's
+`partition` on the first call of each state and batch structure (a bounded cache keeps
+them), then called directly every step (jit places a host batch). Jit flags use the
+positions and names of `fn`'s own signature.
 
 Example::
 
@@ -14,9 +15,10 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,10 @@ import numpy as np
 from jaxloop.engine import annotations
 
 PyTree = Any
+
+# Compiled programs kept per Program: one per state and batch structure (an eval step
+# alternating datasets with and without a `mask` compiles each once).
+MAX_PROGRAMS = 16
 
 
 def check_state_structure(new: PyTree, state: PyTree) -> None:
@@ -49,6 +55,14 @@ def check_state_structure(new: PyTree, state: PyTree) -> None:
         "create new fields when the state is built (initialize_model).")
 
 
+class _Compiled(NamedTuple):
+    """What the partitioner's `partition` returned, with what it was given (for `lower`)."""
+
+    call: Callable[..., Any]
+    fn: Callable[..., Any]
+    flags: dict[str, Any]
+
+
 def _as_tuple(value: Any, kind: type) -> tuple:
     if value is None:
         return ()
@@ -59,32 +73,38 @@ class Program:
     """`fn(state, batch, ...)` compiled as one `jax.jit` with the state's shardings in and out;
     `last_token` is a scalar of the last call's execution (to bound the steps in flight).
 
+    The jit is made by ``partitioner.partition(fn, in_shardings=..., out_shardings=...,
+    donate_argnums=..., ...)``, so a partitioner that overrides `partition` wraps, logs or
+    changes it; what it returns is called directly every step.
+
     Args:
       fn: returns ``(new_state, outputs)``, the new state of the given one's structure.
-      partitioner: gives the state's and batch's shardings and the trace context.
+      partitioner: gives the state's and batch's shardings, the trace context and the jit.
       steps: k for executions called as ``program(state, stacked, count, ...)``, outputs
         stacked (entries from `count` on are padding); None for one step.
       carry_state: False runs every step on the given state and returns None for it.
       unroll: inline the k steps (those past `count` run, their state dropped), not a loop.
       separate: the k batches come as a sequence, not stacked on a leading axis.
       returns_state: None accepts any result (a pair's first item is pinned as a state).
-      **jit_kwargs: flags of `jax.jit` except `in_shardings` and `out_shardings`.
+      **jit_kwargs: flags of `jax.jit` except `in_shardings`. `out_shardings` applies to
+        `fn`'s outputs: a sharding (or tree of them) for the outputs, or a pair whose
+        second item is the outputs'; the state keeps the partitioner's shardings.
 
-    Raises TypeError for an unknown jit flag, `in_shardings`/`out_shardings` or a non-bool
-    `unroll`; ValueError for a static state or batch (`static_argnums` 0 or 1)."""
+    Raises TypeError for an unknown jit flag, `in_shardings` or a non-bool `unroll`;
+    ValueError for a static state or batch (`static_argnums` 0 or 1)."""
 
     def __init__(self, fn: Callable[..., Any], partitioner: Any, *, steps: int | None = None,
                  carry_state: bool = True, unroll: bool = False, separate: bool = False,
                  returns_state: bool | None = True, **jit_kwargs: Any):
-        given = [flag for flag in ("in_shardings", "out_shardings") if flag in jit_kwargs]
-        if given:
+        if "in_shardings" in jit_kwargs:
             raise TypeError(
-                f"Program sets {' and '.join(given)} from the partitioner's shardings; "
-                "place the state with the partitioner instead of passing them")
+                "Program sets in_shardings from the partitioner's shardings; place the "
+                "state with the partitioner instead of passing them")
         if not isinstance(unroll, bool):
             raise TypeError(f"unroll must be True or False, got {unroll!r}")
         jax.jit(fn, **jit_kwargs)  # an unknown jit flag is a TypeError here, not at first use
         flags = dict(jit_kwargs)
+        self._out_shardings = flags.pop("out_shardings", None)
         self._static_nums = _as_tuple(flags.pop("static_argnums", None), int)
         self._donate_nums = _as_tuple(flags.pop("donate_argnums", None), int)
         if {0, 1} & set(self._static_nums):
@@ -108,8 +128,12 @@ class Program:
         self._separate = separate
         self._returns_state = returns_state
         self._flags = flags
-        # (positional count, keyword names) -> (jit, state and batch structures it is for).
-        self._jitted: dict[tuple, tuple[Callable[..., Any], Any, Any]] = {}
+        # (positional count, keyword names, batch structure, state structure) -> program,
+        # the least recently used first.
+        self._jitted: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
+        # (its key without the state's structure, the program, its key) of the last call:
+        # a call with the same batch structure checks nothing else.
+        self._current: tuple[tuple, Callable[..., Any], tuple] | None = None
         self.last_token: jax.Array | None = None
 
     def _positions(self, nums: tuple[int, ...], names: set[str], num_args: int,
@@ -134,13 +158,15 @@ class Program:
 
     def _batch_shardings_of(self, batch: PyTree, stacked: bool) -> PyTree:
         rule = self._partitioner.batch_shardings(batch, stacked=stacked)
+        # An uncommitted array (a plain `jax.device_put`) goes where the rule says.
         return jax.tree.map(
             lambda x, s: x.sharding if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+            and getattr(x, "committed", True)
             and isinstance(getattr(x, "sharding", None), jax.sharding.Sharding) else s,
             batch, rule,
         )
 
-    def _build(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> Callable[..., Any]:
+    def _build(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> _Compiled:
         kw_names = tuple(kwargs)
         num_args = len(args)
         shardings = self._partitioner.state_shardings(state)
@@ -170,19 +196,27 @@ class Program:
             # Whether the result is a (state, outputs) pair is known once traced.
             traced = jax.jit(step, **flags).trace(state, *args, *kwargs.values()).out_info[0]
             returns_state = isinstance(traced, tuple) and len(traced) == 2
-        if not returns_state:
-            return jax.jit(step, **flags)
-        state_out = shardings if self._steps is None or self._carry_state else None
-        return jax.jit(step, out_shardings=((state_out, None), None), **flags)
+        if returns_state:
+            state_out = shardings if self._steps is None or self._carry_state else None
+            flags["out_shardings"] = ((state_out, None), None)
+        return _Compiled(partitioner.partition(step, **flags), step, flags)
 
     def _body(self, shardings: PyTree) -> Callable[..., Any]:
         """The function jit traces: one step, or an execution of up to `steps` steps."""
         fn, check = self._fn, self._returns_state is not False
+        placed = self._out_shardings
 
         def one_step(state: PyTree, *args: Any, **kwargs: Any) -> Any:
             result = fn(state, *args, **kwargs)
-            if check and isinstance(result, tuple) and len(result) == 2:
+            pair = check and isinstance(result, tuple) and len(result) == 2
+            if pair:
                 check_state_structure(result[0], state)
+            if placed is not None:
+                # The state keeps the partitioner's shardings; the outputs go where asked.
+                if not pair:
+                    return jax.lax.with_sharding_constraint(result, placed)
+                outputs = placed[1] if isinstance(placed, tuple | list) else placed
+                return result[0], jax.lax.with_sharding_constraint(result[1], outputs)
             return result
 
         if self._steps is None:
@@ -238,23 +272,32 @@ class Program:
         return execution
 
     def _jit_for(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> Callable:
-        key = (len(args), tuple(kwargs))
+        """The program for these arguments' structures, made on their first call."""
+        shape = (len(args), tuple(kwargs), jax.tree.structure(args[0]) if args else None)
+        current = self._current
+        if current is not None and current[0] == shape:
+            return current[1]
+        return self._select(state, args, kwargs, shape)
+
+    def _select(self, state: PyTree, args: tuple, kwargs: dict[str, Any],
+                shape: tuple) -> Callable:
+        key = (*shape, jax.tree.structure(state))
         entry = self._jitted.get(key)
         if entry is None:
-            entry = (self._build(state, args, kwargs), jax.tree.structure(state),
-                     jax.tree.structure(args[0]) if args else None)
-            self._jitted[key] = entry
-        return entry[0]
+            entry = self._jitted[key] = self._build(state, args, kwargs)
+            if len(self._jitted) > MAX_PROGRAMS:
+                self._jitted.popitem(last=False)
+        else:
+            self._jitted.move_to_end(key)
+        self._current = (shape, entry.call, key)
+        return entry.call
 
     def _rebuilt(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> bool:
-        """Makes a new jit if the state or batch structure changed; False if not."""
-        key = (len(args), tuple(kwargs))
-        _, state_def, batch_def = self._jitted[key]
-        if (jax.tree.structure(state) == state_def
-                and (not args or jax.tree.structure(args[0]) == batch_def)):
+        """Selects (or makes) the program of a changed state structure; False if unchanged."""
+        current = self._current
+        if current is None or jax.tree.structure(state) == current[2][-1]:
             return False
-        del self._jitted[key]
-        self._jit_for(state, args, kwargs)
+        self._select(state, args, kwargs, current[0])
         return True
 
     def _arguments(self, args: tuple) -> tuple:
@@ -287,5 +330,9 @@ class Program:
         """Lowers the program for these (possibly abstract) arguments, e.g. for XLA's cost
         and memory analyses."""
         args = self._arguments(args)
-        return self._jit_for(state, args, kwargs).lower(state, *args, *kwargs.values())
+        self._jit_for(state, args, kwargs)
+        entry = self._jitted[self._current[2]]
+        # A partitioner's `partition` may return a plain wrapper, without `lower`.
+        jitted = entry.call if hasattr(entry.call, "lower") else jax.jit(entry.fn, **entry.flags)
+        return jitted.lower(state, *args, *kwargs.values())
 

@@ -1,5 +1,6 @@
 """Batches made ready for a step's program: placed along the data axis (`place`), stacked for
-fused steps (`stack`), and an execution's stacked outputs split per step (`unstack`).
+fused steps (`stack`), and an execution's stacked outputs split per step (`unstack`,
+`entry`).
 """
 
 from __future__ import annotations
@@ -108,9 +109,12 @@ def _device_stacker(treedef: Any, shardings: tuple) -> Any:
                    out_shardings=jax.tree_util.tree_unflatten(treedef, list(shardings)))
 
 
-def padded(batches: Sequence[Batch], size: int) -> tuple[Batch, ...]:
+def padded(batches: Sequence[Batch], size: int, moved_once: bool = False
+           ) -> tuple[Batch, ...]:
     """`batches` and repeats of the last, `size` in all (``padded([b1, b2], 3) == (b1, b2,
-    b2)``), so one program serves every count; BatchLayoutError unless of one layout."""
+    b2)``), so one program serves every count; BatchLayoutError unless of one layout. With
+    `moved_once`, a last host batch that repeats is moved to the devices once: the padding
+    moves nothing more."""
     if not 0 < len(batches) <= size:
         raise ValueError(f"an execution takes 1 to {size} batches, got {len(batches)}")
     layouts = {batch_layout(b) for b in batches}
@@ -118,23 +122,38 @@ def padded(batches: Sequence[Batch], size: int) -> tuple[Batch, ...]:
         raise BatchLayoutError(
             f"Batches run in one execution must share one layout (tree structure and "
             f"leaf shapes); got {len(layouts)} layouts: {sorted(map(str, layouts))}")
-    return (*batches, *[batches[-1]] * (size - len(batches)))
+    last = batches[-1]
+    if moved_once and len(batches) < size and not all(
+            isinstance(x, jax.Array) for x in jax.tree.leaves(last)):
+        # Uncommitted (no sharding given): jit then places it as it places a host batch,
+        # in the same program; a committed array would make jit compile another.
+        last = jax.device_put(last)
+    return (*batches[:-1], *[last] * (size - len(batches) + 1))
 
 
 def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool = False
           ) -> Batch:
     """Stacks `batches` (preprocessed, of one layout) on a new leading axis of `size`, the
-    entries past them repeating the last. Host batches are stacked on the host (placed with
-    `place_it`), placed ones on the devices."""
-    full = padded(batches, size)
+    entries past them repeating the last. `size` host batches are stacked on the host
+    (placed with `place_it`); with `place_it` fewer are stacked on the devices, each moved
+    there once (the padding is not moved), as placed ones are."""
+    if len(batches) == size or not place_it:
+        full = padded(batches, size)
+        if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(full[0])):
+            stacked = jax.tree.map(lambda *xs: np.stack(xs), *full)
+            return partitioner.shard_stacked_batch(stacked) if place_it else stacked
+    full = padded(batches, size, moved_once=True)
     leaves, treedef = jax.tree_util.tree_flatten(full[0])
-    if not any(isinstance(x, jax.Array) for x in leaves):
-        stacked = jax.tree.map(lambda *xs: np.stack(xs), *full)
-        return partitioner.shard_stacked_batch(stacked) if place_it else stacked
     rule = jax.tree.leaves(batch_shardings(partitioner, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)), x.dtype), full[0]),
         stacked=True))
     return _device_stacker(treedef, tuple(rule))(list(full))
+
+
+def entry(stacked: Any, index: int) -> Any:
+    """Step `index` of an execution's stacked outputs (a static slice: ``x[i]`` would send
+    the index to the devices first)."""
+    return jax.tree.map(lambda x: jax.lax.index_in_dim(x, index, keepdims=False), stacked)
 
 
 @jax.jit

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jaxloop.engine import ownership
+
 
 def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
     """Whether a step-level action runs at this step (before it when `begin`, else after):
@@ -27,10 +29,12 @@ def fire(actions: Sequence[Any], begin: bool, step_number: int, state: Any,
     the outputs)."""
     for action in actions:
         if action_fires(action, step_number, begin):
+            # An action may keep the state: the next step then consumes nothing.
             if begin:
-                action(state, None, batch=batch, per_loop_step_number=step_number)
+                ownership.call(action, state, None, batch=batch,
+                               per_loop_step_number=step_number)
             else:
-                action(state, outputs, per_loop_step_number=step_number)
+                ownership.call(action, state, outputs, per_loop_step_number=step_number)
 
 
 def execution_length(begin_actions: Sequence[Any], end_actions: Sequence[Any],

@@ -2,7 +2,8 @@
 
 A loop's end action looks at the steps the loop ran, a begin action at the step it starts
 from, a Step's own action at each step (global in a train loop, else counted from 1). A
-time condition costs a small collective per look in a multi-process job. Example::
+time condition (`TimeCondition`, also `CheckpointAction(every_secs=...)`'s) is decided at
+most once per loop: one host exchange (`agreement.agreed`) in a multi-process job. Example::
 
     trigger = triggers.Trigger(at_steps=(1000, 5000), every_n_steps=10_000, every_secs=600)
     train_loop = TrainLoop(step, end_actions=[CheckpointAction(manager).with_trigger(trigger)])
@@ -16,10 +17,7 @@ from typing import Any
 
 from jaxloop.launch import agreement
 
-__all__ = ["Trigger"]
-
-# Time decisions kept per step, so a loop planning an execution and the step agree.
-_KEPT_DECISIONS = 256
+__all__ = ["TimeCondition", "Trigger"]
 
 
 def _positive_int(name: str, value: Any) -> int | None:
@@ -34,7 +32,8 @@ class Trigger:
     """When an action fires; conditions are OR-ed (bobbin's ``CronTab``). `first_n_steps`
     fires at steps 0 .. n, `first_n_process_steps` at the first n steps this process looks
     at, `every_secs` when that many seconds of process 0's `clock` have passed since the
-    last firing. Example::
+    last firing (decided once per loop: at its end for a loop's action, at its first step
+    for a Step's own action, which fires there). Example::
 
         Trigger(every_n_steps=100).fires(100)        # True
         Trigger(at_steps=(3, 7)).fires(first=1, last=5)  # True: step 3 is in 1..5
@@ -51,27 +50,20 @@ class Trigger:
         if bad:
             raise ValueError(f"Trigger `at_steps` must be non-negative integers, got {bad}")
         self._at = frozenset(steps)
-        if every_secs is not None and (isinstance(every_secs, bool)
-                                       or not isinstance(every_secs, int | float)
-                                       or not every_secs > 0):
-            raise ValueError(f"Trigger `every_secs` must be positive seconds, got {every_secs!r}")
-        if not callable(clock):
-            raise TypeError(f"Trigger `clock` must be a callable returning seconds, got {clock!r}")
-        self._every_secs = every_secs
+        self._time = None if every_secs is None else TimeCondition(every_secs, clock, "Trigger")
         if (self._every_n, self._first_n, self._first_process_n, every_secs) == (
                 None, None, None, None) and not self._at:
             raise ValueError("A Trigger needs a condition: every_n_steps, at_steps, "
                              "first_n_steps, first_n_process_steps or every_secs")
-        self._clock = clock
-        self._last_fired = clock()
         self._process_start: int | None = None
-        self._time_decisions: dict[int, bool] = {}
+        # A Step's own action: (the step its loop decided the time at, whether due).
+        self._loop_time: tuple[int, bool] | None = None
         self._step_offset = 0
 
     def __repr__(self) -> str:
         parts = {"every_n_steps": self._every_n, "at_steps": tuple(sorted(self._at)) or None,
                  "first_n_steps": self._first_n, "first_n_process_steps": self._first_process_n,
-                 "every_secs": self._every_secs}
+                 "every_secs": self._time and self._time.every_secs}
         return "Trigger(" + ", ".join(f"{k}={v!r}" for k, v in parts.items() if v) + ")"
 
     def _step_matches(self, step: int) -> bool:
@@ -84,34 +76,26 @@ class Trigger:
             return True
         return step in self._at
 
-    def _time_due(self) -> bool:
-        due = bool(agreement.agreed(lambda: self._clock() - self._last_fired >= self._every_secs))
+    def _time_due(self, step: int) -> bool:
+        due = self._time.due(step, "time trigger")
         if due:
-            self._last_fired = self._clock()
+            self._time.restart()
         return due
 
     def fires(self, first: int, last: int | None = None) -> bool:
         """Whether any step of ``first .. last`` (default: `first` alone) matches, or the
-        time condition is due. The first step ever asked about is where this process
-        started (for ``first_n_process_steps``)."""
-        return self._fires(first, first if last is None else last, None)
+        time condition is due (asked now). The first step ever asked about is where this
+        process started (for ``first_n_process_steps``)."""
+        last = first if last is None else last
+        return self._steps_fire(first, last) or (
+            self._time is not None and self._time_due(last))
 
-    def _fires(self, first: int, last: int, decisions: dict[int, bool] | None) -> bool:
+    def _steps_fire(self, first: int, last: int) -> bool:
         if self._process_start is None:
             self._process_start = first
         if self._every_n is not None and last // self._every_n > (first - 1) // self._every_n:
             return True
-        if any(self._step_matches(s) for s in self._candidates(first, last)):
-            return True
-        if self._every_secs is None:
-            return False
-        if decisions is None:
-            return self._time_due()
-        if last not in decisions:
-            decisions[last] = self._time_due()
-            while len(decisions) > _KEPT_DECISIONS:
-                del decisions[next(iter(decisions))]
-        return decisions[last]
+        return any(self._step_matches(s) for s in self._candidates(first, last))
 
     def _candidates(self, first: int, last: int) -> Iterable[int]:
         # The few steps where a condition other than every_n can first hold in the range.
@@ -123,10 +107,58 @@ class Trigger:
     def start_loop(self, step_offset: int) -> None:
         """A loop starts: a Step's own actions number its steps from ``step_offset + 1``."""
         self._step_offset = step_offset
-        self._time_decisions.clear()
+        self._loop_time = None
 
     def fires_within_loop(self, per_loop_step_number: int) -> bool:
         """Whether a Step's own action fires on this step of its loop (counted from 1), at
-        the global step ``step_offset + per_loop_step_number``; time is decided once per step."""
+        the global step ``step_offset + per_loop_step_number``. The time condition is
+        decided once per loop, at the first step the loop asks about, and fires there."""
         step = self._step_offset + per_loop_step_number
-        return self._fires(step, step, self._time_decisions)
+        if self._steps_fire(step, step):
+            return True
+        if self._time is None:
+            return False
+        if self._loop_time is None:
+            self._loop_time = (step, self._time_due(step))
+        return self._loop_time == (step, True)
+
+
+def _check_every_secs(every_secs: Any, owner: str) -> float:
+    if isinstance(every_secs, bool) or not isinstance(every_secs, int | float) or not (
+            every_secs > 0):
+        raise ValueError(f"{owner} `every_secs` must be positive seconds, got {every_secs!r}")
+    return every_secs
+
+
+class TimeCondition:
+    """Due when `every_secs` seconds of process 0's `clock` have passed since the last
+    `restart` (or since it was made): `Trigger(every_secs=...)` and
+    `CheckpointAction(every_secs=...)`. Each `due` is one host exchange with several
+    processes, so every process takes process 0's answer. Example::
+
+        condition = TimeCondition(600)
+        if condition.due(step, 'upload'):
+            upload(); condition.restart()
+    """
+
+    def __init__(self, every_secs: float, clock: Callable[[], float] = time.monotonic,
+                 owner: str = "TimeCondition"):
+        self._every_secs = _check_every_secs(every_secs, owner)
+        if not callable(clock):
+            raise TypeError(f"{owner} `clock` must be a callable returning seconds, got {clock!r}")
+        self._clock = clock
+        self._last = clock()
+
+    @property
+    def every_secs(self) -> float:
+        return self._every_secs
+
+    def due(self, step: int | None, phase: str) -> bool:
+        """Whether the time has passed, by process 0's clock, on every process; `phase`
+        and `step` name this decision if the processes part."""
+        return bool(agreement.agreed(lambda: self._clock() - self._last >= self._every_secs,
+                                     phase=phase, step=step))
+
+    def restart(self) -> None:
+        """Counts the time from now."""
+        self._last = self._clock()

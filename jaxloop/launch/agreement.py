@@ -1,60 +1,153 @@
-"""Multi-process decisions: made once and taken by every process.
+"""Multi-process decisions: made once and taken by every process, on the host.
 
 A decision that gates a collective (is a save due, which checkpoints to read) may not come
 from one host's clock or listing. `agreed` takes process 0's answer, `gathered` every
-process's value, `summed` counts summed over processes. Each is one collective that every
-process must call at the same point; with one process, a plain call.
+process's value, `summed` counts summed over processes. Each is one host exchange through
+JAX's coordination service (the one `jax.distributed.initialize` starts), not a device
+collective: it does not queue behind the steps in flight, and it cannot hang. Every process
+publishes where it is (the exchange's `phase` and `step`) with its value, meets the others at
+a barrier, and reads theirs. Processes at different exchanges, or one that does not arrive
+within ``exchange_timeout()`` seconds (`DEFAULT_EXCHANGE_TIMEOUT`, or the environment
+variable ``JAXLOOP_EXCHANGE_TIMEOUT``), get a `DisagreementError` naming the step and the
+phase where they parted. With one process each is a plain call.
 
 Example::
 
-    due = agreement.agreed(lambda: clock() - last_save >= every_secs)
+    due = agreement.agreed(lambda: clock() - last_save >= every_secs,
+                           phase="checkpoint time policy", step=step)
     positions = agreement.gathered(iterator_state(it))  # one per process, in process order
     tokens, examples = agreement.summed([local_tokens, local_examples])
+
+JAX 0.10 has no public accessor for the coordination service's key-value store and
+barriers; `_client` takes the client JAX's own `jax.experimental.multihost_utils` uses for
+its preemption sync point, and is the one place that does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
+__all__ = ["DEFAULT_EXCHANGE_TIMEOUT", "ENV_EXCHANGE_TIMEOUT", "DisagreementError", "agreed",
+           "exchange_count", "exchange_timeout", "gathered", "summed"]
+
 T = TypeVar("T")
 
-# Values travel as JSON bytes padded to a power of two at least this long: each padded
-# length is its own compiled gather, so a listing that grows by a step compiles none.
-_MIN_BYTES = 64
+ENV_EXCHANGE_TIMEOUT = "JAXLOOP_EXCHANGE_TIMEOUT"
+# Seconds a process waits for the others at an exchange: room for host work one process
+# does alone between two exchanges (process 0 writing summaries), far below "forever".
+DEFAULT_EXCHANGE_TIMEOUT = 300.0
+
+_PREFIX = "jaxloop/agreement"
+_count = 0  # exchanges this process took part in; every process counts alike
 
 
-def gathered(value: Any) -> list[Any]:
+class DisagreementError(RuntimeError):
+    """The processes of a job reached different exchanges, or some did not reach this one in
+    time: they run different code (an action's collective or exchange on some processes
+    only) or one is stuck. Raised on every process that can still raise."""
+
+
+def exchange_timeout() -> float:
+    """Seconds an exchange waits for every process: ``JAXLOOP_EXCHANGE_TIMEOUT``, else
+    `DEFAULT_EXCHANGE_TIMEOUT`."""
+    raw = os.environ.get(ENV_EXCHANGE_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_EXCHANGE_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"Environment variable {ENV_EXCHANGE_TIMEOUT}={raw!r} must be a "
+                         "positive number of seconds.")
+    return value
+
+
+def exchange_count() -> int:
+    """How many host exchanges this process has taken part in (each one a wait for the
+    other processes; none with one process)."""
+    return _count
+
+
+def _client() -> Any:
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    client = multihost_utils.distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            f"{jax.process_count()} processes but no coordination service: start the job "
+            "with jax.distributed.initialize (or jaxloop.launch.distributed.initialize).")
+    return client
+
+
+def _where(phase: str, step: int | None) -> str:
+    return phase if step is None else f"{phase} at step {step}"
+
+
+def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
+    """Every process's `value`, in process order: one key each, one barrier."""
+    global _count
+    client, me, timeout = _client(), jax.process_index(), exchange_timeout()
+    index, where = _count, _where(phase, step)
+    _count += 1
+    key = f"{_PREFIX}/{index}/"
+    client.key_value_set(f"{key}{me}", json.dumps({"at": where, "value": value}))
+    try:
+        client.wait_at_barrier(f"{_PREFIX}/barrier/{index}", int(timeout * 1000))
+    except jax.errors.JaxRuntimeError as e:
+        arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(key)}
+        missing = sorted(set(range(jax.process_count())) - arrived)
+        late = (f"process(es) {missing} did not arrive: they run something this process "
+                "does not (an action's collective or exchange on some processes only), or "
+                "are stuck" if missing else "the others stopped waiting before this one came")
+        raise DisagreementError(
+            f"Process {me} waited {timeout:g} s for the other processes at '{where}' "
+            f"(exchange {index}); {late}. See 'What an action may compute' in "
+            f"docs/multihost.md; {ENV_EXCHANGE_TIMEOUT} sets the wait.") from e
+    entries = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in client.key_value_dir_get(key)}
+    if me == 0 and index:
+        client.key_value_delete(f"{_PREFIX}/{index - 1}/")  # every process has read it
+    places = [entries[p]["at"] for p in sorted(entries)]
+    if len(set(places)) > 1:
+        detail = "; ".join(f"process {p} at '{entries[p]['at']}'" for p in sorted(entries))
+        raise DisagreementError(
+            f"The processes parted at exchange {index}: {detail}. Every process must run the "
+            "library's exchanges in the same order: an action that runs a collective or an "
+            "exchange on some processes only parts them (docs/multihost.md, 'What an action "
+            "may compute').")
+    return [entries[p]["value"] for p in sorted(entries)]
+
+
+def gathered(value: Any, *, phase: str = "gathered values", step: int | None = None
+             ) -> list[Any]:
     """Every process's `value` (JSON-serialisable; tuples come back as lists), in process
-    order, on every process."""
+    order, on every process. `phase` and `step` say where this is, in the error a
+    disagreement raises."""
     if jax.process_count() == 1:
         return [value]
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.int32(data.size))).reshape(-1)
-    width = max(_MIN_BYTES, 1 << int(sizes.max() - 1).bit_length())
-    padded = np.zeros(width, np.uint8)
-    padded[: data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(padded))
-    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes, strict=True)]
+    return _exchange(value, phase, step)
 
 
-def agreed(decide: Callable[[], T]) -> T:
+def agreed(decide: Callable[[], T], *, phase: str = "agreed decision",
+           step: int | None = None) -> T:
     """Process 0's ``decide()`` (JSON-serialisable) on every process; others do not call it."""
-    return gathered(decide() if jax.process_index() == 0 else None)[0]
+    if jax.process_count() == 1:
+        return decide()
+    return _exchange(decide() if jax.process_index() == 0 else None, phase, step)[0]
 
 
-def summed(counts: Sequence[float], dtype: Any = np.float64) -> list[Any]:
+def summed(counts: Sequence[float], dtype: Any = np.float64, *, phase: str = "summed counts",
+           step: int | None = None) -> list[Any]:
     """Each of this process's `counts` summed with the same position's count of every
-    process (as `dtype`), on every process: one collective; with one process, `counts`."""
+    process (as `dtype`), on every process; with one process, `counts`."""
     if jax.process_count() == 1:
         return list(counts)
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    local = np.asarray(counts, dtype).reshape(-1)
-    return np.asarray(multihost_utils.process_allgather(local)).sum(axis=0).tolist()
+    local = np.asarray(counts, dtype).reshape(-1).tolist()
+    rows = _exchange(local, phase, step)
+    return np.asarray(rows, dtype).sum(axis=0).tolist()

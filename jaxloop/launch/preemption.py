@@ -37,9 +37,30 @@ _active = 0  # how many `handling_preemption` blocks are open (nested ones share
 _interrupts = 0  # SIGINTs received while active: the first asks to stop; the third raises
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM
+# ``extra=`` of the log records announcing a stop: a notebook leaves them out of the cell,
+# whose exception says it in one line (`jaxloop.metrics.notebook_logging`).
+STOP_NOTICE = {"jaxloop_stop_notice": True}
 
 
-class Interrupted(KeyboardInterrupt):
+def _saved_text(saved: bool) -> str:
+    return "a checkpoint was saved" if saved else "no checkpoint was saved"
+
+
+class _OneLine:
+    """A stop renders as one line in IPython (which asks an exception's
+    ``_render_traceback_``): the cell still ends there, so "Run all" stops, and a script
+    still gets the full exception."""
+
+    step: int | None
+    saved: bool
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: stopped at step {self.step}; {_saved_text(self.saved)}."
+                " The live state is the OuterLoop's `.state` (a bare loop's `.stopped_state`,"
+                " this exception's `.state`): continue from it."]
+
+
+class Interrupted(_OneLine, KeyboardInterrupt):
     """Training stopped at a step boundary because of SIGINT (Ctrl-C, a notebook's Stop);
     ``state`` is the live state at ``step``, ``saved`` whether a checkpoint of it was written.
 
@@ -50,12 +71,11 @@ class Interrupted(KeyboardInterrupt):
     """
 
     def __init__(self, state: Any, step: int | None, saved: bool):
-        saved_text = "a checkpoint was saved" if saved else "no checkpoint was saved"
-        super().__init__(f"interrupted at step {step}; {saved_text}")
+        super().__init__(f"interrupted at step {step}; {_saved_text(saved)}")
         self.state, self.step, self.saved = state, step, saved
 
 
-class Preempted(SystemExit):
+class Preempted(_OneLine, SystemExit):
     """Training stopped at a step boundary because of SIGTERM or `request()`: uncaught, the
     process exits with status 143. Attributes as `Interrupted`'s."""
 
@@ -64,8 +84,7 @@ class Preempted(SystemExit):
         self.state, self.step, self.saved = state, step, saved
 
     def __str__(self) -> str:
-        saved = "a checkpoint was saved" if self.saved else "no checkpoint was saved"
-        return f"preempted at step {self.step}; {saved} (exit status {self.code})"
+        return f"preempted at step {self.step}; {_saved_text(self.saved)} (exit status {self.code})"
 
 
 def stopped(state: Any, step: int | None, saved: bool) -> Interrupted | Preempted:
@@ -167,7 +186,7 @@ def _on_signal(signum: int, frame: Any) -> None:
             log.warning("Still stopping at the next step boundary (press again to interrupt "
                         "at once; the state may then be lost).")
             return
-        log.warning("Interrupted: stopping at the next step boundary.")
+        log.warning("Interrupted: stopping at the next step boundary.", extra=STOP_NOTICE)
     else:
         log.warning("Received signal %d: stopping at the next step boundary.", signum)
     _notice()

@@ -1,8 +1,10 @@
 """The scalars a run reported, per step, kept on the host for plots and tables.
 
 `OuterLoop.history` records the train loop's scalar outputs at their steps and each eval
-loop's results at the step evaluated (``train/<key>``, ``eval/<key>``, ``eval_<i>/<key>``),
-and is saved with each checkpoint. After an `OuterLoop` run::
+loop's results at the step evaluated (``train/<key>``, ``eval/<key>``, ``eval_<i>/<key>``).
+With checkpoints it is kept on disk beside them, appended as it grows (`save_file`, e.g.
+``checkpoints.history.jsonl`` beside ``checkpoints/``), and a resume reads it back up to the
+restored step (`load_file`). After an `OuterLoop` run::
 
     outer.history['eval/accuracy'].values[-1]
     outer.history.plot()             # a matplotlib figure: one panel per metric
@@ -12,20 +14,30 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import json
+import logging
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+from etils import epath
 
 from jaxloop import types
 from jaxloop.engine import host_count, metric_values
+from jaxloop.engine import outputs as outputs_lib
 from jaxloop.engine.action import Action
 
 TRAIN = "train"
 EVAL = "eval"
 _STATS_PREFIX = "jaxloop/"
 _WEIGHTS = _STATS_PREFIX + "example_weights"  # an eval loop's, pending beside its outputs
+FILE_SUFFIX = ".history.jsonl"
+
+log = logging.getLogger(__name__)
+
+log = logging.getLogger(__name__)
 
 
 class Series(NamedTuple):
@@ -61,8 +73,11 @@ class History:
 
     def __init__(self) -> None:
         self._series: dict[str, Series] = {}
+        self._warned_nonfinite = False
         # Loop outputs not read yet: (prefix, step, scalar outputs, first_step).
         self._pending: list[tuple[str, int, dict[str, Any], int | None]] = []
+        # Per file written: per series, the first index the file does not hold yet.
+        self._unwritten: dict[str, dict[str, int]] = {}
 
     def _settled(self, ready_only: bool = False) -> dict[str, Series]:
         """The series, pending loop outputs read in order (`ready_only`: those computed)."""
@@ -73,6 +88,11 @@ class History:
                 break
             self._read(*self._pending.pop(0))
         return self._series
+
+    def ready(self) -> Mapping[str, Series]:
+        """The series as far as the device has computed them, never waiting (what a progress
+        display shows): pending loop outputs are read only where ready. Do not modify."""
+        return self._settled(ready_only=True)
 
     def __contains__(self, name: object) -> bool:
         return name in self._settled()
@@ -102,8 +122,22 @@ class History:
             raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
         if not steps:
             return
-        series = self._settled().setdefault(name, Series([], []))
+        self._settled()
+        self._append(name, steps, values)
+
+    def _append(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
+        # Not `record`: reading one pending loop must not read (and wait for) the next first.
+        if not self._warned_nonfinite and name.startswith(f"{TRAIN}/") and "loss" in name:
+            bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+            if bad is not None:  # once per history: the values are on the host already
+                self._warned_nonfinite = True
+                log.warning("%s is %s at step %d, the first non-finite value. "
+                            "jaxloop.recipes.guard.NonFiniteGuard skips (or stops at) such "
+                            "updates.", name, values[bad], steps[bad])
+        series = self._series.setdefault(name, Series([], []))
         keep = bisect.bisect_left(series.steps, steps[0])
+        for unwritten in self._unwritten.values():
+            unwritten[name] = min(unwritten.get(name, keep), keep)
         del series.steps[keep:], series.values[keep:]
         series.steps.extend(int(s) for s in steps)
         series.values.extend(float(v) for v in values)
@@ -113,7 +147,7 @@ class History:
         """Records a loop's scalar outputs under ``prefix/<key>`` without waiting for the
         device: a per-step list of ``step - first_step`` values gives one value per step,
         any other scalar output (weighted per step by `weights`) one value at `step`."""
-        scalars = {k: _stacked(list(v)) if type(v) is list else v
+        scalars = {k: _stacked(list(v)) if type(v) in (list, outputs_lib.StepList) else v
                    for k, v in (outputs or {}).items()
                    if not k.startswith(_STATS_PREFIX) and _scalar_like(v)}
         if weights:  # under a name no recorded output has (stats are left out)
@@ -129,10 +163,10 @@ class History:
             for key in list(outputs):
                 host = metric_values.scalar_values(outputs[key])
                 if isinstance(host, list) and len(host) == step - first_step:
-                    self.record(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
+                    self._append(f"{prefix}/{key}", range(first_step + 1, step + 1), host)
                     del outputs[key]
         for key, value in metric_values.scalar_metrics(outputs, weights).items():
-            self.record(f"{prefix}/{key}", [step], [value])
+            self._append(f"{prefix}/{key}", [step], [value])
 
     def steps_after(self, step: int) -> tuple[int, int, list[str]] | None:
         """(first step, last step, metric names) of what is recorded after `step`, or None:
@@ -209,9 +243,55 @@ class History:
         """Replaces the history with one saved by `state_dict` (None: keeps it)."""
         if saved is None:
             return
-        self._pending = []
+        self._pending, self._unwritten = [], {}
         self._series = {name: Series([int(s) for s in steps], [float(v) for v in values])
                         for name, (steps, values) in saved.items()}
+
+    def save_file(self, path: Any) -> None:
+        """Brings the JSON-lines file at `path` up to date: it appends what was recorded
+        since the last call (writing the whole history the first time, and after a load),
+        and syncs it to disk. Each line is one `record` call; replayed in order they give
+        this history back, so a file never holds more than each value once per record."""
+        path = epath.Path(path)
+        series = self._settled()
+        unwritten = self._unwritten.get(str(path))
+        lines = [json.dumps({"name": name, "steps": s.steps[start:], "values": s.values[start:]})
+                 for name, s in series.items()
+                 if (start := 0 if unwritten is None else unwritten.get(name, 0)) < len(s.steps)]
+        if unwritten is None:  # a new file: written whole, then renamed into place
+            tmp = path.parent / f"{path.name}.tmp"
+            with tmp.open("w") as f:
+                f.write("".join(line + "\n" for line in lines))
+                _sync(f)
+            tmp.replace(path)
+        elif lines:
+            with path.open("a") as f:
+                f.write("".join(line + "\n" for line in lines))
+                _sync(f)
+        self._unwritten[str(path)] = {name: len(s.steps) for name, s in series.items()}
+
+    def load_file(self, path: Any, step: int) -> bool:
+        """Replaces the history with the one `save_file` wrote to `path`, up to `step` (a
+        run killed after its last checkpoint wrote values past it); whether there was one."""
+        path = epath.Path(path)
+        if not path.exists():
+            return False
+        self.load_state_dict({})
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:
+                    break  # the process was killed while writing it
+                raise ValueError(f"{path}, line {i + 1}, is not a history record") from None
+            self.record(entry["name"], entry["steps"], entry["values"])
+        for name, series in list(self._series.items()):
+            keep = bisect.bisect_right(series.steps, step)
+            del series.steps[keep:], series.values[keep:]
+            if not series.steps:
+                del self._series[name]
+        return True
 
     @contextlib.contextmanager
     def recording(self, train_loop: Any, eval_loops: Sequence[Any]) -> Iterator[None]:
@@ -228,6 +308,21 @@ class History:
         finally:
             for loop, recorder in recorders:
                 loop.end_actions.remove(recorder)
+
+
+def file_path(checkpoint_dir: Any) -> epath.Path:
+    """Where the history of checkpoints in `checkpoint_dir` lives: beside that directory
+    (which holds step folders only), e.g. ``runs/a/checkpoints.history.jsonl``."""
+    directory = epath.Path(checkpoint_dir)
+    return directory.parent / f"{directory.name}{FILE_SUFFIX}"
+
+
+def _sync(f: Any) -> None:
+    """Flushes `f` to the disk where it is a local file (a checkpoint saved after this
+    must never be found without the history up to its step)."""
+    f.flush()
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.fsync(f.fileno())
 
 
 def _scalar_like(value: Any) -> bool:

@@ -1,11 +1,16 @@
-"""Makes jaxloop's INFO messages visible in a notebook whose user configured no logging.
+"""Makes jaxloop's messages in a notebook cell one line per event a user acts on.
 
 Importing `jaxloop` in a kernel calls `show_info_if_unconfigured`: if neither the ``jaxloop``
 nor the root logger was configured, the ``jaxloop`` logger is set to INFO (with a stderr
-handler while the root has none), and the per-step lines of `QUIET_IN_A_NOTEBOOK` to
-WARNING. Any configuration of yours wins, e.g. to see the parameter table::
+handler while the root has none) so that a resume, an early stop, a warning or an error shows
+as a line. Routine lines stay out of the cell: each checkpoint save (and that there is none to
+resume from), the per-step lines of the
+writers, the parameter table; and a Stop's notices, since the exception that ends the cell
+says it in one line (`preemption.Interrupted`). Scripts keep every line. Any configuration of
+yours wins; to see the routine lines in a notebook (at INFO, as a script logs them)::
 
-    logging.getLogger('jaxloop.diagnostics.param_table').setLevel(logging.INFO)
+    from jaxloop.metrics import notebook_logging
+    notebook_logging.show_routine()
 """
 
 from __future__ import annotations
@@ -14,8 +19,15 @@ import logging
 import sys
 
 LOGGER_NAME = "jaxloop"
+WRITERS = "jaxloop.metrics.writers"
 # Loggers whose INFO lines are for log files: a line per step, the parameter table.
-QUIET_IN_A_NOTEBOOK = ("jaxloop.metrics.writers", "jaxloop.diagnostics.param_table")
+QUIET_IN_A_NOTEBOOK = (WRITERS, "jaxloop.diagnostics.param_table")
+# Routine lines of loggers that also report events (logger name, message format).
+ROUTINE = (("jaxloop.actions", "Saving checkpoint for step %d to %s."),
+           ("jaxloop.checkpointing.checkpoint",
+            "No checkpoint found in %s. Returning the original model state."))
+# The loggers of a Stop's notices, which mark their records with `preemption.STOP_NOTICE`.
+_STOP_LOGGERS = ("jaxloop.launch.preemption", "jaxloop.outer_loop")
 
 
 class _FallbackHandler(logging.StreamHandler):
@@ -29,7 +41,31 @@ class _FallbackHandler(logging.StreamHandler):
         if logging.getLogger().hasHandlers():
             return  # the root's handlers show it (the user's, or basicConfig's)
         self.setStream(sys.stderr)
-        super().emit(record)
+        tqdm_std = sys.modules.get("tqdm.std")
+        if tqdm_std is None:
+            super().emit(record)
+            return
+        try:  # on a line of its own: tqdm clears a text bar drawn there and redraws it below
+            tqdm_std.tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+class _NotInACell(logging.Filter):
+    """Drops the routine lines and a Stop's notices (a filter on their loggers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "jaxloop_stop_notice", False):
+            return False
+        return (record.name, record.msg) not in ROUTINE
+
+
+_FILTER = _NotInACell()
+
+
+def _filtered_loggers() -> list[logging.Logger]:
+    names = dict.fromkeys([name for name, _ in ROUTINE] + list(_STOP_LOGGERS))
+    return [logging.getLogger(name) for name in names]
 
 
 def _is_default_handler(handler: logging.Handler) -> bool:
@@ -49,7 +85,8 @@ def unconfigured() -> bool:
 
 
 def show_info_if_unconfigured() -> bool:
-    """Shows jaxloop's INFO messages where nothing is configured; returns whether it did."""
+    """Shows jaxloop's INFO messages where nothing is configured, routine lines left out;
+    returns whether it did."""
     if not unconfigured():
         return False
     logger = logging.getLogger(LOGGER_NAME)
@@ -58,6 +95,22 @@ def show_info_if_unconfigured() -> bool:
         quiet = logging.getLogger(name)
         if quiet.level == logging.NOTSET:  # a level the user set stays
             quiet.setLevel(logging.WARNING)
+    for filtered in _filtered_loggers():
+        if _FILTER not in filtered.filters:
+            filtered.addFilter(_FILTER)
     if not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
         logger.addHandler(_FallbackHandler())
     return True
+
+
+def show_routine(show: bool = True) -> None:
+    """Shows (``show=False``: hides again) the routine lines in a notebook at INFO: each
+    checkpoint save, each write of a `writers.LoggingWriter`. (The parameter table is logged
+    at DEBUG: ``logging.getLogger('jaxloop.diagnostics.param_table').setLevel(logging.DEBUG)``.)
+    """
+    logging.getLogger(WRITERS).setLevel(logging.INFO if show else logging.WARNING)
+    for filtered in _filtered_loggers():
+        if show:
+            filtered.removeFilter(_FILTER)
+        elif _FILTER not in filtered.filters:
+            filtered.addFilter(_FILTER)

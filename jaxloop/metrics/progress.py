@@ -9,8 +9,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import time
+import warnings
+from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 import jax
@@ -29,7 +33,9 @@ class ProgressAction(Action):
     Shows step/total, steps/s between two updates (none after the first loop, which
     compiles), the latest train `metric` and, given a `history`, the latest evaluation's
     results with their step (``eval at step 400: accuracy=0.98, loss=0.07``). Updated at
-    each loop end, never per step. `enabled=None`: only when the output is interactive.
+    each loop end, never per step, with the values the device has computed by then (a loop
+    end never waits: the last loop's show when the bar closes). `enabled=None`: only when
+    the output is interactive.
     """
 
     # tqdm's own rate and estimate would count the compilation and dispatch: left out.
@@ -47,52 +53,80 @@ class ProgressAction(Action):
         self._bar: Any = None
         self._last: tuple[int, float] | None = None  # (step, time) of the last update
         self._postfix: dict[str, str] = {}
+        self._unread: Any = None  # without a history: the last step's value, not shown yet
+        self._closed = False
+        self._redirect = contextlib.ExitStack()  # the root logger's console lines, via tqdm
+        self._status: str | None = None  # the running evaluation's, e.g. 'evaluating eval: 3/8'
+        self._evaluated: dict[str, str] = {}  # the latest evaluation's results, as shown
 
     @staticmethod
-    def _interactive() -> bool:
-        return "ipykernel" in sys.modules or sys.stderr.isatty()
+    def _in_kernel() -> bool:
+        """Whether this runs in a Jupyter kernel (not merely beside an imported ipykernel)."""
+        shell_class = getattr(sys.modules.get("ipykernel.zmqshell"), "ZMQInteractiveShell", None)
+        ipython = sys.modules.get("IPython")
+        return shell_class is not None and isinstance(ipython.get_ipython(), shell_class)
 
-    @staticmethod
-    def _bar_class() -> Any:
+    @classmethod
+    def _interactive(cls) -> bool:
+        return cls._in_kernel() or sys.stderr.isatty()
+
+    @classmethod
+    def _bar_class(cls) -> Any:
         """tqdm's widget bar where a notebook has ipywidgets, else its text bar (`tqdm.auto`
         would warn in every cell that ipywidgets is missing)."""
         import importlib.util  # noqa: PLC0415
 
-        if "ipykernel" in sys.modules and importlib.util.find_spec("ipywidgets") is not None:
+        if cls._in_kernel() and importlib.util.find_spec("ipywidgets") is not None:
             from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
         else:
             from tqdm.std import tqdm  # noqa: PLC0415
         return tqdm
 
-    def _latest_eval(self) -> dict[str, str]:
+    def _latest_eval(self, series: Mapping[str, Any]) -> dict[str, str]:
         """The latest evaluation's results, keyed by the text the bar shows them under."""
-        names = [n for n in self._history.names if n.startswith("eval/")]
-        if not names:
+        evals = {n.removeprefix("eval/"): s for n, s in series.items()
+                 if n.startswith("eval/") and s.steps}
+        if not evals:
             return {}
-        series = {n.removeprefix("eval/"): self._history[n] for n in names}
-        step = max(s.steps[-1] for s in series.values() if s.steps)
-        values = ", ".join(f"{k}={s.values[-1]:.4g}" for k, s in series.items()
-                           if s.steps and s.steps[-1] == step)
+        step = max(s.steps[-1] for s in evals.values())
+        values = ", ".join(f"{k}={s.values[-1]:.4g}" for k, s in sorted(evals.items())
+                           if s.steps[-1] == step)
         return {f"eval at step {step}": values}
 
-    def _latest(self, outputs: Output | None) -> dict[str, str]:
-        """The latest train metric, as the bar shows it."""
-        shown = {}
+    def _series(self, wait: bool) -> Mapping[str, Any]:
+        """The history's series: as far as the device has computed them, unless `wait`."""
+        if self._history is None:
+            return {}
+        return {n: self._history[n] for n in self._history.names} if wait else (
+            self._history.ready())
+
+    def _latest(self, outputs: Output | None, wait: bool) -> dict[str, str]:
+        """The latest train metric the device has computed (with `wait`: the last one)."""
         if self._history is not None:
-            train = self._history.latest("train")
-            if self._metric in train:
-                shown[self._metric] = f"{train[self._metric]:.4g}"
-            return shown
+            train = self._series(wait).get(f"train/{self._metric}")
+            return {self._metric: f"{train.values[-1]:.4g}"} if train and train.values else {}
         values = (outputs or {}).get(self._metric)
         if isinstance(values, list) and values:
-            # The last step's value; a clu metric is computed first.
-            shown[self._metric] = f"{float(jax.device_get(metric_values.computed(values[-1]))):.4g}"
-        return shown
+            self._unread = values[-1]
+        if self._unread is None or not (wait or all(
+                x.is_ready() for x in jax.tree.leaves(self._unread) if isinstance(x, jax.Array))):
+            return {}
+        # The last step's value; a clu metric is computed first.
+        value, self._unread = self._unread, None
+        return {self._metric: f"{float(jax.device_get(metric_values.computed(value))):.4g}"}
 
-    def _show(self, refresh: bool = True) -> None:
-        evaluated = self._latest_eval() if self._history is not None else {}
+    def _show(self, refresh: bool = True, wait: bool = False) -> None:
+        self._postfix.update(self._latest(None, wait) if wait else {})
+        self._evaluated = self._latest_eval(self._series(wait))
+        self._draw(refresh)
+
+    def _draw(self, refresh: bool = True) -> None:
+        """Draws what `_show` read last, and the running evaluation's count (a prefetch
+        thread may count: it reads nothing here)."""
         parts = [f"{k}={v}" for k, v in self._postfix.items()]
-        parts += [f"{k}: {v}" for k, v in evaluated.items()]
+        parts += [f"{k}: {v}" for k, v in self._evaluated.items()]
+        if self._status is not None:
+            parts.append(self._status)
         self._bar.set_postfix_str(", ".join(parts), refresh=refresh)
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
@@ -101,13 +135,10 @@ class ProgressAction(Action):
         if not self._enabled:
             return
         step = host_count.host_step(state)
-        if self._bar is None:
-            self._bar = self._bar_class()(
-                total=self._total, initial=kwargs.get("first_step") or 0, desc=self._desc,
-                unit="step", dynamic_ncols=True,
-                bar_format=self._COUNTER_FORMAT if self._total is None else self._BAR_FORMAT)
-        bar = self._bar
-        postfix = self._latest(outputs)  # read from the device: the loop's steps are done
+        bar = self._ensure_bar(kwargs.get("first_step") or 0)
+        # What the device has computed: a loop end never waits for its last steps (they
+        # show at the next update, or when the bar closes).
+        postfix = self._latest(outputs, wait=False)
         now = time.perf_counter()
         if self._last is not None and step > self._last[0] and now > self._last[1]:
             self._postfix["steps/s"] = f"{(step - self._last[0]) / (now - self._last[1]):.1f}"
@@ -117,9 +148,98 @@ class ProgressAction(Action):
         bar.update(max(step - bar.n, 0))
         bar.refresh()
 
+    def _ensure_bar(self, initial: int) -> Any:
+        if self._bar is None:
+            bar_class = self._bar_class()
+            self._bar = bar_class(
+                total=self._total, initial=initial, desc=self._desc, unit="step",
+                dynamic_ncols=True,
+                bar_format=self._COUNTER_FORMAT if self._total is None else self._BAR_FORMAT)
+            root = logging.getLogger()
+            if any(isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+                   for h in root.handlers):
+                # A log line gets a line of its own, not the end of the bar's, while it is up.
+                with warnings.catch_warnings():  # tqdm.contrib imports tqdm.auto, which would
+                    warnings.simplefilter("ignore")  # warn in a kernel without ipywidgets
+                    from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
+
+                self._redirect.enter_context(logging_redirect_tqdm([root], bar_class))
+        return self._bar
+
+    @contextlib.contextmanager
+    def evaluating(self, label: str, spec: Any, batches: Iterator[Any], step: int
+                   ) -> Iterator[Iterator[Any]]:
+        """Inside: `batches`, with the bar showing ``evaluating <label>: n/total`` as the
+        evaluation at `step` reads them (the total: `spec`'s ``num_steps``, or the length of
+        a finite ``dataset``, else none); `batches` unchanged when no bar is shown.
+
+        Example::
+
+            with progress.evaluating('eval', spec, iter(eval_batches), 400) as batches:
+                eval_loop(state, batches)
+        """
+        if self._enabled is None:
+            self._enabled = self._interactive()
+        if not self._enabled or self._closed:
+            yield batches
+            return
+        totals = [n for n in (getattr(spec, "num_steps", None),
+                              _length(getattr(spec, "dataset", None))) if n is not None]
+        bar = self._ensure_bar(step)
+        try:
+            yield _Counted(self, batches, f"evaluating {label}", min(totals, default=None))
+        finally:
+            # Training reached `step`: the bar shows it beside that evaluation's results.
+            self._status = None
+            bar.update(max(step - bar.n, 0))
+            self._show()
+
+    def _evaluating(self, status: str) -> None:
+        self._status = status
+        self._draw()
+
     def close(self) -> None:
         """Closes the bar, showing the last evaluation's results first."""
+        self._closed = True  # an evaluation after the run shows no bar of its own
         if self._bar is not None:
-            self._show()
+            self._show(wait=True)  # the last loop's values, before the call returns
             self._bar.close()
             self._bar = None
+        self._redirect.close()
+
+
+def _length(dataset: Any) -> int | None:
+    """The number of batches of a finite dataset that says it (a list, a grain dataset)."""
+    if isinstance(dataset, Sized) and not isinstance(dataset, Iterator):
+        try:
+            return len(dataset)
+        except TypeError:  # an infinite grain dataset
+            return None
+    return None
+
+
+class _Counted:
+    """An evaluation's batches, counted on the bar as they are read (at most ten redraws
+    a second; the count includes the batches a prefetch thread read ahead)."""
+
+    def __init__(self, progress: ProgressAction, batches: Iterator[Any], label: str,
+                 total: int | None):
+        self._progress, self._batches = progress, batches
+        self._label, self._total, self._count, self._drawn = label, total, 0, 0.0
+        progress._evaluating(self._text())
+
+    def _text(self) -> str:
+        return f"{self._label}: {self._count}" + (
+            "" if self._total is None else f"/{self._total}")
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._batches)
+        self._count += 1
+        now = time.monotonic()
+        if now - self._drawn >= 0.1 or self._count == self._total:
+            self._drawn = now
+            self._progress._evaluating(self._text())
+        return batch

@@ -139,18 +139,15 @@ class SummaryWriter(Closing):
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         """Nested mappings become dotted names (``opt.lr``); values other than bools, numbers
-        and strings are written as their ``str()``."""
+        and strings are written as their ``str()``. They go into this writer's run (not a
+        sub-run per call, as tensorboardX's add_hparams does): one run folder per writer's
+        logdir, which a resumed run appends to."""
         import tensorboardX.summary
         flat = {key: hparam_value(v) for key, v in flatten_hparams(hparams).items()}
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"SummaryWriter for {self._logdir!r} is closed.")
-        # A sub-run of its own, as tensorboardX's add_hparams writes it.
-        session = _events_file(os.path.join(self._logdir, str(time.time())))
-        try:
-            _write(session, tensorboardX.summary.hparams(flat, {}), None)
-        finally:
-            session.close()
+            _write(self._events, tensorboardX.summary.hparams(flat, {}), None)
 
     def _flush(self) -> None:
         self._events.flush()

@@ -83,7 +83,8 @@ class ContinuousEval:
             # The marker is read before listing: a checkpoint finished before the marker
             # was written is then always in the listing.
             marker, steps = agreement.agreed(
-                lambda: (stop_marker.step(directory), checkpoint.all_steps(directory)))
+                lambda: (stop_marker.step(directory), checkpoint.all_steps(directory)),
+                phase="continuous evaluation's listing", step=max(seen, default=None))
             for ckpt_step in sorted(set(steps) - seen):
                 seen.add(ckpt_step)
                 restored = self._restore(state, directory, ckpt_step)
@@ -95,7 +96,9 @@ class ContinuousEval:
                 outputs = evaluation_lib.last(results) or outputs
                 state = restored
             if spec.iterate_stop_fn is not None:
-                if agreement.agreed(lambda: bool(spec.iterate_stop_fn())):
+                if agreement.agreed(lambda: bool(spec.iterate_stop_fn()),
+                                    phase="continuous evaluation's iterate_stop_fn",
+                                    step=max(seen, default=None)):
                     return state, outputs
             elif marker is not None and (marker < 0 or marker >= max(seen, default=-1)):
                 # (A marker older than a checkpoint was left by an earlier run.)
@@ -111,11 +114,13 @@ class ContinuousEval:
                 state, directory, step=step, transforms=self._spec.transforms)
         except Exception as e:  # every process must learn of it before deciding anything
             error = e
-        failures = agreement.gathered(None if error is None else f"{type(error).__name__}: {error}")
+        failures = agreement.gathered(None if error is None else f"{type(error).__name__}: {error}",
+                                      phase="continuous evaluation's restore", step=step)
         if not any(failures):
             return restored
         causes = "; ".join(f"process {i}: {text}" for i, text in enumerate(failures) if text)
-        if agreement.agreed(lambda: _deleted(directory, step)):
+        if agreement.agreed(lambda: _deleted(directory, step),
+                            phase="continuous evaluation's deletion check", step=step):
             log.warning("Checkpoint step %d in %s was deleted before it could be evaluated "
                         "(max_to_keep?); skipping it. (%s)", step, directory, causes)
             return None

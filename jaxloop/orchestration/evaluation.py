@@ -85,6 +85,16 @@ class EvalSpec:
         return self.should_eval_fn is None or bool(self.should_eval_fn(context))
 
 
+# Batches an evaluation without `EvalSpec.num_steps` reads at most (docs/notebooks.md).
+EVAL_STEPS_BOUND = 10_000
+
+
+@contextlib.contextmanager
+def _undisplayed(label: str, spec: EvalSpec, batches: Iterator[Any], step: int
+                 ) -> Iterator[Iterator[Any]]:
+    yield batches
+
+
 def last(results: Sequence[Output | None]) -> Output | None:
     """The outputs of the last eval loop that ran."""
     ran = [r for r in results if r is not None]
@@ -98,6 +108,9 @@ class Evaluations:
     def __init__(self, loops: list[Any], ahead: Callable[[Any], int]):
         self.loops = loops
         self._ahead = ahead
+        # (label, spec, batches, step) -> a context giving the batches to read, shown as
+        # read (`ProgressAction.evaluating`, set by OuterLoop while its bar is up).
+        self.display: Callable[..., Any] = _undisplayed
         # Per spec index: whether an evaluation that read no batch was reported.
         self._warned_empty: set[int] = set()
 
@@ -121,13 +134,23 @@ class Evaluations:
             if not spec.should_eval(context):
                 results.append(None)
                 continue
-            batches = spec.iterator()
             # Batches read ahead would be lost to the next evaluation of a shared iterator.
             ahead = self._ahead(loop) if spec.dataset_iterator is None else 0
-            with loop.prefetching(batches, ahead):
-                _, outputs = loop(state, batches, num_steps=spec.num_steps)
+            with (self.display(history_lib.eval_prefix(index), spec, spec.iterator(),
+                               context.step_num) as batches,
+                  loop.prefetching(batches, ahead)):
+                _, outputs = loop(state, batches, num_steps=spec.num_steps or EVAL_STEPS_BOUND)
+            if getattr(loop, "preempted", False):  # cut short: no result; the round ends
+                results.extend([None] * (len(self.loops) - index))
+                break
             if getattr(loop, "num_steps_run", None) == 0 and not preemption.requested():
                 self._report_empty(index, spec, context.step_num)
+            elif spec.num_steps is None and loop.num_steps_run == EVAL_STEPS_BOUND:
+                log.warning("eval_specs[%d] (%r): stopped after %d batches, the bound for an "
+                            "EvalSpec without num_steps (an endless dataset?). Pass "
+                            "EvalSpec(num_steps=...) to evaluate more or fewer.", index,
+                            spec.dataset if spec.dataset is not None else spec.dataset_iterator,
+                            EVAL_STEPS_BOUND)
             results.append(outputs)
             stop = stop or bool((outputs or {}).get(STOP_LOOP, False))
         return results, stop

@@ -1,9 +1,11 @@
 """Resuming training: what a checkpoint holds beside the state, and where a run resumes from.
 
-`ResumeMetadata` is what an `OuterLoop`'s checkpoints save beside the state: the history,
-the early-stopping progress, whether the checkpoint's loop ended before its boundary, and
-whether its loop's evaluations are still to run. `Resumer` restores the latest checkpoint
-and refuses a run whose checkpoint action could save nothing.
+`ResumeMetadata` is what an `OuterLoop`'s checkpoints save beside the state: the
+early-stopping progress, whether the checkpoint's loop ended before its boundary, whether its
+loop's evaluations are still to run, and where the history is (process 0 appends it to a file
+beside the checkpoint directory, so a checkpoint's size does not grow with the run).
+`Resumer` restores the latest checkpoint and refuses a run whose checkpoint action could
+save nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+import jax
 
 from jaxloop import actions as actions_lib
 from jaxloop import step as step_lib
@@ -29,6 +33,7 @@ State = types.TrainState
 EARLY_STOPPING_META = "early_stopping"
 EVALS_PENDING_META = "evals_pending"
 HISTORY_META = "history"
+HISTORY_FILE = "file"  # HISTORY_META's one key: the name of the history file (when saved)
 # Whether the checkpoint's loop ended before its boundary: the resumed run finishes it.
 LOOP_PARTIAL_META = "loop_partial"
 
@@ -89,26 +94,42 @@ class ResumeMetadata:
                 if isinstance(a, actions_lib.EarlyStoppingAction)]
 
     def save(self) -> dict[str, Any]:
-        """The JSON values a checkpoint saves now, beside the data position and loop count."""
+        """The JSON values a checkpoint saves now, beside the data position and loop count;
+        process 0 brings the history file beside each checkpoint directory up to date."""
         partial = self.loop_partial()
+        paths = [history_lib.file_path(a.ckpt_manager.directory)
+                 for a in train_checkpoint_actions(self._train_loop)]
+        if jax.process_index() == 0:
+            for path in paths:
+                self._history.save_file(path)
         return {
             EARLY_STOPPING_META: [a.state_dict() for a in self.early_stopping_actions()],
-            HISTORY_META: self._history.state_dict(),
+            HISTORY_META: {HISTORY_FILE: paths[0].name if paths else None},
             LOOP_PARTIAL_META: partial,
             # Pending only for a save at a loop's end before its evaluations ran.
             EVALS_PENDING_META: not partial and self._evaluations.result is None,
         }
 
-    def restore(self, meta: dict[str, Any], step: int, loop_steps: int | None) -> bool:
+    def restore(self, meta: dict[str, Any], step: int, loop_steps: int | None,
+                directory: Any) -> bool:
         """Takes back the loop count, early-stopping progress and history of the
-        checkpoint at `step`; whether the evaluations after it are still to run."""
+        checkpoint at `step` in `directory`; whether the evaluations after it are still
+        to run."""
         loop_count, partial = resumed_loop_count(meta, step, loop_steps)
         if loop_count is not None:
             self._train_loop.loop_count = loop_count
         saved = meta.get(EARLY_STOPPING_META) or []
         for action, progress in zip(self.early_stopping_actions(), saved, strict=False):
             action.load_state_dict(progress)
-        self._history.load_state_dict(meta.get(HISTORY_META))
+        saved = meta.get(HISTORY_META)
+        if isinstance(saved, dict) and set(saved) == {HISTORY_FILE}:
+            path = history_lib.file_path(directory)  # beside the one resumed from
+            if not self._history.load_file(path, step):
+                log.warning("The history of the checkpoint at step %d is not in %s: "
+                            "outer.history starts empty.", step, path)
+                self._history.load_state_dict({})
+        else:
+            self._history.load_state_dict(saved)  # earlier releases: in the metadata
         # A checkpoint inside a loop has no evaluations after it.
         return bool(meta.get(EVALS_PENDING_META)) and not partial
 
@@ -122,7 +143,8 @@ def train_checkpoint_actions(train_loop: Any) -> list[actions_lib.CheckpointActi
 
 def latest_step(directory: Any) -> int | None:
     """The latest checkpoint's step in `directory` (None: none), as process 0 lists it."""
-    steps = agreement.agreed(lambda: checkpoint.all_steps(directory))
+    steps = agreement.agreed(lambda: checkpoint.all_steps(directory),
+                             phase=f"listing of the checkpoints in {directory}")
     return max(steps) if steps else None
 
 
@@ -162,7 +184,7 @@ class Resumer:
         ahead of the latest checkpoint is kept."""
         step = self._train_loop.step
         for action in train_checkpoint_actions(self._train_loop):
-            action.ckpt_manager.wait_until_finished()
+            action.wait_until_finished()
         # An abstract state has no step: it is restored into place, or initialised.
         given = None if step_lib.is_abstract(state) else host_count.host_step(state)
         directory = self.directory()
@@ -181,7 +203,7 @@ class Resumer:
         if latest is None:
             return (restored, False,
                     host_count.host_step(restored) if given is None else given, False)
-        evals_pending = self._metadata.restore(meta, latest, loop_steps)
+        evals_pending = self._metadata.restore(meta, latest, loop_steps, directory)
         return restored, True, latest, evals_pending
 
     def check_saves(self, step: int) -> None:

@@ -65,5 +65,5 @@ def remove_stale(checkpoint_dir: Any) -> None:
     run that is starting (call on process 0 only)."""
     for marker in _places(checkpoint_dir):
         if marker.exists():
-            log.info("Removing the STOPPED marker of an earlier run: %s", marker)
+            log.debug("Removing the STOPPED marker of an earlier run: %s", marker)
             marker.unlink(missing_ok=True)

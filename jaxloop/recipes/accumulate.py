@@ -8,17 +8,21 @@ Example::
 
     grad_fn = accumulate.value_and_grad(loss_fn, num_microbatches=4)
     loss, grads = grad_fn(state.params, batch, rngs=self.prng_key(state.step))
+
+`nnx_value_and_grad` is the same for an NNX-native ``run(self, model, optimizer, batch)``: it
+takes the model as `nnx.value_and_grad` does and returns gradients ``optimizer.update`` takes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-__all__ = ["split_microbatches", "value_and_grad"]
+__all__ = ["nnx_value_and_grad", "split_microbatches", "value_and_grad"]
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> Any:
@@ -115,5 +119,60 @@ def value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int, has_aux: 
         if has_aux:
             return (loss, _mean_or_last(extras, aux)), grads
         return loss, grads
+
+    return grad_fn
+
+
+def _is_key(path: tuple, x: Any) -> bool:
+    del path
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def nnx_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int,
+                       has_aux: bool = False, aux: Literal["mean", "stack"] = "mean",
+                       sharding: Any = None) -> Callable[..., Any]:
+    """`nnx.value_and_grad` of ``loss_fn(model, microbatch, *args)`` over k microbatches,
+    as `value_and_grad` (the same arguments) does for parameters.
+
+    Each microbatch draws its own dropout masks: the model's RNG streams and the keys in
+    `rngs` (an ``nnx.Rngs``, a key or a tree of keys, passed on to `loss_fn` as ``rngs=``)
+    are split k ways. What `loss_fn` changes in the model, such as BatchNorm statistics,
+    is averaged over the microbatches (integers, such as RNG counts, take the last one's).
+    `sharding` may be the state's tree (``self.partitioner.sharding.params``).
+
+    Example::
+
+        def run(self, model, optimizer, batch):
+            grad_fn = accumulate.nnx_value_and_grad(loss_fn, num_microbatches=4)
+            loss, grads = grad_fn(model, batch)
+            optimizer.update(model, grads)
+            return {'loss': loss}
+    """
+
+    changeable = nnx.All(nnx.Not(nnx.Param), nnx.Not(_is_key))
+
+    def grad_fn(model: nnx.Module, batch: Any, *args: Any, rngs: Any = None) -> Any:
+        graphdef, params, keys, rest = nnx.split((model, rngs), nnx.Param, _is_key, ...)
+
+        def pure(params: Any, microbatch: Any, *args: Any, rngs: Any) -> Any:
+            model, given = nnx.merge(graphdef, params, rngs, rest, copy=True)
+            value = loss_fn(model, microbatch, *args,
+                            **({} if given is None else {"rngs": given}))
+            loss, extra = value if has_aux else (value, None)
+            return loss, (extra, nnx.state((model, given), changeable))
+
+        placed = sharding
+        if isinstance(sharding, Mapping):
+            # The state's tree of shardings, in the nnx.State structure of the parameters.
+            placed = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(sharding))
+        stacked = "mean" if num_microbatches == 1 else "stack"
+        (loss, (extra, changed)), grads = value_and_grad(
+            pure, num_microbatches, has_aux=True, aux=stacked, sharding=placed)(
+                params, batch, *args, rngs=keys)
+        if num_microbatches > 1:
+            extra, changed = _mean_or_last(extra, aux), _mean_or_last(changed, "mean")
+        nnx.update((model, rngs), changed)
+        return ((loss, extra) if has_aux else loss), grads[0]  # the model's, not (model, rngs)'s
 
     return grad_fn

@@ -8,6 +8,10 @@ Example::
     state = ema.init(step.initialize_model(spec))
     state = ema.update(state.apply_gradients(grads=grads), decay=0.999)   # in Step.run
     eval_loop = EvalLoop(eval_step, use_ema=True)     # evaluates state.ema_params
+
+An NNX-native ``run(self, model, optimizer, ema, batch)`` names ``ema`` and calls
+``ema.update(model, decay)`` after ``optimizer.update`` (`NnxEma`); the state is made with
+`init` the same way.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from jaxloop import types
 
-__all__ = ["EmaState", "init", "swap_in", "update"]
+__all__ = ["EmaState", "NnxEma", "init", "swap_in", "update"]
 
 
 class EmaState(types.TrainState):
@@ -66,9 +71,41 @@ def update(state: EmaState, decay: float | Callable[[jax.Array], Any]) -> EmaSta
             f"ema.update needs an EmaState with ema_params; got {type(state).__name__}. "
             "Create the state with ema.init(step.initialize_model(spec))."
         )
-    d = jnp.asarray(decay(state.step) if callable(decay) else decay, jnp.float32)
-    return state.replace(
-        ema_params=optax.incremental_update(state.params, state.ema_params, 1 - d))
+    return state.replace(ema_params=_averaged(state.params, state.ema_params, decay, state.step))
+
+
+def _averaged(params: Any, ema_params: Any, decay: float | Callable[[jax.Array], Any],
+              step: Any) -> Any:
+    d = jnp.asarray(decay(step) if callable(decay) else decay, jnp.float32)
+    return optax.incremental_update(params, ema_params, 1 - d)
+
+
+class NnxEma:
+    """The moving average an NNX-native `run` receives when it names ``ema`` (the state
+    must come from `init`); jaxloop writes it back to ``state.ema_params``.
+
+    Example::
+
+        def run(self, model, optimizer, ema, batch):
+            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+            optimizer.update(model, grads)
+            ema.update(model, 0.999)
+            return {'loss': loss}
+    """
+
+    def __init__(self, state: types.TrainState, step: Callable[[], Any]):
+        if not isinstance(state, EmaState) or state.ema_params is None:
+            raise TypeError(
+                f"run names `ema`, but the state is a {type(state).__name__} without "
+                "ema_params: create it with ema.init(step.initialize_model(spec)).")
+        self.params = state.ema_params
+        self._step = step
+
+    def update(self, model: nnx.Module, decay: float | Callable[[jax.Array], Any]) -> None:
+        """``ema = decay * ema + (1 - decay) * params`` of `model`'s ``nnx.Param`` values;
+        a callable `decay` gets the step count after this step's optimizer updates."""
+        params = nnx.state(model, nnx.Param).to_pure_dict()
+        self.params = _averaged(params, self.params, decay, self._step())
 
 
 def swap_in(state: types.TrainState) -> types.TrainState:

@@ -7,6 +7,11 @@ the state; gradients of float32 parameters stay float32. Integer inputs, PRNG ke
 collections such as ``batch_stats`` keep their dtypes, and a layer's own ``dtype=`` wins.
 float16 needs loss scaling, which this module does not do.
 
+An NNX-native ``run(self, model, ...)`` calls the model itself, so there the policy works the
+NNX way (`Policy.set_layer_dtypes`): each nnx layer computes in ``compute_dtype`` (its
+parameters and inputs cast as it reads them), the parameters stay ``param_dtype``, and the
+model's output comes in ``compute_dtype``, as a Flax layer built with ``dtype=`` returns it.
+
 Example::
 
     step = MyStep(jax.random.key(0), CNN(), optimizer=optax.adam(1e-3), train=True,
@@ -22,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 DTypeLike = Any
 
@@ -105,6 +111,17 @@ class Policy:
             logits = apply(variables, images)  # float32, computed in bfloat16
         """
         return _PolicyApply(apply_fn, self)
+
+    def set_layer_dtypes(self, model: nnx.Module) -> None:
+        """Makes `model`'s nnx layers compute in ``compute_dtype``: each module whose
+        ``dtype`` is None (Flax's default, "infer from the inputs and parameters") gets
+        it, as if built with ``dtype=compute_dtype``; a layer's own ``dtype=`` wins. The
+        layers cast their float32 parameters as they read them, so gradients stay float32.
+        jaxloop calls it on the model an NNX-native `run` receives, not on yours.
+        """
+        for _, module in nnx.iter_modules(model):
+            if getattr(module, "dtype", ...) is None:
+                module.dtype = self.compute_dtype
 
     def __str__(self) -> str:
         return (f"params={self.param_dtype.name},compute={self.compute_dtype.name},"

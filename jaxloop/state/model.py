@@ -1,14 +1,16 @@
 """Model adapters: flax linen and nnx models behind one linen-style ``apply_fn``.
 
 nnx models are split into ``params``, ``batch_stats`` and RNG streams and merged back on
-every call, so one `run` serves both APIs. Each call reseeds the streams named in ``rngs``,
-so masks are a pure function of (base key, step); drawing from a stream given no key is an
-error. In a `Step`, nnx models run in train or eval mode by the step's ``train`` flag (linen
-modules take it as a call argument). The only module that reads nnx internals.
+every call, so one `run` serves both APIs. Each call reseeds the streams named in ``rngs``
+(a bare key seeds them all), so masks are a pure function of (base key, step); drawing from a
+stream given no key is an error. A model built with ``nnx.Rngs(0)`` draws from ``'default'``,
+one built by a Step from its class from ``'dropout'``. In a `Step`, nnx models run in train or
+eval mode by the step's ``train`` flag (linen modules take it as a call argument). An
+NNX-native `run` (`jaxloop.state.nnx_step`) gets the merged model itself (`NnxAdapter.merge`).
 
 Example::
 
-    logits = state.apply_fn({'params': params}, x, rngs={'dropout': self.prng_key(state.step)})
+    logits = state.apply_fn({'params': params}, x, rngs=self.prng_key(state.step))
 """
 
 from __future__ import annotations
@@ -133,13 +135,24 @@ class NnxAdapter(ModelAdapter):
         self._args = tuple(args)
         self._kwargs = dict(kwargs or {})
         self._graphdef: Any = None
+        self._stats_layout: list[str] = []
         # The RNG state's shapes only: init may run abstractly.
         self._rng_layout: dict | None = None
+
+    @property
+    def model_name(self) -> str:
+        return (self._model if isinstance(self._model, type) else type(self._model)).__name__
 
     def _build(self, base_prng: types.PRNGType) -> nnx.Module:
         if isinstance(self._model, nnx.Module):
             return nnx.clone(self._model)
         return self._model(*self._args, rngs=nnx.Rngs(**nnx_init_rngs(base_prng)), **self._kwargs)
+
+    def describe(self, base_prng: types.PRNGType) -> None:
+        """Learns the model's structure without creating its arrays, for a step that runs
+        a state it did not initialise (an eval step given the train step's state)."""
+        if self._graphdef is None:
+            self._variables(nnx.eval_shape(lambda: self._build(base_prng)))
 
     def init(self, base_prng: types.PRNGType, batch: Any) -> Variables:
         del batch  # an nnx module is built from its constructor arguments alone
@@ -162,6 +175,7 @@ class NnxAdapter(ModelAdapter):
                 f"nnx.BatchStat nor RNG streams: {listed}. A TrainState carries params and "
                 "batch_stats; make carried statistics nnx.BatchStat variables.")
         self._graphdef = graphdef
+        self._stats_layout = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(stats)]
         self._rng_layout = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rngs.to_pure_dict())
         variables: Variables = {"params": _map_variables(params, _param_leaf)}
@@ -179,16 +193,43 @@ class NnxAdapter(ModelAdapter):
 
         return jax.tree.map(make, self._rng_layout or {})
 
-    def apply(self, variables: Mapping[str, Any], *args: Any,
-              rngs: Mapping[str, jax.Array] | jax.Array | None = None, mutable: Any = False,
-              **kwargs: Any) -> Any:
+    def merge(self, variables: Mapping[str, Any]) -> nnx.Module:
+        """A new model holding `variables` (``params`` and, if it has any, ``batch_stats``)
+        and placeholder RNG streams, to be reseeded before it draws."""
         if self._graphdef is None:
             raise ValueError("The nnx model was not initialised: call Step.initialize_model")
         if "params" not in variables:
             raise ValueError(
                 f"apply_fn needs variables with 'params'; got keys {sorted(variables)}")
         stats = variables.get(_BATCH_STATS) or {}
-        model = nnx.merge(self._graphdef, variables["params"], stats, self._placeholder_rngs())
+        if not stats and self._stats_layout:
+            raise ValueError(
+                f"{self.model_name} holds BatchNorm statistics (nnx.BatchStat: "
+                f"{', '.join(self._stats_layout[:3])}), but apply_fn was given no "
+                "'batch_stats'. Pass them and keep the updated ones: "
+                "y, updates = state.apply_fn({'params': params, 'batch_stats': "
+                "state.batch_stats}, x, mutable=['batch_stats']), then "
+                "state.apply_gradients(grads=grads, batch_stats=updates['batch_stats']). "
+                "Or write run the NNX way, run(self, model, optimizer, batch), and call "
+                "model(x) (docs/features.md, 'NNX models').")
+        try:
+            return nnx.merge(self._graphdef, variables["params"], stats,
+                             self._placeholder_rngs())
+        except ValueError as e:
+            raise ValueError(
+                f"The state's params / batch_stats do not fit {self.model_name}'s variables "
+                f"(was the state built from another model?): {e}") from e
+
+    @staticmethod
+    def split(model: nnx.Module) -> Variables:
+        """`model`'s ``params`` and ``batch_stats`` as the state holds them (pure dicts)."""
+        _, params, stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+        return {"params": params.to_pure_dict(), _BATCH_STATS: stats.to_pure_dict() or None}
+
+    def apply(self, variables: Mapping[str, Any], *args: Any,
+              rngs: Mapping[str, jax.Array] | jax.Array | None = None, mutable: Any = False,
+              **kwargs: Any) -> Any:
+        model = self.merge(variables)
         given = _stream_keys(rngs)
         streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
         if given:

@@ -96,6 +96,11 @@ class StateBuilder:
         # Wrapped once: the state keeps apply_fn in its tree structure.
         self._apply_fn = adapter.apply if policy is None else policy.wrap_apply(adapter.apply)
 
+    @property
+    def adapter(self) -> model_lib.ModelAdapter:
+        """The model's adapter (an NNX-native `run` gets the model merged by it)."""
+        return self._adapter
+
     def create(self, batch: types.Batch, variables: Any = None,
                state_class: type[State] = State) -> State:
         """The `state_class` state for this example batch (traced by `initialize`)."""
