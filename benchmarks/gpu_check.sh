@@ -91,7 +91,7 @@ section "benchmarks/overhead.py"
 if [ "$QUICK" = 1 ] && [ $# -eq 0 ]; then
   set -- --only tiny --rounds 3 --processes 1
 elif [ $# -eq 0 ]; then
-  set -- --rounds 10 --processes 1  # inside PART_SECS on a GPU; the README's are 60 x 3
+  set -- --rounds 5 --processes 1  # inside PART_SECS on a GPU; the README's are 30 x 5
 fi
 echo "python benchmarks/overhead.py $*"
 run_part overhead.py "$PY" benchmarks/overhead.py "$@"
@@ -100,7 +100,7 @@ section "benchmarks/async_device.py"
 if [ "$QUICK" = 1 ]; then
   run_part async_device.py "$PY" benchmarks/async_device.py --quick
 else
-  run_part async_device.py "$PY" benchmarks/async_device.py
+  run_part async_device.py "$PY" benchmarks/async_device.py --rounds 3 --steps 100
 fi
 
 section "batches placed ahead (prefetch thread) against placed by jit"
