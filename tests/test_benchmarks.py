@@ -24,9 +24,9 @@ def test_overhead_benchmark_pools_processes_and_reports_every_variant():
     out = proc.stdout
     assert "-- 1 device(s), 2 process(es) x 2 rounds" in out
     assert "-- 8 device(s), 1 process(es) x 2 rounds" in out
-    for variant in ("defaults", "p=2", "k=4", "k=8", "k=16", "k=32", "k=16 L=192"):
+    for variant in ("defaults", "p=0", "p=2", "k=4", "k=8", "k=16", "k=32", "k=16 L=192"):
         assert re.search(rf"^    {re.escape(variant)} +{RATIO}$", out, re.M), variant
-    assert len(re.findall(r"per process: [0-9.]+ [0-9.]+$", out, re.M)) == 7
+    assert len(re.findall(r"per process: [0-9.]+ [0-9.]+$", out, re.M)) == 8
     for case in ("MLP batch 256, DataParallel x8", "MLP batch 256, FSDP x8"):
         assert f"{case} [loops of 10 steps" in out
 

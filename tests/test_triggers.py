@@ -162,4 +162,4 @@ def test_every_secs_fires_at_the_same_steps_on_two_processes(tmp_path):
     # at the loop's first step, the loop-level one at its end), not at every step's look.
     for result in results:
         counts = result["exchanges"]
-        assert [b - a for a, b in zip([0, *counts], counts[:6], strict=True)] == [2] * 6, counts
+        assert [b - a for a, b in zip([0, *counts[:5]], counts[:6], strict=True)] == [2] * 6, counts
