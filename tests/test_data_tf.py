@@ -107,3 +107,27 @@ def test_prefetch_tf_data(tf):
         got = [np.asarray(b["x"]) for b in it]
     assert all(isinstance(g, np.ndarray) for g in got)
     np.testing.assert_array_equal(np.concatenate(got), x)
+
+
+def test_read_ahead_from_a_tf_data_iterator_loses_no_batch_between_calls(tf):
+    """With ``prefetch=2`` (a read-ahead thread, forced on CPU), a call of 20 steps then a
+    continue call on the same tf.data iterator train on batches 0-29 in order."""
+    import optax  # noqa: PLC0415
+    from models import ClassifierStep, LinenMLP, toy_data  # noqa: PLC0415
+
+    from jaxloop import outer_loop, train_loop  # noqa: PLC0415
+
+    class IndexStep(ClassifierStep):
+        def run(self, state, batch):
+            state, out = super().run(state, batch)
+            return state, {"loss": out["loss"], "i": batch["i"][0]}
+
+    data = toy_data(16 * 40)
+    index = np.repeat(np.arange(40, dtype=np.int32), 16)
+    it = iter(tf.data.Dataset.from_tensor_slices({**data, "i": index}).batch(16))
+    step = IndexStep(jax.random.key(0), LinenMLP(), optimizer=optax.adam(1e-2), train=True)
+    outer = outer_loop.OuterLoop(train_loop=train_loop.TrainLoop(step), prefetch=2)
+    state, _ = outer(step.initialize_model([1, 16]), train_dataset=it, train_total_steps=20,
+                     train_loop_steps=10)
+    outer(state, train_dataset=it, train_total_steps=30, train_loop_steps=10)
+    assert [int(v) for v in outer.history["train/i"].values] == list(range(30))
