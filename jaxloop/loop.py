@@ -142,34 +142,32 @@ class Loop:
         """The next batch: one an earlier call read but did not train on, else from the
         prefetcher inside `prefetching(dataset)`, else from `dataset`; raises
         StopIteration at the end."""
-        unread = self._unread
-        if unread is not None and unread[0] is dataset and unread[1]:
-            batch = unread[1].pop(0)[0]
+        unread = self._unread_from(dataset)
+        if unread:
+            batch = unread.pop(0)[0]
             if isinstance(batch, BaseException):  # the source failed there when read ahead
                 raise batch
             return batch
         return next(self._prefetch if self._prefetch is not None else dataset)
 
-    def _keep_unread(self, dataset: Any, batches: list[tuple[Any, Any]]) -> None:
-        """Keeps (batch, position before it) pairs read from `dataset` but not trained on,
-        after those kept already, for the next call on `dataset`."""
-        if not batches:
-            return
+    def _unread_from(self, dataset: Any) -> list[tuple[Any, Any]]:
+        """The (batch, position before it) pairs read from `dataset` but not trained on."""
         unread = self._unread
-        kept = unread[1] if unread is not None and unread[0] is dataset else []
-        self._unread = (dataset, [*kept, *batches])
+        return unread[1] if unread is not None and unread[0] is dataset else []
+
+    def _keep_unread(self, dataset: Any, batches: list[tuple[Any, Any]],
+                     first: bool = False) -> None:
+        """Keeps `batches` ((batch, position before it) pairs read from `dataset` but not
+        trained on) for the next call on `dataset`: after those kept already, or `first`."""
+        if batches:
+            kept = self._unread_from(dataset)
+            self._unread = (dataset, [*batches, *kept] if first else [*kept, *batches])
 
     def forget_unread(self, dataset: Any) -> None:
         """Drops the batches kept unread from `dataset`, e.g. once a checkpoint moved it
         back to their position."""
-        if self._unread is not None and self._unread[0] is dataset:
+        if self._unread_from(dataset):
             self._unread = None
-
-    def _hold_back(self, dataset: Any, batch: Any, position: Any) -> None:
-        """Puts `batch` (read at `position`) first among the unread batches."""
-        unread = self._unread
-        kept = unread[1] if unread is not None and unread[0] is dataset else []
-        self._unread = (dataset, [(batch, position), *kept])
 
     @contextlib.contextmanager
     def prefetching(self, dataset: Iterator[Any], size: int = 2, place: bool | None = None
@@ -205,9 +203,9 @@ class Loop:
 
     def data_position(self, dataset: Any) -> Any:
         """`dataset`'s checkpointable position after the batches trained on (or None)."""
-        unread = self._unread
-        if unread is not None and unread[0] is dataset and unread[1]:
-            return unread[1][0][1]
+        unread = self._unread_from(dataset)
+        if unread:
+            return unread[0][1]
         if self._prefetch is not None:
             return self._prefetch.position()
         if not callable(getattr(dataset, "get_state", None)):
@@ -340,7 +338,7 @@ class Loop:
             raise
         finally:
             if self._pending is not None:  # held back at a layout change: not trained on
-                self._hold_back(dataset, *self._pending)
+                self._keep_unread(dataset, [self._pending], first=True)
                 self._pending = None
         if counted:
             remember_step(state, first_step + done)

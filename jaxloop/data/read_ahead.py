@@ -215,6 +215,7 @@ class Prefetcher(Iterator[Batch]):
                 break
             position = state
         return kept
+
     def __enter__(self) -> Prefetcher:
         return self
 
