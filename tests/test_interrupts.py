@@ -314,6 +314,10 @@ def interrupt_kernel(workdir):
                     await asyncio.sleep(0.05)
                 times.append(time.time())
                 for _ in range(interrupts):
+                    # A press after the cell ended would land in the kernel's own reply
+                    # code, which then never answers: only press while the cell runs.
+                    if training.done():
+                        break
                     await client.km.interrupt_kernel()
                     await asyncio.sleep(0.05)
                 await training
