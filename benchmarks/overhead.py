@@ -4,7 +4,7 @@ Measures, side by side in one run, steps/s of
   hand-written    ``state, out = train_fn(state, batch)`` over in-memory numpy batches:
                   `jax.jit` with the state donated, no per-step sync, losses kept in a list
   defaults        ``OuterLoop(train_loop=TrainLoop(step))``, everything at its default
-                  (on CPUs no prefetch thread: see `jaxloop.engine.prefetch`), train loops of
+                  (on CPUs no prefetch thread: see `jaxloop.data.read_ahead`), train loops of
                   --loop-steps steps (default 200)
   p=0             the same with ``prefetch=0``: no read-ahead thread (the default on CPUs)
   p=2             the same with ``prefetch=2``: a thread that reads two batches ahead

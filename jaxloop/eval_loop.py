@@ -30,8 +30,6 @@ Step = step_lib.Step
 
 def _example_count(batch: Any, mask_key: str) -> Any:
     """The real examples in a batch: its mask's sum, else its leading size."""
-    if isinstance(batch, step_lib.PreparedBatch):  # prefetched: preprocessed and placed
-        batch = batch.batch
     if isinstance(batch, Mapping) and mask_key in batch:
         mask = batch[mask_key]
         return jnp.sum(mask) if isinstance(mask, jax.Array) else int(np.sum(mask))
@@ -41,8 +39,6 @@ def _example_count(batch: Any, mask_key: str) -> Any:
 
 def _is_local(batch: Any) -> bool:
     # A host (numpy) batch holds this process's rows only; a placed batch is global.
-    if isinstance(batch, step_lib.PreparedBatch):
-        batch = batch.batch
     return not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
 
 

@@ -22,8 +22,8 @@ import jax
 
 from jaxloop import step as step_lib
 from jaxloop import types
+from jaxloop.data import read_ahead
 from jaxloop.engine import in_flight, outputs, ownership, staging, step_actions
-from jaxloop.engine import prefetch as prefetch_lib
 from jaxloop.engine.host_count import host_step, remember_step
 from jaxloop.launch import preemption
 
@@ -78,7 +78,9 @@ class Loop:
         self._unroll = unroll
         self._donate_input_state = donate_input_state
         self._adopted: Any = None
-        self._prefetch: prefetch_lib.Prefetcher | None = None
+        self._prefetch: read_ahead.Prefetcher | None = None
+        # What the prefetcher prepared of the batches read since the last step was given one.
+        self._prepared: list[staging.PreparedBatch] = []
         # A batch of another layout, left for the next execution.
         self._pending: Any = None
         # Batches read from a dataset but not trained on (read ahead when a call ended):
@@ -141,14 +143,25 @@ class Loop:
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
         """The next batch: one an earlier call read but did not train on, else from the
         prefetcher inside `prefetching(dataset)`, else from `dataset`; raises
-        StopIteration at the end."""
+        StopIteration at the end. An override sees the batch itself (read ahead: already
+        preprocessed, and placed where the prefetcher places); the step prepares one it
+        returns in place of the batch read as any other."""
         unread = self._unread_from(dataset)
-        if unread:
-            batch = unread.pop(0)[0]
-            if isinstance(batch, BaseException):  # the source failed there when read ahead
-                raise batch
-            return batch
-        return next(self._prefetch if self._prefetch is not None else dataset)
+        batch = unread.pop(0)[0] if unread else next(
+            self._prefetch if self._prefetch is not None else dataset)
+        if isinstance(batch, BaseException):  # the source failed there when read ahead
+            raise batch
+        if isinstance(batch, staging.PreparedBatch):
+            self._prepared.append(batch)
+            return batch.batch
+        return batch
+
+    def _read(self, dataset: Iterator[Any]) -> Any:
+        """`_get_next_batch`, as the step takes it: the prefetcher's work is not done twice."""
+        batch = self._get_next_batch(dataset)
+        prepared = next((p for p in self._prepared if p.batch is batch), batch)
+        self._prepared.clear()
+        return prepared
 
     def _unread_from(self, dataset: Any) -> list[tuple[Any, Any]]:
         """The (batch, position before it) pairs read from `dataset` but not trained on."""
@@ -173,7 +186,7 @@ class Loop:
     def prefetching(self, dataset: Iterator[Any], size: int = 2, place: bool | None = None
                     ) -> Iterator[Iterator[Any]]:
         """While open, prepares `dataset`'s batches `size` ahead in a thread, placed on the
-        devices where `place` (None: `prefetch.places_ahead`). The loop reads its batches
+        devices where `place` (None: `read_ahead.places_ahead`). The loop reads its batches
         from the prefetcher it is handed here, and it, `run` and the actions still see
         `dataset` itself; calling the loop with another dataset meanwhile is an error.
         Batches read ahead and not trained on when the block ends are the first the next
@@ -191,9 +204,9 @@ class Loop:
             return
         previous = self._prefetch
         if place is None:
-            place = prefetch_lib.places_ahead(self._step)
+            place = read_ahead.places_ahead(self._step)
         step = self._step
-        self._prefetch = prefetch_lib.Prefetcher(dataset, step.prepare_batch if place else (
+        self._prefetch = read_ahead.Prefetcher(dataset, step.prepare_batch if place else (
             lambda b: staging.PreparedBatch(step.preprocess_batch(b))), size)
         try:
             yield dataset
@@ -220,7 +233,7 @@ class Loop:
                       ) -> tuple[State, Output]:
         """Runs one batch and records its outputs; `return_state_from_step=False` (eval)
         keeps the given state."""
-        batch = self._get_next_batch(dataset)
+        batch = self._read(dataset)
         new_state, step_outputs = self._step(
             state, batch, per_loop_step_number, log_num_flops=log_num_flops, **kwargs)
         if return_state_from_step:
@@ -241,7 +254,7 @@ class Loop:
         try:
             while len(batches) < num_steps:
                 position = self.data_position(dataset)
-                batch = self._get_next_batch(dataset)
+                batch = self._read(dataset)
                 if layout is None:
                     layout = staging.batch_layout(batch)
                 elif staging.batch_layout(batch) != layout:

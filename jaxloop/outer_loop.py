@@ -26,10 +26,10 @@ from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import loop as loop_lib
 from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
+from jaxloop.data import read_ahead
 from jaxloop.diagnostics import debugging as debugging_lib
 from jaxloop.diagnostics import param_table as param_table_lib
 from jaxloop.engine import host_count
-from jaxloop.engine import prefetch as prefetch_lib
 from jaxloop.launch import preemption
 from jaxloop.metrics import history as history_lib
 from jaxloop.orchestration import continuous_eval as continuous_eval_lib
@@ -68,7 +68,7 @@ class OuterLoop:
       checkpoint_spec: restore from / evaluate the checkpoints in this directory.
       progress: show a progress bar (None: only when interactive).
       prefetch: batches read ahead in a background thread (`Loop.prefetching`); None:
-        `prefetch.default_size`.
+        `read_ahead.default_size`.
       disable_jit / post_mortem: `jaxloop.diagnostics.debugging` switches; None: from
         ``JAXLOOP_DISABLE_JIT`` / ``JAXLOOP_POST_MORTEM``.
       resume: resume from the latest checkpoint of `checkpoint_spec`'s directory, else of
@@ -129,7 +129,7 @@ class OuterLoop:
         return self._eval_loops
 
     def _ahead(self, loop: Any) -> int:
-        return self._prefetch if self._prefetch is not None else prefetch_lib.default_size(
+        return self._prefetch if self._prefetch is not None else read_ahead.default_size(
             loop.step)
 
     def __call__(self, state: State, train_dataset: Iterator[Any] | Iterable[Any] | None = None,

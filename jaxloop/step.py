@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -35,9 +36,8 @@ from jaxloop import partition as partition_lib
 from jaxloop import types
 from jaxloop.engine import ownership, staging, step_actions
 from jaxloop.engine import program as program_lib
-from jaxloop.recipes import precision as precision_lib
 from jaxloop.state import model as model_lib
-from jaxloop.state import model_state, nnx_step, specs, step_state
+from jaxloop.state import model_state, nnx_step, specs
 from jaxloop.state import sown as sown_lib
 
 Batch = types.Batch
@@ -45,21 +45,14 @@ BatchSpec = types.BatchSpec
 DType = types.DType
 Output = types.Output
 State = types.TrainState
-
-# Names kept here for code that imports them from the step module.
-PreparedBatch = staging.PreparedBatch
-BatchLayoutError = staging.BatchLayoutError
-batch_layout = staging.batch_layout
-zeros_from_spec = specs.zeros_from_spec
 get_zeroed_batch = specs.zeros_from_spec  # google/jaxloop's name
-action_fires = step_actions.action_fires
-is_abstract = model_state.is_abstract
 
+log = logging.getLogger(__name__)
 # Evaluation steps need no optimizer; one shared identity keeps the default immutable.
 _IDENTITY = optax.identity()
 
 
-class Step(step_state.StepState):
+class Step:
     """One batch of training or evaluation. Subclass and override `run`.
 
     Args:
@@ -68,25 +61,30 @@ class Step(step_state.StepState):
         `nnx_model_args` and `nnx_model_kwargs`).
       should_shard_batch: False when batches arrive already on the devices.
       begin_actions / end_actions: run before / after the steps they fire on.
-      dtype_policy: mixed precision (`precision.get_policy`); None leaves the model as is.
+      dtype_policy: mixed precision: ``'bfloat16'`` or a `jaxloop.recipes.precision.Policy`;
+        None leaves the model as is.
       sown: flax collections the model sows into, added to the outputs (`jaxloop.state.sown`).
     """
+
+    state_class: type[types.TrainState] | None = None
+    """The class of the states built (set on a Step subclass or instance): a
+    `types.TrainState` subclass whose extra fields have defaults, such as
+    ``metrics: Metrics = Metrics.empty()``. None: whatever ``jaxloop.step.State`` names at
+    the call (google's notebooks set it)."""
 
     def __init__(self, base_prng: types.PRNGType, model: model_lib.Model,
                  optimizer: optax.GradientTransformation = _IDENTITY,
                  partitioner: partition_lib.Partitioner | None = None, train: bool = False,
                  should_shard_batch: bool = True, nnx_model_args: Sequence[Any] | None = None,
                  begin_actions: Sequence[Any] | None = None,
-                 end_actions: Sequence[Any] | None = None,
-                 dtype_policy: precision_lib.Policy | str | None = None,
+                 end_actions: Sequence[Any] | None = None, dtype_policy: Any = None,
                  sown: Sequence[str] = (), sown_scalars_only: bool = True,
                  **nnx_model_kwargs: Any):
         self._sown = (sown,) if isinstance(sown, str) else tuple(sown)
         self._sown_scalars_only = sown_scalars_only
-        self._dtype_policy = precision_lib.get_policy(dtype_policy)
         self._state_builder = model_state.StateBuilder(
             model_lib.adapt(model, nnx_model_args, nnx_model_kwargs), optimizer,
-            self._dtype_policy, base_prng)
+            dtype_policy, base_prng)
         self._base_prng = base_prng
         self._model = model
         self._optimizer = optimizer
@@ -102,9 +100,9 @@ class Step(step_state.StepState):
         self._last_state: weakref.ref | None = None
         self._placing: tuple[bool, bool] | None = None
         self._num_params: int | None = None
+        self._num_flops: float | None = None
         # The spec of the last `abstract_state`, to initialise it when nothing is restored.
         self._abstract_spec: types.BatchSpec | None = None
-        self._num_flops: float | None = None
 
     @property
     def train(self) -> bool:
@@ -123,23 +121,85 @@ class Step(step_state.StepState):
         return self._optimizer
 
     @property
-    def dtype_policy(self) -> precision_lib.Policy | None:
-        """The mixed-precision policy of the model's ``apply_fn`` (None: as the model is)."""
-        return self._dtype_policy
+    def dtype_policy(self) -> Any:
+        """The mixed-precision `Policy` of the model's ``apply_fn`` (None: as the model is)."""
+        return self._state_builder.policy
 
     @property
     def begin_actions(self) -> list[Any]:
-        """Actions run before the steps they fire on (see `action_fires`)."""
+        """Actions run before the steps they fire on (`step_actions.action_fires`)."""
         return self._begin_actions
 
     @property
     def end_actions(self) -> list[Any]:
-        """Actions run after the steps they fire on (see `action_fires`)."""
+        """Actions run after the steps they fire on (`step_actions.action_fires`)."""
         return self._end_actions
 
-    def _state_class(self) -> type[types.TrainState]:
+    @property
+    def num_params(self) -> int | None:
+        """Parameter count, known after `initialize_model` or `compute_num_params`."""
+        return self._num_params
+
+    @property
+    def num_flops(self) -> float | None:
+        """Flops of one step on one device, known after a call with `log_num_flops=True`."""
+        return self._num_flops
+
+    def _counted(self, state: State, log_num_params: bool) -> State:
+        self.compute_num_params(state)
+        if log_num_params:
+            log.info("Number of parameters: %d", self._num_params)
+        return state
+
+    def initialize_model(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
+        """Initialises the model and optimizer on the mesh from an example batch spec (only
+        its shapes and dtypes matter: any batch size works on any mesh)."""
+        return self._counted(self._state_builder.initialize(
+            self._partitioner, spec, self.state_class or State), log_num_params)
+
+    def abstract_state(self, spec: types.BatchSpec, log_num_params: bool = False,
+                       remember: bool = True) -> State:
+        """The state `initialize_model` would create as `jax.ShapeDtypeStruct` leaves (no
+        device memory): pass it where a state is restored, which then lands in place, or
+        without a checkpoint is initialised (`materialize`), as in
+        ``step.restore_model(step.abstract_state([1, 28, 28, 1]), ckpt_dir)``.
+        ``remember=False`` leaves `num_params` and what `materialize` initialises as they were."""
         # Looked up per call: notebooks reassign ``jaxloop.step.State`` after import.
-        return self.state_class or State
+        abstract = self._state_builder.abstract(self._partitioner, spec,
+                                                self.state_class or State)
+        if not remember:
+            return abstract
+        self._abstract_spec = spec
+        return self._counted(abstract, log_num_params)
+
+    def materialize(self, state: State) -> State:
+        """`state` if it holds arrays; for an `abstract_state`, the state initialised from
+        its spec (ValueError for an abstract state this step did not describe)."""
+        return model_state.materialize(state, self._abstract_spec, self.initialize_model)
+
+    def restore_model(self, state: State, checkpoint_dir: Any, step: int | None = None,
+                      transforms: Any = None) -> State:
+        """Restores `state` (the latest step unless `step` is given) from the orbax
+        checkpoints in `checkpoint_dir`, placed as `state` is (which may be abstract). An eval
+        step restores no optimizer state. With no checkpoint, logs so and returns `state`
+        (materialized). `transforms`: see `checkpoint.restore`."""
+        return self.materialize(model_state.restore(
+            state, checkpoint_dir, step, self._partitioner, not self._train, transforms))
+
+    def compute_num_params(self, state: State) -> int:
+        """Counts the parameters of `state` (and remembers it as `num_params`)."""
+        self._num_params = model_state.count_params(state)
+        return self._num_params
+
+    def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float | None:
+        """Flops of one `run` on this placed batch on one device (a data-parallel step over
+        8 devices: about an eighth), from XLA's cost analysis; None where XLA gives none."""
+        self._num_flops = self._program().flops(state, batch, **kwargs)
+        return self._num_flops
+
+    def abstract_batch(self, spec: types.BatchSpec) -> Batch:
+        """The global batch of `spec` as `run` receives it, described (`specs.abstract_batch`)."""
+        return specs.abstract_batch(self._partitioner, spec)
 
     def prng_key(self, step: int | jax.Array) -> types.PRNGType:
         """The PRNG key of a step, a pure function of (base key, step); in `run`:
@@ -156,6 +216,11 @@ class Step(step_state.StepState):
         pair ``(state's, outputs')``): the state keeps the partitioner's shardings."""
         self._jit_kwargs = dict(jit_kwargs)
         self._programs = {}
+        return self._program()
+
+    def program(self) -> program_lib.Program:
+        """The program ``step(state, batch)`` runs now (inside `donating_state`, the one that
+        consumes the state), e.g. to lower for XLA's analyses."""
         return self._program()
 
     @property
@@ -228,11 +293,12 @@ class Step(step_state.StepState):
         """Host-side transformation of the raw batch before sharding (numpy in, numpy out)."""
         return batch
 
-    def prepare_batch(self, batch: Batch) -> PreparedBatch:
+    def prepare_batch(self, batch: Batch) -> staging.PreparedBatch:
         """`preprocess_batch`, then `shard_batch`: all the work before a step (a prefetcher
         does it in its thread); ``step(state, prepared)`` does neither again."""
         batch = self.preprocess_batch(batch)
-        return PreparedBatch(self.shard_batch(batch) if self._should_shard_batch else batch)
+        return staging.PreparedBatch(self.shard_batch(batch) if self._should_shard_batch
+                                     else batch)
 
     def shard_batch(self, batch: Batch) -> Batch:
         """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`)."""
@@ -257,9 +323,9 @@ class Step(step_state.StepState):
         placed = all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
         return batch if placed or not self._should_shard_batch else self.shard_batch(batch)
 
-    def _ready(self, batch: Batch | PreparedBatch, preprocessed: bool = False) -> Batch:
+    def _ready(self, batch: Batch | staging.PreparedBatch, preprocessed: bool = False) -> Batch:
         """The batch as the single step's program takes it (see `_placing_policy`)."""
-        if isinstance(batch, PreparedBatch):
+        if isinstance(batch, staging.PreparedBatch):
             return batch.batch
         if not preprocessed:
             batch = self.preprocess_batch(batch)
@@ -297,8 +363,8 @@ class Step(step_state.StepState):
         """Runs one batch with its actions; ``batch_preprocessed=True`` (passed on to `run`
         with the other kwargs) skips `preprocess_batch`."""
         batch = self._ready(batch, kwargs.get("batch_preprocessed", False))
-        if self._begin_actions and any(
-                action_fires(a, per_loop_step_number, True) for a in self._begin_actions):
+        if self._begin_actions and any(step_actions.action_fires(a, per_loop_step_number, True)
+                                       for a in self._begin_actions):
             # A placed copy for the actions only: the program keeps one batch form (no retrace).
             step_actions.fire(self._begin_actions, True, per_loop_step_number, state,
                               batch=self._placed(batch))
@@ -314,7 +380,7 @@ class Step(step_state.StepState):
             step_actions.fire(self._end_actions, False, per_loop_step_number, state, outputs)
         return state, outputs
 
-    def call_steps(self, state: State, batches: Sequence[Batch | PreparedBatch],
+    def call_steps(self, state: State, batches: Sequence[Batch | staging.PreparedBatch],
                    per_loop_step_number: int = 1, log_num_flops: bool = False,
                    carry_state: bool = True, unroll: bool = False, size: int | None = None,
                    **kwargs: Any) -> tuple[State, Output | None]:
@@ -333,13 +399,14 @@ class Step(step_state.StepState):
         place_first, custom = self._placing_policy()
         # Without a user `begin` (which sees them stacked) the program stacks the k batches.
         separate = type(self).begin is Step.begin
-        ready = [b.batch if isinstance(b, PreparedBatch)
+        ready = [b.batch if isinstance(b, staging.PreparedBatch)
                  else self.shard_batch(self.preprocess_batch(b))
                  if custom or (separate and place_first)
                  else self.preprocess_batch(b) for b in batches]
         stacked = (staging.padded(ready, size, moved_once=True) if separate else
                    staging.stack(ready, size, self._partitioner, place_it=place_first))
-        if self._begin_actions and any(action_fires(a, first, True) for a in self._begin_actions):
+        if self._begin_actions and any(step_actions.action_fires(a, first, True)
+                                       for a in self._begin_actions):
             step_actions.fire(self._begin_actions, True, first, state,
                               batch=self._placed(ready[0]))
         state, stacked = self._hook(self.begin, state, stacked)

@@ -434,7 +434,8 @@ def test_prefetch_places_train_and_eval_batches_ahead_in_a_thread():
                      eval_specs=[outer_loop.EvalSpec(EvalData())])
     assert int(state.step) == 8
     assert readers == {"train": {"jaxloop-device-prefetch"}, "eval": {"jaxloop-device-prefetch"}}
-    assert received == {"train": {"PreparedBatch"}, "eval": {"PreparedBatch"}}
+    # A `_get_next_batch` override sees the batch itself (read ahead), never a wrapper.
+    assert received == {"train": {"dict"}, "eval": {"dict"}}
 
 
 def test_prefetch_surfaces_dataset_errors():

@@ -1,4 +1,4 @@
-"""Step.memory_estimate: per-device bytes from XLA's memory analysis, before anything runs."""
+"""diagnostics.memory.estimate: per-device bytes from XLA's memory analysis, before any run."""
 
 import re
 import subprocess
@@ -50,7 +50,7 @@ def test_fsdp_needs_an_eighth_of_the_data_parallel_arguments():
         step = _step(partitioner)
         state = step.abstract_state([1, 1024])
         state_bytes = _nbytes(state)
-        estimates[name] = step.memory_estimate(SPEC, state)
+        estimates[name] = memory.estimate(step, SPEC, state)
         # Compiled, never run: no array of the model's size was created.
         assert _kernel_sized_arrays() <= before
     dp, fsdp = estimates["dp"], estimates["fsdp"]
@@ -71,7 +71,7 @@ def test_default_state_str_and_nnx():
     step = ClassifierStep(jax.random.key(0), NnxMLP, optimizer=optax.sgd(0.1), train=True,
                           nnx_model_args=(16, 32, 10))
     # No state given: the step's model initialised from the batch spec itself.
-    estimate = step.memory_estimate({"x": [32, 16], "y": ([32], "int32")})
+    estimate = memory.estimate(step, {"x": [32, 16], "y": ([32], "int32")})
     params_bytes = (16 * 32 + 32 + 32 * 10 + 10) * 4
     assert estimate.argument_bytes >= params_bytes + 32 * 16 * 4
     assert estimate.num_devices == 1 and estimate.temp_bytes > 0
@@ -106,8 +106,8 @@ def test_a_batch_that_does_not_split_is_a_clear_error():
     step = _step(partition.DataParallelPartitioner(mesh))
     with pytest.raises(ValueError, match=r"Batch leaf \['x'\] has shape \(12, 1024\): its "
                                          r"leading dimension 12 .* does not divide by the 8"):
-        step.memory_estimate({"x": [12, 1024], "y": ([12], "int32")},
-                             step.abstract_state([1, 1024]))
+        memory.estimate(step, {"x": [12, 1024], "y": ([12], "int32")},
+                        step.abstract_state([1, 1024]))
 
 
 @pytest.mark.slow

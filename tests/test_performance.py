@@ -19,7 +19,6 @@ from models import ClassifierStep, LinenMLP, toy_data
 
 from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import loop, outer_loop, partition
-from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
 from jaxloop.diagnostics import profiling
 from jaxloop.engine import staging
@@ -137,7 +136,7 @@ def test_fused_steps_with_ragged_last_batch():
     batches = BATCHES[:5] + [{k: v[:8] for k, v in BATCHES[5].items()}]
     state, outputs = train_loop_lib.TrainLoop(step, steps_per_execution=3)(state, batches)
     assert int(state.step) == 6 and outputs["logits"][-1].shape == (8, 10)
-    with pytest.raises(step_lib.BatchLayoutError, match="share one layout"):
+    with pytest.raises(staging.BatchLayoutError, match="share one layout"):
         step.call_steps(state, batches[4:])
 
 

@@ -36,6 +36,11 @@ class CountingStep(ClassifierStep):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.prepared = []
+        self.preprocessed = []
+
+    def preprocess_batch(self, batch):
+        self.preprocessed.append(threading.current_thread().name)
+        return batch
 
     def prepare_batch(self, batch):
         self.prepared.append((threading.current_thread().name, len(batch["x"])))
@@ -75,11 +80,14 @@ def test_the_step_receives_arrays_placed_by_the_prefetch_thread():
           jax.transfer_guard_host_to_device("disallow")):
         state, outputs = loop(state, it, num_steps=6)
     assert len(outputs["loss"]) == 6 and int(state.step) == 6
-    for prepared in loop.seen:
-        for leaf in jax.tree.leaves(prepared.batch):
+    for batch in loop.seen:  # the batches themselves, no wrapper
+        assert isinstance(batch, dict)
+        for leaf in jax.tree.leaves(batch):
             assert isinstance(leaf, jax.Array)
             assert leaf.sharding.is_equivalent_to(part.batch_sharding, leaf.ndim)
     assert {name for name, _ in step.prepared} == {"jaxloop-device-prefetch"}
+    # The loop's override saw the plain batches, and the step did not prepare them again.
+    assert step.preprocessed == ["jaxloop-device-prefetch"] * 6
 
 
 @pytest.mark.parametrize("k", [4, 16])

@@ -18,9 +18,9 @@ from jax.sharding import Mesh
 from models import ClassifierStep
 
 from jaxloop import actions, outer_loop, partition, train_loop
-from jaxloop import step as step_lib
 from jaxloop.checkpointing import checkpoint
 from jaxloop.diagnostics import memory
+from jaxloop.state import model_state
 
 SPEC = [1, 256]
 
@@ -111,7 +111,7 @@ def test_restore_model_into_an_abstract_state_holds_one_state(checkpointed):
     directory, state_bytes, params = checkpointed
     step = make_step()
     abstract = step.abstract_state(SPEC)
-    assert step_lib.is_abstract(abstract)
+    assert model_state.is_abstract(abstract)
     assert all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
                for x in jax.tree.leaves(abstract))
     with PeakSampler() as sampler:

@@ -51,7 +51,7 @@ def _tokens(n=8, length=16, seed=0):
 
 def test_initialize_model_hint_for_a_token_batch_works_when_followed():
     step = LMStep(jax.random.key(0), TokenLM(), optax.adam(1e-3), train=True)
-    # The user passes the whole batch's spec, as memory_estimate takes it.
+    # The user passes the whole batch's spec, as memory.estimate takes it.
     with pytest.raises(TypeError) as info:
         step.initialize_model({"tokens": ([8, 16], "int32"), "targets": ([8, 16], "int32")})
     hint = re.search(r"for 'tokens': (initialize_model\(.*?\));", str(info.value))

@@ -70,7 +70,7 @@ def test_initialize_model_given_a_batch_names_the_spec_it_needs():
     batch = next(iter(data.GlobalBatchDataset(DATA, 16, seed=0)))
     with pytest.raises(TypeError, match=r"initialize_model\(\[1, 16\]\)") as error:
         step.initialize_model(batch)
-    assert "memory_estimate" in str(error.value) and "['x', 'y']" in str(error.value)
+    assert "memory.estimate" in str(error.value) and "['x', 'y']" in str(error.value)
     with pytest.raises(TypeError, match="model's input"):
         step.abstract_state({"x": [1, 16], "y": ([1], "int32")})
 

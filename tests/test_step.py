@@ -10,7 +10,7 @@ from models import XY, ClassifierStep, LinenMLP, NnxMLP, toy_data
 
 from jaxloop import partition
 from jaxloop import step as step_lib
-from jaxloop.step import zeros_from_spec
+from jaxloop.state.specs import zeros_from_spec
 
 
 def _train(step, state, data, n=20):

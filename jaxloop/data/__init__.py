@@ -19,20 +19,20 @@ from typing import TYPE_CHECKING, Any
 # import `read_ahead`, load no grain.
 _NAMES = {
     "ArraySource": "sources.ArraySource",
-    "DevicePrefetchIterator": "read_ahead.Prefetcher",
     "GlobalBatchDataset": "global_batches.GlobalBatchDataset",
     "GlobalBatchIterator": "global_batch_iterator.GlobalBatchIterator",
     "as_iterator": "iterators.as_iterator",
     "batch_rows": "global_batches.batch_rows",
     "describe_iterator": "iterators.describe_iterator",
     "iterator_state": "iterators.iterator_state",
+    "Prefetcher": "read_ahead.Prefetcher",
     "pad_to_global_batches": "padding.pad_to_global_batches",
     "prefetch_to_device": "read_ahead.prefetch_to_device",
     "restore_iterator_state": "iterators.restore_iterator_state",
 }
 __all__ = [
-    "ArraySource", "DevicePrefetchIterator", "GlobalBatchDataset", "GlobalBatchIterator",
-    "as_iterator", "batch_rows", "describe_iterator", "iterator_state", "pad_to_global_batches",
+    "ArraySource", "GlobalBatchDataset", "GlobalBatchIterator", "Prefetcher", "as_iterator",
+    "batch_rows", "describe_iterator", "iterator_state", "pad_to_global_batches",
     "prefetch_to_device", "restore_iterator_state",
 ]
 
@@ -46,8 +46,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports
         restore_iterator_state,
     )
     from jaxloop.data.padding import pad_to_global_batches
-    from jaxloop.data.read_ahead import Prefetcher as DevicePrefetchIterator
-    from jaxloop.data.read_ahead import prefetch_to_device
+    from jaxloop.data.read_ahead import Prefetcher, prefetch_to_device
     from jaxloop.data.sources import ArraySource
 
 

@@ -1,5 +1,9 @@
 """Batches read ahead in a background thread (`Prefetcher`): a loop's (`Loop.prefetching`)
 and a hand-written loop's (`data.prefetch_to_device`). Grain loads only at the first read.
+
+Whether batches are placed ahead is decided by the step's devices (`places_ahead`): off
+CPUs the read-ahead thread also places them (the copy overlaps the step); on CPUs placing
+ahead buys nothing and an `OuterLoop` reads in the training thread by default.
 """
 
 from __future__ import annotations
@@ -15,6 +19,22 @@ Batch = Any
 _BATCH, _END, _ERROR = "batch", "end", "error"
 _POLL_SECONDS = 0.05
 _THREAD_NAME = "jaxloop-device-prefetch"
+# What an `OuterLoop` reads ahead by default where batches are placed ahead.
+DEFAULT_SIZE = 2
+
+
+def places_ahead(step: Any) -> bool:
+    """Whether a prefetcher places the step's batches ahead: where its mesh has a device
+    other than a CPU (on CPUs a device array is host memory)."""
+    mesh = getattr(getattr(step, "partitioner", None), "mesh", None)
+    devices = mesh.devices.flat if mesh is not None else ()
+    return any(d.platform != "cpu" for d in devices)
+
+
+def default_size(step: Any) -> int:
+    """Batches an `OuterLoop` reads ahead unless told: `DEFAULT_SIZE` where they are placed
+    ahead, else 0; an explicit ``OuterLoop(..., prefetch=4)`` wins (for a slow pipeline)."""
+    return DEFAULT_SIZE if places_ahead(step) else 0
 
 
 def _iterators() -> Any:

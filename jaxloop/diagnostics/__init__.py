@@ -1,2 +1,2 @@
-"""Diagnostics: goodput and MFU, memory, compiled-program analysis, profiling,
+"""Diagnostics: goodput and MFU, memory estimates from XLA, profiling,
 replica integrity, the run record, the parameter table and debugging switches."""

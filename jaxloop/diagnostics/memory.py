@@ -1,11 +1,11 @@
 """Memory estimates before launch: what a compiled step needs on each device.
 
-`Step.memory_estimate(spec)` compiles a step for an abstract state and batch (nothing is
+`estimate(step, spec)` compiles a step for an abstract state and batch (nothing is
 allocated) and returns a `MemoryEstimate` from XLA's memory analysis of the per-device
 program, so a job that would not fit is found before it is scheduled::
 
-    estimate = train_step.memory_estimate({'image': [256, 28, 28, 1],
-                                           'label': ([256], 'int32')})
+    estimate = memory.estimate(train_step, {'image': [256, 28, 28, 1],
+                                            'label': ([256], 'int32')})
     if estimate.fits is False:
         raise SystemExit(str(estimate))
 """
@@ -126,3 +126,22 @@ class MemoryEstimate:
         lines = [f"Memory per device ({self.num_devices}{kind} device{plural}, XLA estimate):"]
         lines += [f"  {name:<13} {format_bytes(value):>12}{note}" for name, value, note in rows]
         return "\n".join(lines)
+
+
+def estimate(step: Any, spec: Any, state: Any = None, **kwargs: Any) -> MemoryEstimate:
+    """What one device needs to run `step` (a `jaxloop.step.Step`) on a global batch of
+    `spec`, as a loop runs it, from XLA's memory analysis of the step compiled for abstract
+    inputs (nothing is created or run). `state` defaults to the abstract state of `spec`;
+    `kwargs` go to `run`.
+
+    Example::
+
+        estimate(step, {'image': [256, 28, 28, 1], 'label': ([256], 'int32')},
+                 step.abstract_state([1, 28, 28, 1]))
+    """
+    if state is None:
+        state = step.abstract_state(spec, remember=False)
+    with step.donating_state():  # as a loop runs it
+        program = step.program()
+    compiled = program.lower(state, step.abstract_batch(spec), **kwargs).compile()
+    return MemoryEstimate.from_compiled(compiled, step.partitioner.mesh.devices)

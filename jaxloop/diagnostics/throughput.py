@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxloop.diagnostics import goodput
-from jaxloop.engine import staging
 from jaxloop.launch import agreement
 
 STAT_MFU = "jaxloop/mfu"
@@ -43,8 +42,6 @@ def token_count(batch: Any, key: str | Sequence[str]) -> Any:
 
         token_count({'ids': ids, 'mask': np.array([[1, 1, 0], [1, 0, 0]])}, 'mask')  # 3.0
     """
-    if isinstance(batch, staging.PreparedBatch):  # prefetched: preprocessed and placed
-        batch = batch.batch
     value = batch
     for part in (key,) if isinstance(key, str) else tuple(key):
         if not isinstance(value, Mapping) or part not in value:

@@ -327,8 +327,8 @@ class Program:
         return result
 
     def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """Lowers the program for these (possibly abstract) arguments, e.g. for XLA's cost
-        and memory analyses."""
+        """Lowers the program for these (possibly abstract) arguments, e.g. for XLA's
+        memory analysis (`diagnostics.memory.estimate`)."""
         args = self._arguments(args)
         self._jit_for(state, args, kwargs)
         entry = self._jitted[self._current[2]]
@@ -336,3 +336,12 @@ class Program:
         jitted = entry.call if hasattr(entry.call, "lower") else jax.jit(entry.fn, **entry.flags)
         return jitted.lower(state, *args, *kwargs.values())
 
+
+    def flops(self, state: PyTree, *args: Any, **kwargs: Any) -> float | None:
+        """Flops of one call on ONE device (XLA's cost analysis of the partitioned program,
+        compiled ahead of time: nothing runs); None where XLA gives none or a negative one."""
+        cost = self.lower(state, *args, **kwargs).compile().cost_analysis()
+        if isinstance(cost, list | tuple):
+            cost = cost[0] if cost else None
+        value = (cost or {}).get("flops")
+        return None if value is None or value < 0 else float(value)

@@ -1,6 +1,6 @@
 """The examples' mixed-precision and dry-run flags, and the dry run itself: compile the
 train and eval steps from abstract states and print their per-device memory, training
-nothing (see `jaxloop.recipes.precision` and `Step.memory_estimate`).
+nothing (see `jaxloop.recipes.precision` and `diagnostics.memory.estimate`).
 
 Example::
 
@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from jaxloop import step as step_lib
 from jaxloop import types
+from jaxloop.diagnostics import memory
 
 
 @dataclasses.dataclass
@@ -45,8 +46,8 @@ def report(
     ``dry-run train_total_bytes=<int> eval_total_bytes=<int>``.
     """
     estimates = {
-        "train": train_step.memory_estimate(train_spec, state),
-        "eval": eval_step.memory_estimate(eval_spec, state),
+        "train": memory.estimate(train_step, train_spec, state),
+        "eval": memory.estimate(eval_step, eval_spec, state),
     }
     if show:
         for name, estimate in estimates.items():

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxloop import actions as actions_lib
-from jaxloop import step as step_lib
 from jaxloop import types
 from jaxloop.checkpointing import checkpoint
 from jaxloop.engine import host_count
 from jaxloop.launch import agreement
 from jaxloop.metrics import history as history_lib
 from jaxloop.orchestration import evaluation as evaluation_lib
+from jaxloop.state import model_state
 
 if TYPE_CHECKING:
     from jaxloop.orchestration.continuous_eval import CheckpointSpec
@@ -186,7 +186,7 @@ class Resumer:
         for action in train_checkpoint_actions(self._train_loop):
             action.wait_until_finished()
         # An abstract state has no step: it is restored into place, or initialised.
-        given = None if step_lib.is_abstract(state) else host_count.host_step(state)
+        given = None if model_state.is_abstract(state) else host_count.host_step(state)
         directory = self.directory()
         latest = None if directory is None else latest_step(directory)
         if directory is None or (latest is not None and given is not None and given > latest):

@@ -35,6 +35,11 @@ class EmaState(types.TrainState):
 
     ema_params: Any = None
 
+    @classmethod
+    def from_state(cls, state: types.TrainState) -> EmaState:
+        """`init`: how `Step.materialize` makes the state an abstract `EmaState` describes."""
+        return init(state)
+
 
 def _start(x: Any) -> Any:
     # A 0.999 update (0.1% of the gap) rounds away in bfloat16: average in float32.

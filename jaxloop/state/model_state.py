@@ -1,11 +1,12 @@
 """The train state of a model and optimizer, born in place on the mesh or only described.
 
 `StateBuilder` makes it through a partitioner; `Step.initialize_model` and
-`Step.abstract_state` are its front.
+`Step.abstract_state` are its front, and `materialize`, `restore` and `count_params` serve
+`Step`'s other state methods.
 
 Example::
 
-    builder = StateBuilder(model.adapt(CNN()), optax.adam(1e-3), None, jax.random.key(0))
+    builder = StateBuilder(model.adapt(CNN()), optax.adam(1e-3), 'bfloat16', jax.random.key(0))
     state = builder.initialize(partitioner, [1, 28, 28, 1])
     abstract = builder.abstract(partitioner, [1, 28, 28, 1])  # ShapeDtypeStruct leaves
 """
@@ -34,6 +35,41 @@ def is_abstract(state: Any) -> bool:
     """Whether `state` only describes arrays (`jax.ShapeDtypeStruct` leaves)."""
     leaves = jax.tree.leaves(state)
     return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def count_params(state: State) -> int:
+    """The number of parameters in ``state.params``."""
+    return int(sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(state.params)))
+
+
+def materialize(state: State, spec: types.BatchSpec | None,
+                initialize: Callable[[types.BatchSpec], State]) -> State:
+    """`state` if it holds arrays; for an abstract one, ``initialize(spec)``, made the
+    abstract state's class through its ``from_state`` where it has one (`ema.EmaState`)."""
+    if not is_abstract(state):
+        return state
+    if spec is None:
+        raise ValueError(
+            "Cannot initialise an abstract state this step did not describe: create it "
+            "with step.abstract_state(spec), or pass step.initialize_model(spec)")
+    new = initialize(spec)
+    from_state = getattr(type(state), "from_state", None)
+    if type(new) is not type(state) and from_state is not None:
+        new = from_state(new)
+    if jax.tree.structure(new) != jax.tree.structure(state):
+        raise ValueError(
+            "The abstract state does not match the model this step initialises: "
+            f"{jax.tree.structure(state)} vs {jax.tree.structure(new)}")
+    return new
+
+
+def restore(state: State, checkpoint_dir: Any, step: int | None, partitioner: Any,
+            skip_optimizer: bool, transforms: Any = None) -> State:
+    """`state` restored from `checkpoint_dir` (`checkpoint.restore`), else as it is."""
+    from jaxloop.checkpointing import checkpoint  # noqa: PLC0415 (orbax is heavy; import when used)
+
+    return checkpoint.restore(state, checkpoint_dir, step, partitioner,
+                              skip_optimizer=skip_optimizer, transforms=transforms)[0]
 
 
 def _spec_call(shape: tuple, dtype: Any) -> str:
@@ -78,20 +114,21 @@ def _model_input_spec(spec: types.BatchSpec, batch: Any,
             f"The model could not be initialised from the spec {shapes}: a dict with keys "
             f"{sorted(batch)} looks like a whole batch (labels included). initialize_model "
             "and abstract_state want the spec of the model's input, the array the step "
-            f"passes to apply_fn ({examples}); memory_estimate is the one that takes the "
-            f"whole batch's spec. (The model raised {type(e).__name__}: {e})"
+            f"passes to apply_fn ({examples}); diagnostics.memory.estimate is the one that "
+            f"takes the whole batch's spec. (The model raised {type(e).__name__}: {e})"
         ) from e
 
 
 class StateBuilder:
-    """Makes the `TrainState` of a model and an optimizer; a mixed-precision `policy` (or
-    None) wraps ``apply_fn`` and sets the parameters' dtype."""
+    """Makes the `TrainState` of a model and an optimizer; a mixed-precision `policy` (a
+    `precision.Policy`, a string `precision.get_policy` reads, or None) wraps ``apply_fn``
+    and sets the parameters' dtype."""
 
     def __init__(self, adapter: model_lib.ModelAdapter, optimizer: optax.GradientTransformation,
-                 policy: precision_lib.Policy | None, base_prng: types.PRNGType):
+                 policy: precision_lib.Policy | str | None, base_prng: types.PRNGType):
         self._adapter = adapter
         self._optimizer = optimizer
-        self._policy = policy
+        self.policy = policy = precision_lib.get_policy(policy)
         self._base_prng = base_prng
         # Wrapped once: the state keeps apply_fn in its tree structure.
         self._apply_fn = adapter.apply if policy is None else policy.wrap_apply(adapter.apply)
@@ -107,8 +144,8 @@ class StateBuilder:
         if variables is None:
             variables = self._adapter.init(self._base_prng, batch)
         params = variables["params"]
-        if self._policy is not None:
-            params = self._policy.cast_to_param(params)
+        if self.policy is not None:
+            params = self.policy.cast_to_param(params)
         return state_class.create(apply_fn=self._apply_fn, params=params, tx=self._optimizer,
                             batch_stats=variables.get("batch_stats"))
 

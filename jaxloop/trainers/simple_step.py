@@ -118,7 +118,7 @@ class SimpleStep(step_lib.Step):
           **kwargs: keyword arguments for the model's ``init`` (flax linen models), e.g.
             ``train=False``.
         """
-        features = self._get_input_features(step_lib.zeros_from_spec(spec))
+        features = self._get_input_features(step_lib.get_zeroed_batch(spec))
         if not kwargs:
             return super().initialize_model(features, log_num_params)
         if not isinstance(self.model, nn.Module):
