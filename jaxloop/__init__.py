@@ -10,13 +10,13 @@ Example::
 """
 
 import importlib
-import importlib.util
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-# Names are imported on first use (PEP 562), so `import jaxloop.step` loads neither orbax
-# nor grain. The exported names that are not submodules, by their defining submodule:
-_NAMES = {name: module for module, names in (
+# The one list of exported names: each by the submodule that defines it, a submodule by
+# itself. Imported on first use (PEP 562), so `import jaxloop.step` loads neither orbax nor
+# grain.
+_EXPORTS = {name: module for module, names in (
     ("actions", ("Action", "EarlyStoppingAction", "StepNumberAction", "SummaryAction")),
     ("checkpointing.checkpoint_actions", ("CheckpointAction",)),
     ("metrics.progress", ("ProgressAction",)),
@@ -29,67 +29,24 @@ _NAMES = {name: module for module, names in (
     ("stop_handler", ("MetricMonitoringStopHandler", "StopTrainingError")),
     ("train_loop", ("TrainLoop",)),
     ("types", ("MetricType", "MetricWithMetadata", "TrainState")),
-) for name in names}
-
-if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports
-    from jaxloop import (
-        action_loop,
-        actions,
-        async_action_context,
-        checkpointing,
-        data,
-        diagnostics,
-        engine,
-        eval_loop,
-        launch,
-        loop,
-        metrics,
-        orchestration,
-        outer_loop,
-        partition,
-        pipeline_loop,
-        recipes,
-        stat_loop,
-        state,
-        step,
-        step_number_writer,
-        stop_handler,
-        train_loop,
-        trainers,
-        types,
-    )
-    from jaxloop.actions import Action, EarlyStoppingAction, StepNumberAction, SummaryAction
-    from jaxloop.checkpointing.checkpoint_actions import CheckpointAction
-    from jaxloop.eval_loop import EvalLoop
-    from jaxloop.loop import Loop
-    from jaxloop.metrics.progress import ProgressAction
-    from jaxloop.outer_loop import STOP_LOOP, CheckpointSpec, EvalContext, EvalSpec, OuterLoop
-    from jaxloop.partition import (
-        DataParallelPartitioner,
-        FSDPPartitioner,
-        Partitioner,
-        SingleDevicePartitioner,
-        SPMDPartitioner,
-    )
-    from jaxloop.step import Step
-    from jaxloop.stop_handler import MetricMonitoringStopHandler, StopTrainingError
-    from jaxloop.train_loop import TrainLoop
-    from jaxloop.types import MetricType, MetricWithMetadata, TrainState
+) for name in names} | {module: module for module in (
+    # the google/jaxloop modules
+    "action_loop", "actions", "async_action_context", "eval_loop", "loop", "outer_loop",
+    "partition", "pipeline_loop", "stat_loop", "step", "step_number_writer", "stop_handler",
+    "train_loop", "trainers", "types",
+    # the concerns beneath them
+    "checkpointing", "data", "diagnostics", "engine", "launch", "metrics", "orchestration",
+    "recipes", "state",
+)}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     """Imports an exported submodule or name when first used (PEP 562)."""
-    if name in _NAMES:
-        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
-    elif name in __all__:  # the other exported names are submodules
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        for concern in _CONCERNS:  # a module of an earlier release, now in a concern's folder
-            if importlib.util.find_spec(f"{__name__}.{concern}.{name}") is not None:
-                # An ImportError, which `from jaxloop import name` shows as it is.
-                raise ImportError(f"jaxloop.{name} is now jaxloop.{concern}.{name}: write "
-                                  f"`from jaxloop.{concern} import {name}`", name=name)
+    if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+    value = module if _EXPORTS[name] == name else getattr(module, name)
     globals()[name] = value  # found directly from now on
     return value
 
@@ -102,19 +59,3 @@ __version__ = "0.1.0"
 
 if "ipykernel" in sys.modules:  # a notebook: show the INFO lines a user asks for
     importlib.import_module(f"{__name__}.metrics.notebook_logging").show_info_if_unconfigured()
-
-__all__ = [
-    "STOP_LOOP", "Action", "CheckpointAction", "CheckpointSpec", "DataParallelPartitioner",
-    "EarlyStoppingAction", "EvalContext", "EvalLoop", "EvalSpec", "FSDPPartitioner", "Loop",
-    "MetricMonitoringStopHandler", "MetricType", "MetricWithMetadata", "OuterLoop", "Partitioner",
-    "ProgressAction", "SPMDPartitioner", "SingleDevicePartitioner", "Step", "StepNumberAction",
-    "StopTrainingError", "SummaryAction", "TrainLoop", "TrainState",
-    # the google/jaxloop modules
-    "action_loop", "actions", "async_action_context", "eval_loop", "loop", "outer_loop",
-    "partition", "pipeline_loop", "stat_loop", "step", "step_number_writer", "stop_handler",
-    "train_loop", "trainers", "types",
-    # the concerns beneath them
-    "checkpointing", "data", "diagnostics", "engine", "launch", "metrics", "orchestration",
-    "recipes", "state",
-]
-_CONCERNS = __all__[__all__.index("checkpointing"):]

@@ -25,11 +25,12 @@ import jax
 import numpy as np
 
 from jaxloop import stop_handler, types
-from jaxloop.engine import host_count, metric_values
+from jaxloop.engine import host_count
 from jaxloop.engine.action import Action
+from jaxloop.metrics import metric_values
 
 # Re-exported: users call these as ``actions.scalar_metrics`` etc. (google/jaxloop's names).
-from jaxloop.engine.metric_values import example_weights, fetch, scalar_metrics, scalar_summary
+from jaxloop.metrics.metric_values import example_weights, fetch, scalar_metrics, scalar_summary
 from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
 
 if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` loads them when used

@@ -28,8 +28,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxloop import types
-from jaxloop.engine import annotations, staging
 from jaxloop.engine import program as program_lib
+from jaxloop.engine import staging
+from jaxloop.sharding import annotations
 
 Batch = types.Batch
 TrainState = types.TrainState

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxloop import eval_loop, types
 from jaxloop import loop as loop_lib
-from jaxloop.engine import metric_values
+from jaxloop.metrics import metric_values
 
 try:
     from ml_metrics import chainable

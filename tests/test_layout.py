@@ -3,6 +3,7 @@ imports flowing one way, and CONTRIBUTING's table naming every module."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -14,7 +15,26 @@ GOOGLE = {"types.py", "step.py", "partition.py", "loop.py", "stat_loop.py", "act
           "async_action_context.py", "pipeline_loop.py", "constants.py", "trainers",
           "step_number_writer"}
 CONCERNS = {"engine", "state", "data", "checkpointing", "orchestration", "metrics", "recipes",
-            "diagnostics", "launch"}
+            "diagnostics", "launch", "sharding"}
+# CONTRIBUTING's floors: each unit (a folder, or a module at the top) imports only units on
+# floors below its own.
+FLOORS = {
+    "types": 1, "constants": 1, "stop_handler": 1, "async_action_context": 1,
+    "step_number_writer": 1, "launch": 1, "data": 1, "sharding": 1,
+    "engine": 2,
+    "hooks": 3, "diagnostics": 3, "partition": 3,
+    "metrics": 4,
+    "recipes": 5, "checkpointing": 5,
+    "state": 6,
+    "step": 7, "actions": 7,
+    "loop": 8, "orchestration": 8,
+    "stat_loop": 9, "action_loop": 10, "train_loop": 11, "eval_loop": 11,
+    "pipeline_loop": 12, "outer_loop": 12,
+    "trainers": 13, "examples": 13,
+}
+# The core: what a step and a loop are made of. What plugs into it comes from above.
+CORE = {"step", "loop", "engine"}
+PLUGS = {"recipes", "diagnostics", "metrics", "checkpointing", "orchestration"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -95,10 +115,44 @@ def test_contributing_names_every_module():
                 assert f"`{path.stem}`" in text, f"CONTRIBUTING.md lacks {concern}/{path.name}"
 
 
-def test_a_module_of_an_earlier_release_names_its_new_home():
-    with pytest.raises(ImportError, match=r"jaxloop.checkpoint is now jaxloop.checkpointing."
-                                          r"checkpoint: write `from jaxloop.checkpointing import"):
-        from jaxloop import checkpoint  # noqa: F401
-    import jaxloop
+def _unit_imports() -> dict[str, dict[str, set[str]]]:
+    """For each unit, the units each of its modules imports (function-level included)."""
+    modules = _modules()
+    found: dict[str, dict[str, set[str]]] = {}
+    for name, path in modules.items():
+        if name != "jaxloop":  # the package's face resolves any name on first use
+            deps = {_unit(d) for d in _imports(name, path, modules) - {"jaxloop"}}
+            found.setdefault(_unit(name), {})[name] = deps - {_unit(name)}
+    return found
 
-    assert not hasattr(jaxloop, "no_such_module")
+
+def test_the_core_imports_nothing_that_plugs_into_it():
+    # Recipes, diagnostics, metrics, checkpoints and orchestration plug into the step and the
+    # loop from above (their hooks and arguments), never the other way.
+    wrong = {module: sorted(deps & PLUGS) for unit, modules in _unit_imports().items()
+             if unit in CORE for module, deps in modules.items() if deps & PLUGS}
+    assert not wrong, f"the core imports from above it: {wrong}"
+
+
+def test_every_import_goes_to_a_lower_floor():
+    units = _unit_imports()
+    assert set(units) <= set(FLOORS), f"no floor for {sorted(set(units) - set(FLOORS))}"
+    upward = {module: sorted(d for d in deps if FLOORS[d] >= FLOORS[unit])
+              for unit, modules in units.items() for module, deps in modules.items()
+              if any(FLOORS[d] >= FLOORS[unit] for d in deps)}
+    assert not upward, f"imports of a unit on the same floor or above: {upward}"
+
+
+def test_contributing_gives_each_unit_its_floor():
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    table = text[text.index("| floor | place |"):text.index("## Development set-up")]
+    said = {}
+    for row in table.strip().splitlines()[2:]:
+        floor, place = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        low, _, high = floor.partition("-")
+        for name in re.findall(r"`([a-z_]+)(?:\.py|/)`", place):
+            said[name] = range(int(low), int(high or low) + 1)
+    present = {p.stem for p in PACKAGE.iterdir() if p.name not in ("__init__.py", "__pycache__")}
+    assert set(said) == present, f"table vs package: {sorted(set(said) ^ present)}"
+    wrong = {name: FLOORS[name] for name, floors in said.items() if FLOORS[name] not in floors}
+    assert not wrong, f"CONTRIBUTING gives these units other floors than FLOORS: {wrong}"

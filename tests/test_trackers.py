@@ -46,7 +46,7 @@ def test_mlflow_file_store_read_back_and_resumed(tmp_path, monkeypatch):
     # MLflow 3 keeps its file store for those who opt in; a database needs SQLAlchemy.
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = (tmp_path / "mlruns").as_uri()
-    assert trackers.saved_run_id(tmp_path / "ckpt") is None
+    assert checkpoint.read_meta(tmp_path / "ckpt").get(trackers.RUN_ID_KEY) is None
     writer = trackers.MlflowWriter(experiment="digits", tracking_uri=uri, run_name="first")
     writer.write_hparams({"lr": 0.01, "model": {"hidden": 32}})
     writer.write_images(0, {"sample": np.zeros((2, 4, 4, 1), np.float32)})
@@ -64,9 +64,9 @@ def test_mlflow_file_store_read_back_and_resumed(tmp_path, monkeypatch):
     assert "texts" in artifacts and "images" in artifacts
 
     # The job restarts: the run id comes back from the latest checkpoint.
-    assert trackers.saved_run_id(tmp_path / "ckpt") == run_id
-    resumed = trackers.MlflowWriter(experiment="digits", tracking_uri=uri,
-                                    run_id=trackers.saved_run_id(tmp_path / "ckpt"))
+    saved = checkpoint.read_meta(tmp_path / "ckpt").get(trackers.RUN_ID_KEY)
+    assert saved == run_id
+    resumed = trackers.MlflowWriter(experiment="digits", tracking_uri=uri, run_id=saved)
     resumed.write_hparams({"lr": 0.01, "model": {"hidden": 32}, "resumed": True})
     train(tmp_path, resumed, 6)
     resumed.close()
@@ -155,9 +155,10 @@ def test_wandb_offline_files_read_back_and_resumed(tmp_path, monkeypatch):
     keys = {(u.key or ".".join(u.nested_key)): json.loads(u.value_json) for u in updates}
     assert keys["lr"] == 0.01 and keys["model.hidden"] == 32.0
 
-    assert trackers.saved_run_id(tmp_path / "ckpt") == run_id
+    saved = checkpoint.read_meta(tmp_path / "ckpt").get(trackers.RUN_ID_KEY)
+    assert saved == run_id
     resumed = trackers.WandbWriter(project="digits", mode="offline", dir=tmp_path / "wb",
-                                   run_id=trackers.saved_run_id(tmp_path / "ckpt"))
+                                   run_id=saved)
     train(tmp_path, resumed, 6)
     resumed.close()
     wandb.teardown()
@@ -186,8 +187,8 @@ def test_the_run_id_comes_back_whatever_the_step_naming(tmp_path):
     naming = {"step_prefix": "ckpt", "step_format_fixed_length": 6}
     train(tmp_path, RunIdOnly("run-7f3a"), 4, **naming)
     assert (tmp_path / "ckpt" / "ckpt_000004").exists()
-    assert trackers.saved_run_id(tmp_path / "ckpt") == "run-7f3a"
-    assert trackers.saved_run_id(tmp_path / "ckpt", step=2) == "run-7f3a"
+    assert checkpoint.read_meta(tmp_path / "ckpt").get(trackers.RUN_ID_KEY) == "run-7f3a"
+    assert checkpoint.read_meta(tmp_path / "ckpt", 2).get(trackers.RUN_ID_KEY) == "run-7f3a"
 
 
 def test_missing_package_message(monkeypatch):

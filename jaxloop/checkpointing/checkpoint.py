@@ -236,9 +236,12 @@ def _json(path: epath.Path, name: str, filename: str | None = None) -> dict[str,
     return dict(restored[name] or {})
 
 
-def read_meta(directory: Any, step: int) -> dict[str, Any]:
-    """The JSON metadata saved with the checkpoint at `step` ({} for a single-item one)."""
-    return _json(_step_path(epath.Path(directory), step)[1], META_ITEM)
+def read_meta(directory: Any, step: int | None = None) -> dict[str, Any]:
+    """The JSON metadata saved with the checkpoint at `step` (None: the latest; {} for a
+    single-item one, or where there is no checkpoint), e.g. a tracker's run id
+    (``read_meta(ckpt_dir).get(trackers.RUN_ID_KEY)``)."""
+    found = _step_path(epath.Path(directory), step)
+    return {} if found is None else _json(found[1], META_ITEM)
 
 
 def _best_step(directory: epath.Path, metric: str, mode: str) -> int:

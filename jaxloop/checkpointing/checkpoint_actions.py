@@ -19,7 +19,7 @@ from jaxloop import types
 from jaxloop.checkpointing import checkpoint
 from jaxloop.engine import host_count, triggers
 from jaxloop.engine.action import Action
-from jaxloop.engine.metric_values import scalar_metrics
+from jaxloop.metrics.metric_values import scalar_metrics
 
 Output = types.Output
 State = types.TrainState

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxloop.engine import annotations
+from jaxloop.sharding import annotations
 
 PyTree = Any
 

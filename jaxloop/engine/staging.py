@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxloop import types
-from jaxloop.engine import annotations
+from jaxloop.sharding import annotations
 
 Batch = types.Batch
 

@@ -25,9 +25,10 @@ import jax
 from etils import epath
 
 from jaxloop import types
-from jaxloop.engine import host_count, metric_values
+from jaxloop.engine import host_count
 from jaxloop.engine import outputs as outputs_lib
 from jaxloop.engine.action import Action
+from jaxloop.metrics import metric_values
 
 TRAIN = "train"
 EVAL = "eval"

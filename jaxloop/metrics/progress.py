@@ -20,8 +20,9 @@ from typing import Any
 import jax
 
 from jaxloop import types
-from jaxloop.engine import host_count, metric_values
+from jaxloop.engine import host_count
 from jaxloop.engine.action import Action
+from jaxloop.metrics import metric_values
 
 Output = types.Output
 State = types.TrainState

@@ -1,9 +1,10 @@
 """Experiment trackers as metric writers: `MlflowWriter` and `WandbWriter` go wherever a
 `writers.MetricWriter` goes; each needs its extra (``pip install jaxloop[mlflow]`` or
 ``jaxloop[wandb]``). Only process 0 talks to the tracker. A resumed job continues the same
-run: save the run id with the checkpoints and read it back with `saved_run_id`::
+run: save the run id with the checkpoints and read it back (`checkpoint.read_meta`)::
 
-    writer = trackers.MlflowWriter(experiment='digits', run_id=trackers.saved_run_id(ckpt_dir))
+    run_id = checkpoint.read_meta(ckpt_dir).get(trackers.RUN_ID_KEY)  # None at the start
+    writer = trackers.MlflowWriter(experiment='digits', run_id=run_id)
     checkpoints = CheckpointAction(manager, meta={trackers.RUN_ID_KEY: writer.run_id})
     train_loop = TrainLoop(step, end_actions=[SummaryAction(writer), checkpoints])
 """
@@ -23,7 +24,7 @@ from jaxloop.launch import distributed
 from jaxloop.metrics import writer_values as values
 from jaxloop.metrics import writers
 
-__all__ = ["RUN_ID_KEY", "MlflowWriter", "WandbWriter", "saved_run_id"]
+__all__ = ["RUN_ID_KEY", "MlflowWriter", "WandbWriter"]
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +38,6 @@ def _import(module: str, extra: str) -> Any:
         raise ImportError(
             f"{module} is not installed; install it with `pip install jaxloop[{extra}]`"
         ) from e
-
-
-def saved_run_id(checkpoint_dir: str | os.PathLike[str], step: int | None = None) -> str | None:
-    """The tracker run id saved with the latest (or `step`'s) checkpoint, or None."""
-    from jaxloop.checkpointing import checkpoint  # noqa: PLC0415
-    steps = checkpoint.all_steps(checkpoint_dir)
-    if not steps:
-        return None
-    step = max(steps) if step is None else step
-    return checkpoint.read_meta(checkpoint_dir, step).get(RUN_ID_KEY)
 
 
 def _warn_once(self: Any, what: str) -> None:

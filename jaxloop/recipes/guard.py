@@ -24,8 +24,8 @@ import numpy as np
 import optax
 
 from jaxloop import types
-from jaxloop.engine import metric_values
 from jaxloop.engine.action import Action
+from jaxloop.metrics import metric_values
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "SKIPPED", "FIRST_LEAF", "all_finite"]
 
