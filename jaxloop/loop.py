@@ -1,7 +1,5 @@
-"""Loop: runs a Step over many batches and collects its outputs.
-
-The host never waits for a step's result; it only bounds how far ahead it runs
-(`jaxloop.engine.in_flight`).
+"""Loop: runs a Step over many batches and collects its outputs. The host never waits for a
+step's result; it only bounds how far ahead it runs (`jaxloop.engine.in_flight`).
 
 Example::
 
@@ -30,8 +28,7 @@ from jaxloop.launch import preemption
 Output = types.Output
 State = types.TrainState
 Step = step_lib.Step
-# Names kept here for code that imports them from the loop module.
-MetricList = outputs.MetricList
+MetricList = outputs.MetricList  # as the docs write it: `loop.MetricList`
 
 
 def _deleted(state: Any) -> bool:
@@ -51,8 +48,7 @@ class Loop:
         step runs without donating it (new buffers beside yours, no copy), and the steps
         after it consume only states the loop made. An `adopt`-ed state is consumed.
 
-    What the user keeps stays usable: a state (or any part of one) that an action, a hook
-    or a cell keeps is never consumed; the step after it runs without donation
+    A state (or any part of one) that an action, a hook or a cell keeps is never consumed
     (`engine.ownership`). After any exception, `stopped_state` is the live state at the
     last completed step.
 
@@ -63,9 +59,9 @@ class Loop:
     def __init__(self, step: Step, max_steps_in_flight: int | None = None,
                  steps_per_execution: int = 1, unroll: bool = False,
                  donate_input_state: bool = False):
-        if max_steps_in_flight is None:
-            max_steps_in_flight = in_flight.default_max_steps_in_flight(step)
-        self._in_flight = in_flight.InFlight(max_steps_in_flight)
+        self._in_flight = in_flight.InFlight(in_flight.default_max_steps_in_flight(step)
+                                             if max_steps_in_flight is None
+                                             else max_steps_in_flight)
         if (not isinstance(steps_per_execution, int) or isinstance(steps_per_execution, bool)
                 or steps_per_execution < 1):
             raise ValueError(
@@ -79,20 +75,16 @@ class Loop:
         self._donate_input_state = donate_input_state
         self._adopted: Any = None
         self._prefetch: read_ahead.Prefetcher | None = None
-        # What the prefetcher prepared of the batches read since the last step was given one.
-        self._prepared: list[staging.PreparedBatch] = []
-        # A batch of another layout, left for the next execution.
-        self._pending: Any = None
-        # Batches read from a dataset but not trained on (read ahead when a call ended):
-        # the next call on that dataset takes them first. (dataset, [(batch, position)]).
+        self._prepared: list[staging.PreparedBatch] = []  # read since the step last ran
+        self._pending: Any = None  # (a batch of another layout, its position): next execution's
+        # (dataset, [(batch, position before it)]): read from it (ahead) but not trained on;
+        # the next call on that dataset takes them first.
         self._unread: tuple[Any, list[tuple[Any, Any]]] | None = None
-        # The outputs of the steps a call completed before an exception ended it.
-        self.partial_outputs: Output | None = None
+        self.partial_outputs: Output | None = None  # of the steps before an exception
         self.dataset_exhausted = False
         self.preempted = False
         self.num_steps_run = 0
-        # The live state where Ctrl-C or a preemption stopped the last call (else None).
-        self.stopped_state: Any = None
+        self.stopped_state: Any = None  # the live state where Ctrl-C or preemption stopped
 
     @property
     def step(self) -> Step:
@@ -110,14 +102,6 @@ class Loop:
         """Hands the loop a state no caller holds (restored, say): the next run donates it
         without a copy. Returns `state`, as in ``loop(loop.adopt(restored), it)``."""
         self._adopted = state
-        return state
-
-    def _own(self, state: State) -> State:
-        """Marks `state` held by the caller (its first step consumes nothing) unless it was
-        adopted or ``donate_input_state`` is set."""
-        adopted, self._adopted = self._adopted, None
-        if state is not adopted and not self._donate_input_state:
-            ownership.mark_held(state)
         return state
 
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
@@ -141,11 +125,10 @@ class Loop:
         return outputs.append(loop_outputs, step_outputs)
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
-        """The next batch: one an earlier call read but did not train on, else from the
-        prefetcher inside `prefetching(dataset)`, else from `dataset`; raises
-        StopIteration at the end. An override sees the batch itself (read ahead: already
-        preprocessed, and placed where the prefetcher places); the step prepares one it
-        returns in place of the batch read as any other."""
+        """The next batch (StopIteration at the end): one an earlier call read but did not
+        train on, else from the prefetcher inside `prefetching(dataset)`, else from
+        `dataset`. Read ahead, it comes preprocessed (and placed where the prefetcher places);
+        the step prepares a batch an override returns in its place as any other."""
         unread = self._unread_from(dataset)
         batch = unread.pop(0)[0] if unread else next(
             self._prefetch if self._prefetch is not None else dataset)
@@ -164,14 +147,11 @@ class Loop:
         return prepared
 
     def _unread_from(self, dataset: Any) -> list[tuple[Any, Any]]:
-        """The (batch, position before it) pairs read from `dataset` but not trained on."""
-        unread = self._unread
-        return unread[1] if unread is not None and unread[0] is dataset else []
+        return self._unread[1] if self._unread and self._unread[0] is dataset else []
 
     def _keep_unread(self, dataset: Any, batches: list[tuple[Any, Any]],
                      first: bool = False) -> None:
-        """Keeps `batches` ((batch, position before it) pairs read from `dataset` but not
-        trained on) for the next call on `dataset`: after those kept already, or `first`."""
+        """Keeps (batch, position before it) pairs for the next call on `dataset`."""
         if batches:
             kept = self._unread_from(dataset)
             self._unread = (dataset, [*batches, *kept] if first else [*kept, *batches])
@@ -202,10 +182,8 @@ class Loop:
         if size <= 0:
             yield dataset
             return
-        previous = self._prefetch
-        if place is None:
-            place = read_ahead.places_ahead(self._step)
-        step = self._step
+        previous, step = self._prefetch, self._step
+        place = read_ahead.places_ahead(step) if place is None else place
         self._prefetch = read_ahead.Prefetcher(dataset, step.prepare_batch if place else (
             lambda b: staging.PreparedBatch(step.preprocess_batch(b))), size)
         try:
@@ -217,10 +195,8 @@ class Loop:
     def data_position(self, dataset: Any) -> Any:
         """`dataset`'s checkpointable position after the batches trained on (or None)."""
         unread = self._unread_from(dataset)
-        if unread:
-            return unread[0][1]
-        if self._prefetch is not None:
-            return self._prefetch.position()
+        if unread or self._prefetch is not None:
+            return unread[0][1] if unread else self._prefetch.position()
         if not callable(getattr(dataset, "get_state", None)):
             return None
         from jaxloop import data  # noqa: PLC0415 (grain loads only when asked)
@@ -233,13 +209,11 @@ class Loop:
                       ) -> tuple[State, Output]:
         """Runs one batch and records its outputs; `return_state_from_step=False` (eval)
         keeps the given state."""
-        batch = self._read(dataset)
-        new_state, step_outputs = self._step(
-            state, batch, per_loop_step_number, log_num_flops=log_num_flops, **kwargs)
-        if return_state_from_step:
-            state = new_state
+        new_state, step_outputs = self._step(state, self._read(dataset), per_loop_step_number,
+                                             log_num_flops=log_num_flops, **kwargs)
         self._in_flight.add(in_flight.token(self._step, step_outputs, new_state))
-        return state, self.update_outputs(loop_outputs, step_outputs)
+        return (new_state if return_state_from_step else state,
+                self.update_outputs(loop_outputs, step_outputs))
 
     def _run_steps(self, state: State, dataset: Iterator[Any], loop_outputs: Output,
                    per_loop_step_number: int, num_steps: int, log_num_flops: bool = False,
@@ -248,8 +222,7 @@ class Loop:
         """Runs up to `num_steps` batches in one execution; returns the state, the outputs
         and the steps run (fewer at the dataset's end or before a batch of another layout,
         kept for the next execution)."""
-        batches = [self._pending[0]] if self._pending is not None else []
-        self._pending = None
+        batches, self._pending = [self._pending[0]] if self._pending else [], None
         layout = staging.batch_layout(batches[0]) if batches else None
         try:
             while len(batches) < num_steps:
@@ -270,8 +243,7 @@ class Loop:
             state, batches, per_loop_step_number, log_num_flops=log_num_flops,
             carry_state=return_state_from_step, unroll=self._unroll,
             size=self._steps_per_execution, **kwargs)
-        if return_state_from_step:
-            state = new_state
+        state = new_state if return_state_from_step else state
         self._in_flight.add(in_flight.token(self._step, stacked, new_state))
         if isinstance(stacked, dict) and type(self).update_outputs is Loop.update_outputs:
             # Kept stacked: a step's entry is sliced off when something reads it.
@@ -288,20 +260,20 @@ class Loop:
             raise ValueError(f"num_steps must be >= 0, got {num_steps}")
         train = kwargs.pop("return_state_from_step", True)
         loop_outputs: Output = collections.defaultdict(list)
-        self.dataset_exhausted = False
-        self.preempted = False
-        # Against the host's step count: the check never waits for the device.
+        self.dataset_exhausted = self.preempted = False
+        # Against the host's step count: the check never waits for the device. An evaluation
+        # may stop at any batch on Ctrl-C; a training loop at the agreed step boundary.
         check_preemption = preemption.active() and train
+        check_interrupt = preemption.active() and not train
         # A plain callable may advance `state.step` otherwise (or not at all).
         counted = train and getattr(self._step, "train", False) and hasattr(state, "step")
         first_step = host_step(state) if counted or check_preemption else None
-        # An evaluation may stop at any batch on Ctrl-C; a training loop at a step boundary.
-        check_interrupt = preemption.active() and not train
-        done = 0
+        done, size = 0, self._steps_per_execution
         if train:
-            state = self._own(state)
+            adopted, self._adopted = self._adopted, None
+            if state is not adopted and not self._donate_input_state:
+                ownership.mark_held(state)  # the caller's: its first step consumes nothing
         donating = getattr(self._step, "donating_state", None)
-        size = self._steps_per_execution
         try:
             with donating() if donating and train else contextlib.nullcontext():
                 while num_steps is None or done < num_steps:
@@ -327,25 +299,17 @@ class Loop:
                         break
                     done += ran
                     # The agreed sync step may fall inside an execution: stop at its end.
-                    if check_preemption and (
-                            preemption.reached_sync_point(first_step + done) if ran == 1
-                            else any(preemption.reached_sync_point(first_step + n)
-                                     for n in range(done - ran + 1, done + 1))):
-                        self.preempted = True
-                        break
-                    if check_interrupt and preemption.interrupted():
-                        self.preempted = True
-                        break
-                    if self.dataset_exhausted:
+                    self.preempted = (check_preemption and any(
+                        preemption.reached_sync_point(first_step + n)
+                        for n in range(done - ran + 1, done + 1))) or (
+                        check_interrupt and preemption.interrupted())
+                    if self.preempted or self.dataset_exhausted:
                         break
         except BaseException:
             # The live state: the one the failed step was given, or the one it made if it
             # had consumed that (an error after its execution, in an end hook or action).
-            live = state
-            if train and _deleted(state):
-                made = getattr(self._step, "last_state", None)
-                live = made if made is not None and not _deleted(made) else state
-            self.stopped_state = live
+            made = getattr(self._step, "last_state", None) if train and _deleted(state) else None
+            self.stopped_state = made if made is not None and not _deleted(made) else state
             self.partial_outputs = dict(loop_outputs)
             self.num_steps_run = done
             raise
@@ -369,8 +333,7 @@ class Loop:
         Ctrl-C ends the loop at the next step boundary: `end` runs, a training loop saves,
         then `preemption.Interrupted` is raised with the live state (also `stopped_state`),
         unless an `OuterLoop` runs it."""
-        self.stopped_state = None
-        self.partial_outputs = None
+        self.stopped_state = self.partial_outputs = None
         owner = not preemption.active()
         with (preemption.handling_preemption((signal.SIGINT,)) if owner
               else contextlib.nullcontext()):

@@ -29,8 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxloop import types
 from jaxloop.engine import program as program_lib
-from jaxloop.engine import staging
-from jaxloop.sharding import annotations
+from jaxloop.sharding import annotations, batches
 
 Batch = types.Batch
 TrainState = types.TrainState
@@ -219,18 +218,18 @@ class Partitioner(abc.ABC):
         return sharded_init
 
     def batch_shardings(self, batch: PyTree, stacked: bool = False) -> PyTree:
-        """The sharding of each leaf of a process-local batch (`staging.batch_shardings`)."""
-        return staging.batch_shardings(self, batch, stacked)
+        """The sharding of each leaf of a process-local batch (`sharding.batches`)."""
+        return batches.batch_shardings(self, batch, stacked)
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """This process's batch as global arrays split along the data axis; leaves already
         placed pass through. The one place a step's batch is placed, so a subclass or a
         patched method (as google's notebooks do) decides how batches land."""
-        return staging.place(self, batch)
+        return batches.place(self, batch)
 
     def shard_stacked_batch(self, batch: PyTree) -> PyTree:
         """`shard_batch` for k batches stacked on a new leading axis."""
-        return staging.place(self, batch, stacked=True)
+        return batches.place(self, batch, stacked=True)
 
     def partition(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
         """Jits `fn(state, batch, ...)` pinned to the state's shardings; `jit_kwargs` go to

@@ -1,8 +1,6 @@
-"""Step: what happens to one batch. Users subclass it and override `run`.
-
-A call runs ``preprocess_batch -> begin actions -> begin -> compiled run -> end -> end
-actions``; `run` is compiled once (`jaxloop.engine.program`). `call_steps` runs up to k batches in
-one compiled call (a loop's ``steps_per_execution=k``).
+"""Step: what happens to one batch. Users subclass it and override `run`. A call runs
+``preprocess_batch -> begin actions -> begin -> compiled run -> end -> end actions``; `run`
+is compiled once (`jaxloop.engine.program`), and `call_steps` runs k batches in one call.
 
 Example::
 
@@ -48,8 +46,7 @@ State = types.TrainState
 get_zeroed_batch = specs.zeros_from_spec  # google/jaxloop's name
 
 log = logging.getLogger(__name__)
-# Evaluation steps need no optimizer; one shared identity keeps the default immutable.
-_IDENTITY = optax.identity()
+_IDENTITY = optax.identity()  # eval steps need no optimizer; one shared default
 
 
 class Step:
@@ -67,10 +64,9 @@ class Step:
     """
 
     state_class: type[types.TrainState] | None = None
-    """The class of the states built (set on a Step subclass or instance): a
-    `types.TrainState` subclass whose extra fields have defaults, such as
-    ``metrics: Metrics = Metrics.empty()``. None: whatever ``jaxloop.step.State`` names at
-    the call (google's notebooks set it)."""
+    """The class of the states built (set on a subclass or instance): a `types.TrainState`
+    subclass whose extra fields have defaults (``metrics: Metrics = Metrics.empty()``).
+    None: whatever ``jaxloop.step.State`` names at the call (google's notebooks set it)."""
 
     def __init__(self, base_prng: types.PRNGType, model: model_lib.Model,
                  optimizer: optax.GradientTransformation = _IDENTITY,
@@ -101,8 +97,7 @@ class Step:
         self._placing: tuple[bool, bool] | None = None
         self._num_params: int | None = None
         self._num_flops: float | None = None
-        # The spec of the last `abstract_state`, to initialise it when nothing is restored.
-        self._abstract_spec: types.BatchSpec | None = None
+        self._abstract_spec: types.BatchSpec | None = None  # what `materialize` initialises
 
     @property
     def train(self) -> bool:
@@ -127,12 +122,10 @@ class Step:
 
     @property
     def begin_actions(self) -> list[Any]:
-        """Actions run before the steps they fire on (`step_actions.action_fires`)."""
         return self._begin_actions
 
     @property
     def end_actions(self) -> list[Any]:
-        """Actions run after the steps they fire on (`step_actions.action_fires`)."""
         return self._end_actions
 
     @property
@@ -154,17 +147,16 @@ class Step:
     def initialize_model(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
         """Initialises the model and optimizer on the mesh from an example batch spec (only
         its shapes and dtypes matter: any batch size works on any mesh)."""
+        # `State` looked up per call: notebooks reassign ``jaxloop.step.State``.
         return self._counted(self._state_builder.initialize(
             self._partitioner, spec, self.state_class or State), log_num_params)
 
     def abstract_state(self, spec: types.BatchSpec, log_num_params: bool = False,
                        remember: bool = True) -> State:
         """The state `initialize_model` would create as `jax.ShapeDtypeStruct` leaves (no
-        device memory): pass it where a state is restored, which then lands in place, or
-        without a checkpoint is initialised (`materialize`), as in
+        device memory), to restore into in place or initialise (`materialize`):
         ``step.restore_model(step.abstract_state([1, 28, 28, 1]), ckpt_dir)``.
-        ``remember=False`` leaves `num_params` and what `materialize` initialises as they were."""
-        # Looked up per call: notebooks reassign ``jaxloop.step.State`` after import.
+        ``remember=False`` leaves `num_params` and what `materialize` initialises alone."""
         abstract = self._state_builder.abstract(self._partitioner, spec,
                                                 self.state_class or State)
         if not remember:
@@ -179,10 +171,10 @@ class Step:
 
     def restore_model(self, state: State, checkpoint_dir: Any, step: int | None = None,
                       transforms: Any = None) -> State:
-        """Restores `state` (the latest step unless `step` is given) from the orbax
-        checkpoints in `checkpoint_dir`, placed as `state` is (which may be abstract). An eval
-        step restores no optimizer state. With no checkpoint, logs so and returns `state`
-        (materialized). `transforms`: see `checkpoint.restore`."""
+        """Restores `state` (the latest step unless `step`) from the orbax checkpoints in
+        `checkpoint_dir`, placed as `state` is (which may be abstract); an eval step restores
+        no optimizer state. With no checkpoint, `state` (materialized). `transforms`: see
+        `checkpoint.restore`."""
         return self.materialize(model_state.restore(
             state, checkpoint_dir, step, self._partitioner, not self._train, transforms))
 
@@ -223,14 +215,6 @@ class Step:
         consumes the state), e.g. to lower for XLA's analyses."""
         return self._program()
 
-    @property
-    def donates_input_state(self) -> bool:
-        """Whether `compile`'s flags donate the state: a loop then copies none."""
-        donate = self._jit_kwargs.get("donate_argnums", ())
-        names = self._jit_kwargs.get("donate_argnames", ())
-        return 0 in ((donate,) if isinstance(donate, int) else tuple(donate)) or "state" in (
-            (names,) if isinstance(names, str) else tuple(names))
-
     @contextlib.contextmanager
     def donating_state(self) -> Iterator[None]:
         """While open, a training step donates the state it is given (one state in memory,
@@ -248,28 +232,23 @@ class Step:
         """The program of one step (`size` None) or of up to `size` steps, made on first use;
         inside `donating_state` it consumes the state unless `keep` (someone holds it)."""
         donate = (self._train and self._donating and not keep
-                  and "donate_argnums" not in self._jit_kwargs
-                  and "donate_argnames" not in self._jit_kwargs)
+                  and not {"donate_argnums", "donate_argnames"} & set(self._jit_kwargs))
         key = (size, carry_state, unroll, separate, donate)
-        program = self._programs.get(key)
-        if program is None:
-            kwargs = dict(self._jit_kwargs, **({"donate_argnums": (0,)} if donate else {}))
-
+        if key not in self._programs:
             def run(state: State, batch: Batch, *args: Any, **kw: Any) -> Any:
                 return self._run_in_mode(state, batch, *args, **kw)
 
             # `run`'s own name and signature: jit flags name its arguments, profiles its name.
             functools.update_wrapper(run, self.run)
-            program = self._programs[key] = program_lib.Program(
+            self._programs[key] = program_lib.Program(
                 run, self._partitioner, steps=size, carry_state=carry_state, unroll=unroll,
-                separate=separate, **kwargs)
-        return program
+                separate=separate, **self._jit_kwargs, **{"donate_argnums": (0,)} if donate else {})
+        return self._programs[key]
 
     @property
     def last_state(self) -> State | None:
-        """The state the last compiled call returned, while anything still holds it: after
-        an error in an end hook or action, the live state (the one it was given was
-        consumed)."""
+        """The state the last compiled call returned, while anything holds it: after an
+        error in an end hook or action, the live state (the one given was consumed)."""
         return None if self._last_state is None else self._last_state()
 
     def _made(self, state: State) -> None:
@@ -296,9 +275,7 @@ class Step:
     def prepare_batch(self, batch: Batch) -> staging.PreparedBatch:
         """`preprocess_batch`, then `shard_batch`: all the work before a step (a prefetcher
         does it in its thread); ``step(state, prepared)`` does neither again."""
-        batch = self.preprocess_batch(batch)
-        return staging.PreparedBatch(self.shard_batch(batch) if self._should_shard_batch
-                                     else batch)
+        return staging.PreparedBatch(self._placed(self.preprocess_batch(batch), always=True))
 
     def shard_batch(self, batch: Batch) -> Batch:
         """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`)."""
@@ -318,9 +295,9 @@ class Step:
                              self._should_shard_batch and custom)
         return self._placing
 
-    def _placed(self, batch: Batch) -> Batch:
-        """A preprocessed batch on the devices (as it is when placed already)."""
-        placed = all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
+    def _placed(self, batch: Batch, always: bool = False) -> Batch:
+        """A preprocessed batch on the devices (`always`: even if its leaves are placed)."""
+        placed = not always and all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
         return batch if placed or not self._should_shard_batch else self.shard_batch(batch)
 
     def _ready(self, batch: Batch | staging.PreparedBatch, preprocessed: bool = False) -> Batch:
@@ -363,22 +340,8 @@ class Step:
         """Runs one batch with its actions; ``batch_preprocessed=True`` (passed on to `run`
         with the other kwargs) skips `preprocess_batch`."""
         batch = self._ready(batch, kwargs.get("batch_preprocessed", False))
-        if self._begin_actions and any(step_actions.action_fires(a, per_loop_step_number, True)
-                                       for a in self._begin_actions):
-            # A placed copy for the actions only: the program keeps one batch form (no retrace).
-            step_actions.fire(self._begin_actions, True, per_loop_step_number, state,
-                              batch=self._placed(batch))
-        state, batch = self._hook(self.begin, state, batch)
-        if log_num_flops:
-            self.compute_num_flops(state, batch, **kwargs)
-        program = self._last_program = self._program(keep=ownership.is_held(state))
-        state, outputs = program(state, batch, **kwargs)
-        if self._train:
-            self._made(state)
-        state, outputs = self._hook(self.end, state, outputs)
-        if self._end_actions:
-            step_actions.fire(self._end_actions, False, per_loop_step_number, state, outputs)
-        return state, outputs
+        return self._execute(state, batch, batch, per_loop_step_number, per_loop_step_number,
+                             log_num_flops, kwargs)
 
     def call_steps(self, state: State, batches: Sequence[Batch | staging.PreparedBatch],
                    per_loop_step_number: int = 1, log_num_flops: bool = False,
@@ -405,21 +368,31 @@ class Step:
                  else self.preprocess_batch(b) for b in batches]
         stacked = (staging.padded(ready, size, moved_once=True) if separate else
                    staging.stack(ready, size, self._partitioner, place_it=place_first))
+        return self._execute(state, stacked, ready[0], first, last, log_num_flops, kwargs,
+                             count, size, carry_state, unroll, separate)
+
+    def _execute(self, state: State, batch: Any, one: Batch, first: int, last: int,
+                 log_num_flops: bool, kwargs: dict[str, Any], count: int | None = None,
+                 size: int | None = None, carry_state: bool = True, unroll: bool = False,
+                 separate: bool = False) -> tuple[State, Output | None]:
+        """Begin actions due at step `first` (on the placed batch `one`), `begin`, the
+        compiled call (one step, or `count` steps of a `size`-step program), `end`, and the
+        end actions due at step `last`."""
         if self._begin_actions and any(step_actions.action_fires(a, first, True)
                                        for a in self._begin_actions):
-            step_actions.fire(self._begin_actions, True, first, state,
-                              batch=self._placed(ready[0]))
-        state, stacked = self._hook(self.begin, state, stacked)
-        if log_num_flops:
-            self.compute_num_flops(state, ready[0], **kwargs)
+            # A placed copy for the actions only: the program keeps one batch form (no retrace).
+            step_actions.fire(self._begin_actions, True, first, state, batch=self._placed(one))
+        state, batch = self._hook(self.begin, state, batch)
+        if log_num_flops:  # of one step
+            self.compute_num_flops(state, batch if count is None else one, **kwargs)
         program = self._last_program = self._program(size, carry_state, unroll, separate,
                                                      keep=ownership.is_held(state))
-        new_state, outputs = program(state, stacked, count, **kwargs)
+        new_state, outputs = program(state, batch, *(() if count is None else (count,)),
+                                     **kwargs)
         if carry_state and self._train:
             self._made(new_state)
-        state = new_state if carry_state else state
-        state, outputs = self._hook(self.end, state, outputs)
+        state, outputs = self._hook(self.end, new_state if carry_state else state, outputs)
         if self._end_actions:
             step_actions.fire(self._end_actions, False, last, state,
-                              staging.entry(outputs, count - 1))
+                              outputs if count is None else staging.entry(outputs, count - 1))
         return state, outputs

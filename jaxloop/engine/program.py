@@ -1,8 +1,7 @@
 """The compiled program of a step: ``jax.jit(fn, in_shardings=(state, batch, ...),
-out_shardings=(state, ...), donate_argnums=...)``, built through the partitioner's
-`partition` on the first call of each state and batch structure (a bounded cache keeps
-them), then called directly every step (jit places a host batch). Jit flags use the
-positions and names of `fn`'s own signature.
+out_shardings=(state, ...), donate_argnums=...)``, made by the partitioner's `partition`
+once per state and batch structure, then called directly every step (jit places a host
+batch). Jit flags use the positions and names of `fn`'s own signature.
 
 Example::
 
@@ -27,10 +26,7 @@ import numpy as np
 from jaxloop.sharding import annotations
 
 PyTree = Any
-
-# Compiled programs kept per Program: one per state and batch structure (an eval step
-# alternating datasets with and without a `mask` compiles each once).
-MAX_PROGRAMS = 16
+MAX_PROGRAMS = 16  # kept per Program: one per state and batch structure (mask or none)
 
 
 def check_state_structure(new: PyTree, state: PyTree) -> None:
@@ -55,9 +51,7 @@ def check_state_structure(new: PyTree, state: PyTree) -> None:
         "create new fields when the state is built (initialize_model).")
 
 
-class _Compiled(NamedTuple):
-    """What the partitioner's `partition` returned, with what it was given (for `lower`)."""
-
+class _Compiled(NamedTuple):  # what `partition` returned, with what it was given (`lower`)
     call: Callable[..., Any]
     fn: Callable[..., Any]
     flags: dict[str, Any]
@@ -70,12 +64,9 @@ def _as_tuple(value: Any, kind: type) -> tuple:
 
 
 class Program:
-    """`fn(state, batch, ...)` compiled as one `jax.jit` with the state's shardings in and out;
-    `last_token` is a scalar of the last call's execution (to bound the steps in flight).
-
-    The jit is made by ``partitioner.partition(fn, in_shardings=..., out_shardings=...,
-    donate_argnums=..., ...)``, so a partitioner that overrides `partition` wraps, logs or
-    changes it; what it returns is called directly every step.
+    """`fn(state, batch, ...)` compiled as one `jax.jit` with the state's shardings in and out
+    (made by ``partitioner.partition(fn, in_shardings=..., ...)``, which a partitioner may
+    override to wrap, log or change it); `last_token` is a scalar of the last execution.
 
     Args:
       fn: returns ``(new_state, outputs)``, the new state of the given one's structure.
@@ -115,7 +106,7 @@ class Program:
             params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
             params = []
-        # Names that may arrive by position: a flag naming one applies there too.
+        # A flag naming an argument applies where it arrives by position too.
         self._positional_names = [p.name for p in params if p.kind in (
             p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self._static_names = set(_as_tuple(flags.pop("static_argnames", None), str))
@@ -128,11 +119,10 @@ class Program:
         self._separate = separate
         self._returns_state = returns_state
         self._flags = flags
-        # (positional count, keyword names, batch structure, state structure) -> program,
-        # the least recently used first.
+        # (positional count, keyword names, batch and state structures) -> program, by use.
         self._jitted: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
-        # (its key without the state's structure, the program, its key) of the last call:
-        # a call with the same batch structure checks nothing else.
+        # The last call's (key without the state's structure, program, key): a call with the
+        # same batch structure checks nothing else.
         self._current: tuple[tuple, Callable[..., Any], tuple] | None = None
         self.last_token: jax.Array | None = None
 
@@ -157,22 +147,17 @@ class Program:
         return self._batch_shardings_of(batch, self._steps is not None)
 
     def _batch_shardings_of(self, batch: PyTree, stacked: bool) -> PyTree:
-        rule = self._partitioner.batch_shardings(batch, stacked=stacked)
         # An uncommitted array (a plain `jax.device_put`) goes where the rule says.
         return jax.tree.map(
             lambda x, s: x.sharding if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
             and getattr(x, "committed", True)
             and isinstance(getattr(x, "sharding", None), jax.sharding.Sharding) else s,
-            batch, rule,
-        )
+            batch, self._partitioner.batch_shardings(batch, stacked=stacked))
 
     def _build(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> _Compiled:
-        kw_names = tuple(kwargs)
-        num_args = len(args)
-        shardings = self._partitioner.state_shardings(state)
-        body = self._body(shardings)
-        partitioner = self._partitioner
-        returns_state = self._returns_state
+        kw_names, num_args, partitioner = tuple(kwargs), len(args), self._partitioner
+        shardings = partitioner.state_shardings(state)
+        body, returns_state = self._body(shardings), self._returns_state
 
         def step(state: PyTree, *flat: Any) -> tuple[Any, jax.Array]:
             named = dict(zip(kw_names, flat[num_args:], strict=True))
@@ -188,8 +173,8 @@ class Program:
         count = (jax.sharding.NamedSharding(partitioner.mesh, jax.sharding.PartitionSpec()),
                  ) if self._steps is not None else ()
         rest = [None] * (num_args - len(batch) - len(count) + len(kw_names))
-        in_shardings = (shardings, *batch, *count, *rest)
-        in_shardings = tuple(s for i, s in enumerate(in_shardings) if i not in static)
+        in_shardings = tuple(s for i, s in enumerate((shardings, *batch, *count, *rest))
+                             if i not in static)
         flags = dict(in_shardings=in_shardings, static_argnums=static, donate_argnums=donate,
                      **self._flags)
         if returns_state is None:
@@ -203,8 +188,7 @@ class Program:
 
     def _body(self, shardings: PyTree) -> Callable[..., Any]:
         """The function jit traces: one step, or an execution of up to `steps` steps."""
-        fn, check = self._fn, self._returns_state is not False
-        placed = self._out_shardings
+        fn, check, placed = self._fn, self._returns_state is not False, self._out_shardings
 
         def one_step(state: PyTree, *args: Any, **kwargs: Any) -> Any:
             result = fn(state, *args, **kwargs)
@@ -225,16 +209,16 @@ class Program:
         def pin(state: PyTree) -> PyTree:
             return jax.lax.with_sharding_constraint(state, shardings)
 
+        carry_state, separate, unroll = self._carry_state, self._separate, self._unroll
+
         def execution(state: PyTree, batches: PyTree, count: jax.Array, *args: Any,
                       **kwargs: Any) -> Any:
-            carry_state = self._carry_state
-            if self._separate and not self._unroll:  # stacked here for the loop body
+            if separate and not unroll:  # stacked here for the loop body
                 batches = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
 
             def batch_at(i: Any) -> PyTree:
-                if self._separate and self._unroll:
-                    return batches[i]
-                return jax.tree.map(lambda x: x[i], batches)
+                return batches[i] if separate and unroll else jax.tree.map(lambda x: x[i],
+                                                                           batches)
 
             def run_at(i: Any, current: PyTree) -> tuple[PyTree, Any]:
                 # Pinned on entry too, so each step partitions as a single step does.
@@ -242,7 +226,7 @@ class Program:
                 new, outputs = one_step(current, batch_at(i), *args, **kwargs)
                 return (pin(new) if carry_state else new), outputs
 
-            if self._unroll:
+            if unroll:
                 carry, per_step = state, []
                 for i in range(self._steps):
                     new, outputs = run_at(i, carry)
@@ -250,8 +234,8 @@ class Program:
                         carry = jax.tree.map(lambda a, b, i=i: jnp.where(i < count, a, b),
                                              new, carry)
                     per_step.append(outputs)
-                stacked_outputs = jax.tree.map(lambda *xs: jnp.stack(xs), *per_step)
-                return (carry if carry_state else None), stacked_outputs
+                return (carry if carry_state else None), jax.tree.map(
+                    lambda *xs: jnp.stack(xs), *per_step)
 
             # A while loop of `count` iterations writing each step's outputs into k buffers.
             shapes = jax.eval_shape(lambda s: run_at(0, s), state)[1]
@@ -335,7 +319,6 @@ class Program:
         # A partitioner's `partition` may return a plain wrapper, without `lower`.
         jitted = entry.call if hasattr(entry.call, "lower") else jax.jit(entry.fn, **entry.flags)
         return jitted.lower(state, *args, *kwargs.values())
-
 
     def flops(self, state: PyTree, *args: Any, **kwargs: Any) -> float | None:
         """Flops of one call on ONE device (XLA's cost analysis of the partitioned program,
