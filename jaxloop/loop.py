@@ -112,10 +112,9 @@ class Loop:
                 f"this loop is prefetching a {type(ahead.source).__name__} (`Loop.prefetching`), "
                 "but was called with another dataset: call it with the iterator given to "
                 "`prefetching`, or outside the `with` block")
-        if not isinstance(dataset, Iterator):
-            if not isinstance(dataset, Iterable):
-                raise TypeError(f"dataset must be an iterator or iterable, got {type(dataset)}")
-            dataset = iter(dataset)
+        if not isinstance(dataset, Iterable):
+            raise TypeError(f"dataset must be an iterator or iterable, got {type(dataset)}")
+        dataset = dataset if isinstance(dataset, Iterator) else iter(dataset)
         if self._unread is not None and self._unread[0] is not dataset:
             self._unread = None  # batches of another dataset: never asked for again
         return state, dataset
@@ -140,8 +139,7 @@ class Loop:
         return batch
 
     def _read(self, dataset: Iterator[Any]) -> Any:
-        """`_get_next_batch`, as the step takes it: the prefetcher's work is not done twice."""
-        batch = self._get_next_batch(dataset)
+        batch = self._get_next_batch(dataset)  # as prepared when read ahead: not done twice
         prepared = next((p for p in self._prepared if p.batch is batch), batch)
         self._prepared.clear()
         return prepared
@@ -151,14 +149,12 @@ class Loop:
 
     def _keep_unread(self, dataset: Any, batches: list[tuple[Any, Any]],
                      first: bool = False) -> None:
-        """Keeps (batch, position before it) pairs for the next call on `dataset`."""
         if batches:
             kept = self._unread_from(dataset)
             self._unread = (dataset, [*batches, *kept] if first else [*kept, *batches])
 
     def forget_unread(self, dataset: Any) -> None:
-        """Drops the batches kept unread from `dataset`, e.g. once a checkpoint moved it
-        back to their position."""
+        """Drops the batches kept unread from `dataset` (a checkpoint moved it back)."""
         if self._unread_from(dataset):
             self._unread = None
 
@@ -166,12 +162,10 @@ class Loop:
     def prefetching(self, dataset: Iterator[Any], size: int = 2, place: bool | None = None
                     ) -> Iterator[Iterator[Any]]:
         """While open, prepares `dataset`'s batches `size` ahead in a thread, placed on the
-        devices where `place` (None: `read_ahead.places_ahead`). The loop reads its batches
-        from the prefetcher it is handed here, and it, `run` and the actions still see
-        `dataset` itself; calling the loop with another dataset meanwhile is an error.
-        Batches read ahead and not trained on when the block ends are the first the next
-        call on `dataset` trains on (a source with ``set_state``, such as grain's, is moved
-        back instead), so no batch is lost between calls.
+        devices where `place` (None: `read_ahead.places_ahead`); the loop, `run` and the
+        actions still see `dataset` itself (calling the loop with another is an error).
+        Batches read ahead but not trained on when the block ends come first in the next call
+        on `dataset` (a source with ``set_state``, such as grain's, is moved back instead).
 
         Example::
 
@@ -220,8 +214,7 @@ class Loop:
                    return_state_from_step: bool = True, **kwargs: Any
                    ) -> tuple[State, Output, int]:
         """Runs up to `num_steps` batches in one execution; returns the state, the outputs
-        and the steps run (fewer at the dataset's end or before a batch of another layout,
-        kept for the next execution)."""
+        and the steps run (fewer at the end or before a batch of another layout)."""
         batches, self._pending = [self._pending[0]] if self._pending else [], None
         layout = staging.batch_layout(batches[0]) if batches else None
         try:
@@ -248,7 +241,7 @@ class Loop:
         if isinstance(stacked, dict) and type(self).update_outputs is Loop.update_outputs:
             # Kept stacked: a step's entry is sliced off when something reads it.
             return state, outputs.extend_stacked(loop_outputs, stacked, count), count
-        per_step = [None] * count if stacked is None else staging.unstack(stacked)[:count]
+        per_step = [None] * count if stacked is None else outputs.unstack(stacked)[:count]
         for step_outputs in per_step:
             loop_outputs = self.update_outputs(loop_outputs, step_outputs)
         return state, loop_outputs, count
@@ -277,23 +270,18 @@ class Loop:
         try:
             with donating() if donating and train else contextlib.nullcontext():
                 while num_steps is None or done < num_steps:
-                    first_flops = log_num_flops and done == 0
+                    flags = dict(kwargs, log_num_flops=log_num_flops and done == 0,
+                                 return_state_from_step=train)
                     try:
                         if size == 1 and self._pending is None:
-                            state, loop_outputs = self._run_one_step(
-                                state, dataset, loop_outputs, done + 1,
-                                log_num_flops=first_flops, return_state_from_step=train,
-                                **kwargs)
-                            ran = 1
+                            ran, (state, loop_outputs) = 1, self._run_one_step(
+                                state, dataset, loop_outputs, done + 1, **flags)
                         else:
-                            remaining = size if num_steps is None else min(size, num_steps - done)
+                            length = step_actions.execution_length(
+                                self._step.begin_actions, self._step.end_actions, done + 1,
+                                size if num_steps is None else min(size, num_steps - done))
                             state, loop_outputs, ran = self._run_steps(
-                                state, dataset, loop_outputs, done + 1,
-                                step_actions.execution_length(
-                                    self._step.begin_actions, self._step.end_actions, done + 1,
-                                    remaining),
-                                log_num_flops=first_flops, return_state_from_step=train,
-                                **kwargs)
+                                state, dataset, loop_outputs, done + 1, length, **flags)
                     except StopIteration:
                         self.dataset_exhausted = True
                         break

@@ -6,16 +6,11 @@ Example::
 
     class MnistStep(step_lib.Step):
         def run(self, state, batch):
-            def loss_fn(params):
-                logits = state.apply_fn({'params': params}, batch['image'])
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits, batch['label']).mean()
-            loss, grads = jax.value_and_grad(loss_fn)(state.params)
+            loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn, batch)
             return state.apply_gradients(grads=grads), {'loss': loss}
 
     step = MnistStep(jax.random.key(0), CNN(), optimizer=optax.adam(1e-3), train=True)
-    state = step.initialize_model([1, 28, 28, 1])
-    state, outputs = step(state, batch)
+    state, outputs = step(step.initialize_model([1, 28, 28, 1]), batch)
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ import optax
 
 from jaxloop import partition as partition_lib
 from jaxloop import types
+from jaxloop.engine import outputs as outputs_lib
 from jaxloop.engine import ownership, staging, step_actions
 from jaxloop.engine import program as program_lib
 from jaxloop.state import model as model_lib
@@ -81,14 +77,10 @@ class Step:
         self._state_builder = model_state.StateBuilder(
             model_lib.adapt(model, nnx_model_args, nnx_model_kwargs), optimizer,
             dtype_policy, base_prng)
-        self._base_prng = base_prng
-        self._model = model
-        self._optimizer = optimizer
+        self._base_prng, self._model, self._optimizer = base_prng, model, optimizer
         self._partitioner = partitioner or partition_lib.SingleDevicePartitioner()
-        self._train = train
-        self._should_shard_batch = should_shard_batch
-        self._begin_actions = list(begin_actions or [])
-        self._end_actions = list(end_actions or [])
+        self._train, self._should_shard_batch = train, should_shard_batch
+        self._begin_actions, self._end_actions = list(begin_actions or []), list(end_actions or [])
         self._jit_kwargs: dict[str, Any] = {}
         self._donating = False
         self._programs: dict[Any, program_lib.Program] = {}
@@ -184,8 +176,7 @@ class Step:
         return self._num_params
 
     def compute_num_flops(self, state: State, batch: Batch, **kwargs: Any) -> float | None:
-        """Flops of one `run` on this placed batch on one device (a data-parallel step over
-        8 devices: about an eighth), from XLA's cost analysis; None where XLA gives none."""
+        """Flops of one `run` on this placed batch on one device (`Program.flops`)."""
         self._num_flops = self._program().flops(state, batch, **kwargs)
         return self._num_flops
 
@@ -194,32 +185,28 @@ class Step:
         return specs.abstract_batch(self._partitioner, spec)
 
     def prng_key(self, step: int | jax.Array) -> types.PRNGType:
-        """The PRNG key of a step, a pure function of (base key, step); in `run`:
-        ``self.prng_key(state.step)``."""
+        """The PRNG key of a step, from (base key, step): ``self.prng_key(state.step)``."""
         if isinstance(self._base_prng, Mapping):
             return {k: jax.random.fold_in(v, step) for k, v in self._base_prng.items()}
         return jax.random.fold_in(self._base_prng, step)
 
     def compile(self, **jit_kwargs: Any) -> program_lib.Program:
-        """Jits `run` with `jit_kwargs` for `jax.jit` (through the partitioner's `partition`);
+        """Jits `run` with these `jax.jit` flags (through the partitioner's `partition`) and
         returns the program ``step(state, batch)`` runs. ``donate_argnums=(0,)`` consumes the
-        state of every call; otherwise a training step donates only inside a loop
-        (`donating_state`). ``out_shardings`` places `run`'s outputs (a sharding, or the
-        pair ``(state's, outputs')``): the state keeps the partitioner's shardings."""
+        state of every call (else a training step donates only inside `donating_state`);
+        ``out_shardings`` places `run`'s outputs (the state keeps the partitioner's)."""
         self._jit_kwargs = dict(jit_kwargs)
         self._programs = {}
         return self._program()
 
     def program(self) -> program_lib.Program:
-        """The program ``step(state, batch)`` runs now (inside `donating_state`, the one that
-        consumes the state), e.g. to lower for XLA's analyses."""
+        """The program ``step(state, batch)`` runs now (e.g. to lower for XLA's analyses)."""
         return self._program()
 
     @contextlib.contextmanager
     def donating_state(self) -> Iterator[None]:
-        """While open, a training step donates the state it is given (one state in memory,
-        not two). Loops open it around steps on states they produced: give it only a state
-        nobody else holds, such as ``jax.device_put(state, may_alias=False)``."""
+        """While open, a training step donates (consumes) the state it is given, as loops do
+        on states they made: give it only a state nobody else holds."""
         previous, self._donating = self._donating, True
         try:
             yield
@@ -258,7 +245,7 @@ class Step:
             self._last_state = None
 
     def _hook(self, hook: Any, state: State, other: Any) -> tuple[State, Any]:
-        """Calls `begin` or `end`, watching a user's override for a kept state."""
+        # A user's `begin` or `end` is watched for a state it keeps.
         if getattr(hook, "__func__", None) in (Step.begin, Step.end):
             return hook(state, other)
         return ownership.call(hook, state, other)
@@ -282,9 +269,9 @@ class Step:
         return self._partitioner.shard_batch(batch)
 
     def _placing_policy(self) -> tuple[bool, bool]:
-        """(place a host batch before the program, the user's own `shard_batch` places it),
-        decided once. Otherwise jit places it in its own dispatch. Placed first with several
-        processes, a custom or patched `shard_batch`, or a `begin` of the user's."""
+        """(place a host batch before the program, not jit in its dispatch; the user's own
+        `shard_batch` places it): first with several processes, a custom or patched
+        `shard_batch`, or a user's `begin`."""
         if self._placing is None:
             partitioner = self._partitioner
             custom = (type(self).shard_batch is not Step.shard_batch
@@ -304,8 +291,7 @@ class Step:
         """The batch as the single step's program takes it (see `_placing_policy`)."""
         if isinstance(batch, staging.PreparedBatch):
             return batch.batch
-        if not preprocessed:
-            batch = self.preprocess_batch(batch)
+        batch = batch if preprocessed else self.preprocess_batch(batch)
         return self.shard_batch(batch) if self._placing_policy()[0] else batch
 
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
@@ -348,8 +334,7 @@ class Step:
                    carry_state: bool = True, unroll: bool = False, size: int | None = None,
                    **kwargs: Any) -> tuple[State, Output | None]:
         """Runs batches of one layout (else BatchLayoutError) as consecutive steps in one
-        compiled call, with the results of calling the step on each. One program serves up
-        to `size` batches (default: their number); outputs come back stacked
+        compiled call of a program for up to `size` (default: their number), outputs stacked
         (``outputs['loss'][i]`` is step i's). Begin actions fire on the first step, end
         actions on the last (ValueError if one fires inside). ``carry_state=False`` runs
         every step on `state` (eval); `unroll` compiles the steps straight-line."""
@@ -375,9 +360,8 @@ class Step:
                  log_num_flops: bool, kwargs: dict[str, Any], count: int | None = None,
                  size: int | None = None, carry_state: bool = True, unroll: bool = False,
                  separate: bool = False) -> tuple[State, Output | None]:
-        """Begin actions due at step `first` (on the placed batch `one`), `begin`, the
-        compiled call (one step, or `count` steps of a `size`-step program), `end`, and the
-        end actions due at step `last`."""
+        """Begin actions (on the placed batch `one`), `begin`, the compiled call (one step,
+        or `count` of a `size`-step program), `end` and end actions, for steps first-last."""
         if self._begin_actions and any(step_actions.action_fires(a, first, True)
                                        for a in self._begin_actions):
             # A placed copy for the actions only: the program keeps one batch form (no retrace).
@@ -394,5 +378,5 @@ class Step:
         state, outputs = self._hook(self.end, new_state if carry_state else state, outputs)
         if self._end_actions:
             step_actions.fire(self._end_actions, False, last, state,
-                              outputs if count is None else staging.entry(outputs, count - 1))
+                              outputs if count is None else outputs_lib.entry(outputs, count - 1))
         return state, outputs

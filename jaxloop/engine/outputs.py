@@ -1,6 +1,7 @@
 """A loop's outputs: one list per key, one entry per step; `clu.metrics` values go to a
 `MetricList`, whose `compute()` merges them over the loop. A fused execution's outputs are
-kept as it stacked them (`extend_stacked`): a step's entry is sliced off when read.
+kept as it stacked them (`extend_stacked`): a step's entry is sliced off when read (`entry`,
+`unstack`).
 
 Example::
 
@@ -18,9 +19,20 @@ from typing import Any
 import jax
 from clu import metrics as clu_metrics
 
-from jaxloop.engine import staging
-
 _METRIC_TYPES = (clu_metrics.Metric, clu_metrics.Collection)
+
+
+def entry(stacked: Any, index: int) -> Any:
+    """Step `index` of an execution's stacked outputs (a static slice: ``x[i]`` would send
+    the index to the devices first)."""
+    return jax.tree.map(lambda x: jax.lax.index_in_dim(x, index, keepdims=False), stacked)
+
+
+@jax.jit
+def unstack(outputs: Any) -> list[Any]:
+    """An execution's stacked outputs as k per-step outputs, split in one dispatch."""
+    size = len(jax.tree.leaves(outputs)[0]) if jax.tree.leaves(outputs) else 0
+    return [jax.tree.map(lambda x, i=i: x[i], outputs) for i in range(size)]
 
 
 @jax.jit
@@ -32,7 +44,7 @@ class StepList(list):
     """Per-step values of one output: a list whose entries from fused executions stay
     stacked on the devices (as the execution returned them) until read. ``len()`` and
     reading one entry slice nothing else; any other use settles the list first, one split
-    per execution (`staging.unstack`). A pytree node as a plain list is.
+    per execution (`unstack`). A pytree node as a plain list is.
 
     Example::
 
@@ -54,7 +66,7 @@ class StepList(list):
         if self._stacked:
             chunks, self._stacked = self._stacked, []
             for stacked, count in chunks:
-                list.extend(self, staging.unstack(stacked)[:count])
+                list.extend(self, unstack(stacked)[:count])
 
     def __len__(self) -> int:
         return list.__len__(self) + sum(count for _, count in self._stacked)
@@ -73,7 +85,7 @@ class StepList(list):
         index -= own
         for stacked, count in self._stacked:
             if index < count:
-                return staging.entry(stacked, index)
+                return entry(stacked, index)
             index -= count
         raise AssertionError("unreachable")
 
@@ -143,5 +155,5 @@ def extend_stacked(loop_outputs: dict[str, list[Any]], stacked: Mapping[str, Any
         if isinstance(values, StepList):
             values.extend_stacked(value, count)
         else:
-            values.extend(staging.unstack(value)[:count])
+            values.extend(unstack(value)[:count])
     return loop_outputs

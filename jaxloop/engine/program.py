@@ -58,9 +58,7 @@ class _Compiled(NamedTuple):  # what `partition` returned, with what it was give
 
 
 def _as_tuple(value: Any, kind: type) -> tuple:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, kind) else tuple(value)
+    return () if value is None else (value,) if isinstance(value, kind) else tuple(value)
 
 
 class Program:
@@ -88,9 +86,8 @@ class Program:
                  carry_state: bool = True, unroll: bool = False, separate: bool = False,
                  returns_state: bool | None = True, **jit_kwargs: Any):
         if "in_shardings" in jit_kwargs:
-            raise TypeError(
-                "Program sets in_shardings from the partitioner's shardings; place the "
-                "state with the partitioner instead of passing them")
+            raise TypeError("Program sets in_shardings from the partitioner's shardings; place "
+                            "the state with the partitioner instead of passing them")
         if not isinstance(unroll, bool):
             raise TypeError(f"unroll must be True or False, got {unroll!r}")
         jax.jit(fn, **jit_kwargs)  # an unknown jit flag is a TypeError here, not at first use
@@ -99,9 +96,8 @@ class Program:
         self._static_nums = _as_tuple(flags.pop("static_argnums", None), int)
         self._donate_nums = _as_tuple(flags.pop("donate_argnums", None), int)
         if {0, 1} & set(self._static_nums):
-            raise ValueError(
-                f"static_argnums={self._static_nums}: the state (0) and the batch (1) are "
-                "arrays and cannot be static")
+            raise ValueError(f"static_argnums={self._static_nums}: the state (0) and the batch "
+                             "(1) are arrays and cannot be static")
         try:
             params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
@@ -111,14 +107,9 @@ class Program:
             p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self._static_names = set(_as_tuple(flags.pop("static_argnames", None), str))
         self._donate_names = set(_as_tuple(flags.pop("donate_argnames", None), str))
-        self._fn = fn
-        self._partitioner = partitioner
-        self._steps = steps
-        self._carry_state = carry_state
-        self._unroll = unroll
-        self._separate = separate
+        self._fn, self._partitioner, self._steps, self._flags = fn, partitioner, steps, flags
+        self._carry_state, self._unroll, self._separate = carry_state, unroll, separate
         self._returns_state = returns_state
-        self._flags = flags
         # (positional count, keyword names, batch and state structures) -> program, by use.
         self._jitted: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
         # The last call's (key without the state's structure, program, key): a call with the
@@ -276,14 +267,6 @@ class Program:
         self._current = (shape, entry.call, key)
         return entry.call
 
-    def _rebuilt(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> bool:
-        """Selects (or makes) the program of a changed state structure; False if unchanged."""
-        current = self._current
-        if current is None or jax.tree.structure(state) == current[2][-1]:
-            return False
-        self._select(state, args, kwargs, current[0])
-        return True
-
     def _arguments(self, args: tuple) -> tuple:
         if self._steps is None:
             return args
@@ -298,15 +281,16 @@ class Program:
             shardings = self._partitioner.state_shardings(state)
             with self._partitioner.trace_context():
                 return self._body(shardings)(state, *args, **kwargs)
-        jitted = self._jit_for(state, args, kwargs)
         try:
-            result, self.last_token = jitted(state, *args, *kwargs.values())
+            result, self.last_token = self._jit_for(state, args, kwargs)(
+                state, *args, *kwargs.values())
         except (ValueError, TypeError):
-            if not self._rebuilt(state, args, kwargs):
+            current = self._current  # the state's structure changed: its own program
+            if current is None or jax.tree.structure(state) == current[2][-1]:
                 if args:
                     self._batch_shardings(args[0])  # names a batch leaf that does not split
                 raise
-            result, self.last_token = self._jit_for(state, args, kwargs)(
+            result, self.last_token = self._select(state, args, kwargs, current[0])(
                 state, *args, *kwargs.values())
         return result
 

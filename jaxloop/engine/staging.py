@@ -1,6 +1,5 @@
-"""Batches made ready for a step's program: stacked for fused steps (`stack`, placed by
-`jaxloop.sharding.batches`), and an execution's stacked outputs split per step (`unstack`,
-`entry`).
+"""Batches made ready for a step's program: of one layout, stacked for fused steps (`stack`,
+placed by `jaxloop.sharding.batches`) and padded to the program's size (`padded`).
 """
 
 from __future__ import annotations
@@ -89,16 +88,3 @@ def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool 
         lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)), x.dtype), full[0]),
         stacked=True))
     return _device_stacker(treedef, tuple(rule))(list(full))
-
-
-def entry(stacked: Any, index: int) -> Any:
-    """Step `index` of an execution's stacked outputs (a static slice: ``x[i]`` would send
-    the index to the devices first)."""
-    return jax.tree.map(lambda x: jax.lax.index_in_dim(x, index, keepdims=False), stacked)
-
-
-@jax.jit
-def unstack(outputs: Any) -> list[Any]:
-    """An execution's stacked outputs as k per-step outputs, split in one dispatch."""
-    size = len(jax.tree.leaves(outputs)[0]) if jax.tree.leaves(outputs) else 0
-    return [jax.tree.map(lambda x, i=i: x[i], outputs) for i in range(size)]
