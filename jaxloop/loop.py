@@ -3,8 +3,7 @@ step's result; it only bounds how far ahead it runs (`jaxloop.engine.in_flight`)
 
 Example::
 
-    loop = Loop(train_step)
-    state, outputs = loop(state, iter(train_batches), num_steps=100)
+    state, outputs = Loop(train_step)(state, iter(train_batches), num_steps=100)
     losses = outputs['loss']        # a list of 100 device scalars
 """
 
@@ -59,30 +58,25 @@ class Loop:
     def __init__(self, step: Step, max_steps_in_flight: int | None = None,
                  steps_per_execution: int = 1, unroll: bool = False,
                  donate_input_state: bool = False):
-        self._in_flight = in_flight.InFlight(in_flight.default_max_steps_in_flight(step)
-                                             if max_steps_in_flight is None
-                                             else max_steps_in_flight)
-        if (not isinstance(steps_per_execution, int) or isinstance(steps_per_execution, bool)
-                or steps_per_execution < 1):
+        self._in_flight = in_flight.InFlight(in_flight.default_max_steps_in_flight(step) if
+                                             max_steps_in_flight is None else max_steps_in_flight)
+        if type(steps_per_execution) is not int or steps_per_execution < 1:
             raise ValueError(
                 "steps_per_execution must be a positive integer (choose k by measuring: "
                 f"see benchmarks/overhead.py), got {steps_per_execution!r}")
         if not isinstance(unroll, bool):
             raise TypeError(f"unroll must be True or False, got {unroll!r}")
-        self._step = step
-        self._steps_per_execution = steps_per_execution
-        self._unroll = unroll
+        self._step, self._steps_per_execution, self._unroll = step, steps_per_execution, unroll
         self._donate_input_state = donate_input_state
         self._adopted: Any = None
         self._prefetch: read_ahead.Prefetcher | None = None
         self._prepared: list[staging.PreparedBatch] = []  # read since the step last ran
         self._pending: Any = None  # (a batch of another layout, its position): next execution's
-        # (dataset, [(batch, position before it)]): read from it (ahead) but not trained on;
-        # the next call on that dataset takes them first.
+        # (dataset, [(batch, position before it)]) read but not trained on: the next call on
+        # that dataset takes them first.
         self._unread: tuple[Any, list[tuple[Any, Any]]] | None = None
         self.partial_outputs: Output | None = None  # of the steps before an exception
-        self.dataset_exhausted = False
-        self.preempted = False
+        self.dataset_exhausted = self.preempted = False
         self.num_steps_run = 0
         self.stopped_state: Any = None  # the live state where Ctrl-C or preemption stopped
 
@@ -109,8 +103,8 @@ class Loop:
         ahead = self._prefetch
         if ahead is not None and ahead.source is not dataset:
             raise ValueError(
-                f"this loop is prefetching a {type(ahead.source).__name__} (`Loop.prefetching`), "
-                "but was called with another dataset: call it with the iterator given to "
+                f"this loop is prefetching a {type(ahead.source).__name__} (`Loop.prefetching`)"
+                ", but was called with another dataset: call it with the iterator given to "
                 "`prefetching`, or outside the `with` block")
         if not isinstance(dataset, Iterable):
             raise TypeError(f"dataset must be an iterator or iterable, got {type(dataset)}")
@@ -125,9 +119,8 @@ class Loop:
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
         """The next batch (StopIteration at the end): one an earlier call read but did not
-        train on, else from the prefetcher inside `prefetching(dataset)`, else from
-        `dataset`. Read ahead, it comes preprocessed (and placed where the prefetcher places);
-        the step prepares a batch an override returns in its place as any other."""
+        train on, else the prefetcher's inside `prefetching(dataset)` (prepared already; the
+        step prepares a batch an override returns in its place), else `dataset`'s."""
         unread = self._unread_from(dataset)
         batch = unread.pop(0)[0] if unread else next(
             self._prefetch if self._prefetch is not None else dataset)
@@ -201,8 +194,7 @@ class Loop:
                       per_loop_step_number: int, log_num_flops: bool = False,
                       return_state_from_step: bool = True, **kwargs: Any
                       ) -> tuple[State, Output]:
-        """Runs one batch and records its outputs; `return_state_from_step=False` (eval)
-        keeps the given state."""
+        """Runs one batch and records its outputs (`return_state_from_step=False`: eval)."""
         new_state, step_outputs = self._step(state, self._read(dataset), per_loop_step_number,
                                              log_num_flops=log_num_flops, **kwargs)
         self._in_flight.add(in_flight.token(self._step, step_outputs, new_state))
@@ -221,9 +213,8 @@ class Loop:
             while len(batches) < num_steps:
                 position = self.data_position(dataset)
                 batch = self._read(dataset)
-                if layout is None:
-                    layout = staging.batch_layout(batch)
-                elif staging.batch_layout(batch) != layout:
+                layout = layout or staging.batch_layout(batch)
+                if staging.batch_layout(batch) != layout:
                     self._pending = (batch, position)
                     break
                 batches.append(batch)
@@ -231,13 +222,13 @@ class Loop:
             self.dataset_exhausted = True
             if not batches:
                 raise
-        count = len(batches)
         new_state, stacked = self._step.call_steps(
             state, batches, per_loop_step_number, log_num_flops=log_num_flops,
             carry_state=return_state_from_step, unroll=self._unroll,
             size=self._steps_per_execution, **kwargs)
         state = new_state if return_state_from_step else state
         self._in_flight.add(in_flight.token(self._step, stacked, new_state))
+        count = len(batches)
         if isinstance(stacked, dict) and type(self).update_outputs is Loop.update_outputs:
             # Kept stacked: a step's entry is sliced off when something reads it.
             return state, outputs.extend_stacked(loop_outputs, stacked, count), count
@@ -316,11 +307,9 @@ class Loop:
 
     def __call__(self, state: State, dataset: Iterator[Any] | Iterable[Any],
                  num_steps: int | None = None, **kwargs: Any) -> tuple[State, Output | None]:
-        """Runs `begin`, `run` and `end`; returns the final state and the loop outputs.
-
-        Ctrl-C ends the loop at the next step boundary: `end` runs, a training loop saves,
-        then `preemption.Interrupted` is raised with the live state (also `stopped_state`),
-        unless an `OuterLoop` runs it."""
+        """Runs `begin`, `run` and `end`; returns the final state and the loop outputs. Ctrl-C
+        ends it at the next step boundary: `end` runs, a training loop saves, then (unless an
+        `OuterLoop` runs it) `preemption.Interrupted` is raised with the live state."""
         self.stopped_state = self.partial_outputs = None
         owner = not preemption.active()
         with (preemption.handling_preemption((signal.SIGINT,)) if owner

@@ -54,15 +54,13 @@ class Step:
         `nnx_model_args` and `nnx_model_kwargs`).
       should_shard_batch: False when batches arrive already on the devices.
       begin_actions / end_actions: run before / after the steps they fire on.
-      dtype_policy: mixed precision: ``'bfloat16'`` or a `jaxloop.recipes.precision.Policy`;
-        None leaves the model as is.
+      dtype_policy: mixed precision, ``'bfloat16'`` or a `jaxloop.recipes.precision.Policy`.
       sown: flax collections the model sows into, added to the outputs (`jaxloop.state.sown`).
     """
 
     state_class: type[types.TrainState] | None = None
-    """The class of the states built (set on a subclass or instance): a `types.TrainState`
-    subclass whose extra fields have defaults (``metrics: Metrics = Metrics.empty()``).
-    None: whatever ``jaxloop.step.State`` names at the call (google's notebooks set it)."""
+    """The `types.TrainState` subclass built (its extra fields with defaults), set on a
+    subclass or instance; None: whatever ``jaxloop.step.State`` names at the call."""
 
     def __init__(self, base_prng: types.PRNGType, model: model_lib.Model,
                  optimizer: optax.GradientTransformation = _IDENTITY,
@@ -137,18 +135,16 @@ class Step:
         return state
 
     def initialize_model(self, spec: types.BatchSpec, log_num_params: bool = False) -> State:
-        """Initialises the model and optimizer on the mesh from an example batch spec (only
-        its shapes and dtypes matter: any batch size works on any mesh)."""
-        # `State` looked up per call: notebooks reassign ``jaxloop.step.State``.
+        """Initialises the model and optimizer on the mesh from an example batch spec (its
+        shapes and dtypes; `State` looked up per call, as google's notebooks reassign it)."""
         return self._counted(self._state_builder.initialize(
             self._partitioner, spec, self.state_class or State), log_num_params)
 
     def abstract_state(self, spec: types.BatchSpec, log_num_params: bool = False,
                        remember: bool = True) -> State:
-        """The state `initialize_model` would create as `jax.ShapeDtypeStruct` leaves (no
-        device memory), to restore into in place or initialise (`materialize`):
-        ``step.restore_model(step.abstract_state([1, 28, 28, 1]), ckpt_dir)``.
-        ``remember=False`` leaves `num_params` and what `materialize` initialises alone."""
+        """The state `initialize_model` would create as `jax.ShapeDtypeStruct` leaves, to
+        restore into in place (``step.restore_model(step.abstract_state(spec), ckpt_dir)``) or
+        initialise (`materialize`); ``remember=False`` leaves `num_params` and those alone."""
         abstract = self._state_builder.abstract(self._partitioner, spec,
                                                 self.state_class or State)
         if not remember:
@@ -157,21 +153,19 @@ class Step:
         return self._counted(abstract, log_num_params)
 
     def materialize(self, state: State) -> State:
-        """`state` if it holds arrays; for an `abstract_state`, the state initialised from
-        its spec (ValueError for an abstract state this step did not describe)."""
+        """`state`, or for an `abstract_state` the state its spec initialises (else ValueError)."""
         return model_state.materialize(state, self._abstract_spec, self.initialize_model)
 
     def restore_model(self, state: State, checkpoint_dir: Any, step: int | None = None,
                       transforms: Any = None) -> State:
-        """Restores `state` (the latest step unless `step`) from the orbax checkpoints in
-        `checkpoint_dir`, placed as `state` is (which may be abstract); an eval step restores
-        no optimizer state. With no checkpoint, `state` (materialized). `transforms`: see
-        `checkpoint.restore`."""
+        """Restores `state` (placed as it is, maybe abstract) from the latest checkpoint in
+        `checkpoint_dir` (or `step`'s; for an eval step without optimizer state; `transforms`:
+        see `checkpoint.restore`); with none, returns `state` materialized."""
         return self.materialize(model_state.restore(
             state, checkpoint_dir, step, self._partitioner, not self._train, transforms))
 
     def compute_num_params(self, state: State) -> int:
-        """Counts the parameters of `state` (and remembers it as `num_params`)."""
+        """Counts the parameters of `state` (remembered as `num_params`)."""
         self._num_params = model_state.count_params(state)
         return self._num_params
 
@@ -234,15 +228,9 @@ class Step:
 
     @property
     def last_state(self) -> State | None:
-        """The state the last compiled call returned, while anything holds it: after an
-        error in an end hook or action, the live state (the one given was consumed)."""
+        """The state the last call returned, while held: after an error in an end hook or
+        action, the live one (the one given was consumed)."""
         return None if self._last_state is None else self._last_state()
-
-    def _made(self, state: State) -> None:
-        try:
-            self._last_state = weakref.ref(state)
-        except TypeError:  # a plain container: the caller has it
-            self._last_state = None
 
     def _hook(self, hook: Any, state: State, other: Any) -> tuple[State, Any]:
         # A user's `begin` or `end` is watched for a state it keeps.
@@ -260,8 +248,8 @@ class Step:
         return batch
 
     def prepare_batch(self, batch: Batch) -> staging.PreparedBatch:
-        """`preprocess_batch`, then `shard_batch`: all the work before a step (a prefetcher
-        does it in its thread); ``step(state, prepared)`` does neither again."""
+        """`preprocess_batch` then `shard_batch` (a prefetcher's thread runs it): the step does
+        neither again for ``step(state, prepared)``."""
         return staging.PreparedBatch(self._placed(self.preprocess_batch(batch), always=True))
 
     def shard_batch(self, batch: Batch) -> Batch:
@@ -269,9 +257,8 @@ class Step:
         return self._partitioner.shard_batch(batch)
 
     def _placing_policy(self) -> tuple[bool, bool]:
-        """(place a host batch before the program, not jit in its dispatch; the user's own
-        `shard_batch` places it): first with several processes, a custom or patched
-        `shard_batch`, or a user's `begin`."""
+        """(place a host batch before the program, not in jit's dispatch: with several
+        processes, a custom `shard_batch` or `begin`; the user's `shard_batch` places it)."""
         if self._placing is None:
             partitioner = self._partitioner
             custom = (type(self).shard_batch is not Step.shard_batch
@@ -323,8 +310,8 @@ class Step:
 
     def __call__(self, state: State, batch: Batch, per_loop_step_number: int = 0,
                  log_num_flops: bool = False, **kwargs: Any) -> tuple[State, Output | None]:
-        """Runs one batch with its actions; ``batch_preprocessed=True`` (passed on to `run`
-        with the other kwargs) skips `preprocess_batch`."""
+        """Runs one batch with its actions; ``batch_preprocessed=True`` (passed to `run` with
+        the other kwargs) skips `preprocess_batch`."""
         batch = self._ready(batch, kwargs.get("batch_preprocessed", False))
         return self._execute(state, batch, batch, per_loop_step_number, per_loop_step_number,
                              log_num_flops, kwargs)
@@ -374,7 +361,10 @@ class Step:
         new_state, outputs = program(state, batch, *(() if count is None else (count,)),
                                      **kwargs)
         if carry_state and self._train:
-            self._made(new_state)
+            try:
+                self._last_state = weakref.ref(new_state)
+            except TypeError:  # a plain container: the caller has it
+                self._last_state = None
         state, outputs = self._hook(self.end, new_state if carry_state else state, outputs)
         if self._end_actions:
             step_actions.fire(self._end_actions, False, last, state,

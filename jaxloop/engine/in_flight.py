@@ -1,8 +1,7 @@
 """How far the host may run ahead of the device: a loop bounds the executions dispatched but
-not finished, which keeps the device fed while capping queued batches in memory (and
-avoids a deadlock of XLA's CPU collectives). Each execution is known by a token its program
-made (`Program.last_token`), never a state leaf, which the next step donates. A loop calls
-``in_flight.add(token(step, outputs, state))`` after each dispatch.
+not finished (the device stays fed, queued batches stay few, XLA's CPU collectives do not
+deadlock). Each is known by a token its program made (`Program.last_token`), never a state
+leaf, which the next step donates: ``in_flight.add(token(step, outputs, state))``.
 """
 
 from __future__ import annotations
@@ -12,13 +11,11 @@ from typing import Any
 
 import jax
 
-# The bound on a mesh of several CPU devices.
-DEFAULT_MAX_STEPS_IN_FLIGHT = 2
+DEFAULT_MAX_STEPS_IN_FLIGHT = 2  # on a mesh of several CPU devices
 
 
 def default_max_steps_in_flight(step: Any) -> int:
-    """2 on a mesh of several CPU devices (the collective deadlock above), else 8 so the
-    device finds queued work whenever the host is late."""
+    """2 on a mesh of several CPU devices (the deadlock above), else 8 (queued for a late host)."""
     mesh = getattr(getattr(step, "partitioner", None), "mesh", None)
     if mesh is None:
         return DEFAULT_MAX_STEPS_IN_FLIGHT
@@ -30,13 +27,11 @@ def token(step: Any, outputs: Any, state: Any) -> jax.Array | None:
     """An array ready once the execution just dispatched has finished: the step's
     `last_token`, else an output array; else None after waiting for `state`."""
     found = getattr(step, "last_token", None)
-    if found is not None:
-        return found
-    for leaf in jax.tree.leaves(outputs):
-        if isinstance(leaf, jax.Array):
-            return leaf
-    jax.block_until_ready(state)
-    return None
+    if found is None:
+        found = next((x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)), None)
+    if found is None:
+        jax.block_until_ready(state)
+    return found
 
 
 class InFlight:
@@ -49,8 +44,7 @@ class InFlight:
         self._tokens: collections.deque = collections.deque()
 
     def add(self, token: jax.Array | None) -> None:
-        """Records a dispatched execution by its token; once `bound` are recorded, waits
-        until half of them remain unfinished."""
+        """Records a dispatched execution's token; at `bound`, waits until half are unfinished."""
         if token is None:
             return
         tokens = self._tokens

@@ -5,9 +5,7 @@ batch). Jit flags use the positions and names of `fn`'s own signature.
 
 Example::
 
-    train = Program(step_fn, partitioner, donate_argnums=(0,))
-    state, outputs = train(state, batch)
-
+    state, outputs = Program(step_fn, partitioner, donate_argnums=(0,))(state, batch)
     train_k = Program(step_fn, partitioner, steps=16, donate_argnums=(0,))
     state, stacked_outputs = train_k(state, stacked_batches, 5)  # the first 5 of 16
 """
@@ -34,11 +32,8 @@ def check_state_structure(new: PyTree, state: PyTree) -> None:
     state) has the tree structure of `state`."""
     if jax.tree.structure(new) == jax.tree.structure(state):
         return
-
-    def paths(tree: PyTree) -> set[str]:
-        return {annotations.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-    old, now = paths(state), paths(new)
+    old, now = ({annotations.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]}
+                for t in (state, new))
     added, missing = sorted(now - old), sorted(old - now)
     detail = (f"leaves added: {added or 'none'}; leaves missing: {missing or 'none'}"
               if added or missing else
@@ -75,12 +70,8 @@ class Program:
       unroll: inline the k steps (those past `count` run, their state dropped), not a loop.
       separate: the k batches come as a sequence, not stacked on a leading axis.
       returns_state: None accepts any result (a pair's first item is pinned as a state).
-      **jit_kwargs: flags of `jax.jit` except `in_shardings`. `out_shardings` applies to
-        `fn`'s outputs: a sharding (or tree of them) for the outputs, or a pair whose
-        second item is the outputs'; the state keeps the partitioner's shardings.
-
-    Raises TypeError for an unknown jit flag, `in_shardings` or a non-bool `unroll`;
-    ValueError for a static state or batch (`static_argnums` 0 or 1)."""
+      **jit_kwargs: flags of `jax.jit` but `in_shardings`; `out_shardings` places `fn`'s
+        outputs (or a pair, the outputs' second): the state keeps the partitioner's."""
 
     def __init__(self, fn: Callable[..., Any], partitioner: Any, *, steps: int | None = None,
                  carry_state: bool = True, unroll: bool = False, separate: bool = False,
@@ -228,7 +219,6 @@ class Program:
                 return (carry if carry_state else None), jax.tree.map(
                     lambda *xs: jnp.stack(xs), *per_step)
 
-            # A while loop of `count` iterations writing each step's outputs into k buffers.
             shapes = jax.eval_shape(lambda s: run_at(0, s), state)[1]
             buffers = jax.tree.map(lambda x: jnp.zeros((self._steps, *x.shape), x.dtype), shapes)
 
@@ -249,30 +239,25 @@ class Program:
     def _jit_for(self, state: PyTree, args: tuple, kwargs: dict[str, Any]) -> Callable:
         """The program for these arguments' structures, made on their first call."""
         shape = (len(args), tuple(kwargs), jax.tree.structure(args[0]) if args else None)
-        current = self._current
-        if current is not None and current[0] == shape:
-            return current[1]
+        if self._current is not None and self._current[0] == shape:
+            return self._current[1]
         return self._select(state, args, kwargs, shape)
 
     def _select(self, state: PyTree, args: tuple, kwargs: dict[str, Any],
                 shape: tuple) -> Callable:
         key = (*shape, jax.tree.structure(state))
-        entry = self._jitted.get(key)
-        if entry is None:
-            entry = self._jitted[key] = self._build(state, args, kwargs)
+        if key not in self._jitted:
+            self._jitted[key] = self._build(state, args, kwargs)
             if len(self._jitted) > MAX_PROGRAMS:
                 self._jitted.popitem(last=False)
-        else:
-            self._jitted.move_to_end(key)
-        self._current = (shape, entry.call, key)
-        return entry.call
+        self._jitted.move_to_end(key)
+        self._current = (shape, self._jitted[key].call, key)
+        return self._current[1]
 
     def _arguments(self, args: tuple) -> tuple:
-        if self._steps is None:
-            return args
-        if len(args) < 2:
+        if self._steps is not None and len(args) < 2:
             raise TypeError("An execution is called as program(state, stacked, count, ...)")
-        return (args[0], np.int32(args[1]), *args[2:])
+        return args if self._steps is None else (args[0], np.int32(args[1]), *args[2:])
 
     def __call__(self, state: PyTree, *args: Any, **kwargs: Any) -> Any:
         args = self._arguments(args)
@@ -295,8 +280,7 @@ class Program:
         return result
 
     def lower(self, state: PyTree, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """Lowers the program for these (possibly abstract) arguments, e.g. for XLA's
-        memory analysis (`diagnostics.memory.estimate`)."""
+        """Lowers the program for these (maybe abstract) arguments, e.g. for XLA's analyses."""
         args = self._arguments(args)
         self._jit_for(state, args, kwargs)
         entry = self._jitted[self._current[2]]

@@ -32,8 +32,7 @@ class BatchLayoutError(ValueError):
 
 def batch_layout(batch: Batch | PreparedBatch) -> tuple:
     """The tree structure and leaf shapes of a batch: batches of one layout can be stacked."""
-    if isinstance(batch, PreparedBatch):
-        batch = batch.batch
+    batch = batch.batch if isinstance(batch, PreparedBatch) else batch
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return treedef, tuple(map(np.shape, leaves))
 
@@ -41,20 +40,15 @@ def batch_layout(batch: Batch | PreparedBatch) -> tuple:
 @functools.lru_cache(maxsize=64)
 def _device_stacker(treedef: Any, shardings: tuple) -> Any:
     """One jitted stack of placed batches per layout and size (not a dispatch per leaf)."""
-
-    def stack_on_devices(batches: list[Batch]) -> Batch:
-        return jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
-
-    return jax.jit(stack_on_devices,
+    return jax.jit(lambda batches: jax.tree.map(lambda *xs: jnp.stack(xs), *batches),
                    out_shardings=jax.tree_util.tree_unflatten(treedef, list(shardings)))
 
 
 def padded(batches: Sequence[Batch], size: int, moved_once: bool = False
            ) -> tuple[Batch, ...]:
     """`batches` and repeats of the last, `size` in all (``padded([b1, b2], 3) == (b1, b2,
-    b2)``), so one program serves every count; BatchLayoutError unless of one layout. With
-    `moved_once`, a last host batch that repeats is moved to the devices once: the padding
-    moves nothing more."""
+    b2)``); BatchLayoutError unless of one layout. With `moved_once`, a last host batch that
+    repeats is moved to the devices once: the padding moves nothing more."""
     if not 0 < len(batches) <= size:
         raise ValueError(f"an execution takes 1 to {size} batches, got {len(batches)}")
     layouts = {batch_layout(b) for b in batches}
@@ -74,9 +68,8 @@ def padded(batches: Sequence[Batch], size: int, moved_once: bool = False
 def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool = False
           ) -> Batch:
     """Stacks `batches` (preprocessed, of one layout) on a new leading axis of `size`, the
-    entries past them repeating the last. `size` host batches are stacked on the host
-    (placed with `place_it`); with `place_it` fewer are stacked on the devices, each moved
-    there once (the padding is not moved), as placed ones are."""
+    last repeated: on the host (placed with `place_it`), or on the devices where some are
+    placed or, with `place_it`, fewer than `size` (each moved once, the padding not)."""
     if len(batches) == size or not place_it:
         full = padded(batches, size)
         if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(full[0])):
