@@ -156,3 +156,14 @@ def test_contributing_gives_each_unit_its_floor():
     assert set(said) == present, f"table vs package: {sorted(set(said) ^ present)}"
     wrong = {name: FLOORS[name] for name, floors in said.items() if FLOORS[name] not in floors}
     assert not wrong, f"CONTRIBUTING gives these units other floors than FLOORS: {wrong}"
+
+
+def test_the_package_names_its_exports_in_one_place():
+    # One table in __init__.py gives each name its module (and `__all__`); no import block
+    # repeats it for type checkers.
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    assert not [ast.unparse(n) for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("jaxloop")]
+    import jaxloop
+
+    assert jaxloop.__all__ == sorted(jaxloop.__all__) and "Step" in jaxloop.__all__
