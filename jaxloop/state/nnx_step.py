@@ -17,20 +17,15 @@ Example::
     step = TrainStep(jax.random.key(0), CNN(rngs=nnx.Rngs(0)), optimizer=optax.adamw(5e-3),
                      train=True)
 
-`run` names what it takes after ``model``, in any order: ``optimizer`` (an `nnx.Optimizer` of
-the step's optax optimizer, ``wrt=nnx.Param``), ``metrics`` (the step's ``metrics()``: its
-`nnx.metrics.Average` entries, `Accuracy` included, come out as `clu.metrics.Average`
-outputs that a loop merges), ``ema`` (`jaxloop.recipes.ema.NnxEma`, for a state made with
-``ema.init``), ``rngs`` (``nnx.Rngs`` of ``self.prng_key(step)``) and ``batch``. It updates
-the objects in place and may return a dict of further outputs. A step's ``dtype_policy``
-sets the model's layer dtypes (`jaxloop.recipes.precision.Policy.set_layer_dtypes`).
+`run` names what it takes after ``model``, in any order: ``optimizer`` (``wrt=nnx.Param``),
+``metrics`` (the step's ``metrics()``, merged by the loop as `clu.metrics.Average`), ``ema``
+(`NnxEma`, for a state made with ``ema.init``), ``rngs`` (of ``self.prng_key(step)``) and
+``batch``. It updates the objects in place and may return a dict of further outputs.
 
-Inside the compiled step the objects are merged from the loop's state and split back into it
-while `jax.jit` traces (the fast path: no `nnx.jit` per call), so the state stays a
-`TrainState` of arrays: checkpoints, partitioners, fused steps, actions and linen-style steps
-(`state.apply_fn`) see what they always see. Train steps run the model in train mode and eval
-steps in eval mode; its RNG streams are reseeded from ``self.prng_key(step)`` every step, so a
-resumed run draws the same dropout masks. The caller's model object is never touched.
+The objects are merged from the loop's state and split back while `jax.jit` traces (no
+`nnx.jit` per call), so the state stays a `TrainState` of arrays that checkpoints,
+partitioners and actions see as always. RNG streams are reseeded from ``self.prng_key(step)``
+every step (a resumed run draws the same masks); the caller's model is never touched.
 """
 
 from __future__ import annotations
@@ -62,8 +57,7 @@ def takes_model(run: Callable[..., Any]) -> bool:
 
 
 def _arguments(step: Any) -> list[str]:
-    """The objects `step.run` takes, in its order (parameters with defaults are left to the
-    keyword arguments a loop passes)."""
+    """The objects `step.run` takes, in its order (those with defaults are left to kwargs)."""
     names = []
     for p in inspect.signature(step.run).parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
@@ -79,8 +73,7 @@ def _arguments(step: Any) -> list[str]:
 
 
 class _CountingOptimizer(nnx.Optimizer):
-    """The `nnx.Optimizer` a run receives; counts its updates, so the state's step advances
-    by a trace-time number (keeping the step's dtype, weak type included)."""
+    """Counts its updates, so the state's step advances by a trace-time number (same dtype)."""
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
         self.updates_made += 1
@@ -92,8 +85,7 @@ def _slots(optimizer: nnx.Optimizer) -> list[nnx.Variable]:
 
 
 def _optimizer(model: nnx.Module, tx: Any, state: types.TrainState) -> _CountingOptimizer:
-    """An `nnx.Optimizer` for `model` holding the state's optimizer state (its own `tx.init`
-    is traced only: XLA drops it)."""
+    """An `nnx.Optimizer` holding the state's optimizer state (its `tx.init` XLA drops)."""
     optimizer = _CountingOptimizer(model, tx, wrt=nnx.Param)
     optimizer.updates_made = 0
     slots, leaves = _slots(optimizer), jax.tree.leaves(state.opt_state)
@@ -128,9 +120,8 @@ def _reseed(model: nnx.Module, keys: types.PRNGType) -> None:
 
 
 def metric_outputs(metrics: nnx.Metric) -> dict[str, clu_metrics.Average]:
-    """An `nnx.MultiMetric`'s entries (or one metric, as ``'metrics'``) as clu metrics that
-    a loop merges over its steps: `nnx.metrics.Average` and `Accuracy` become
-    `clu.metrics.Average` of the same total and count (TypeError for other metrics)."""
+    """An `nnx.MultiMetric`'s entries (or one metric, as ``'metrics'``) as `clu.metrics.Average`
+    of the same total and count, which a loop merges (TypeError for other metrics)."""
     entries = ({k: v for k, v in vars(metrics).items() if isinstance(v, nnx.Metric)}
                if isinstance(metrics, nnx.MultiMetric) else {"metrics": metrics})
     outputs = {}
@@ -147,9 +138,8 @@ def metric_outputs(metrics: nnx.Metric) -> dict[str, clu_metrics.Average]:
 
 def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, batch: Any,
         *args: Any, **kwargs: Any) -> tuple[types.TrainState, dict[str, Any]]:
-    """Runs ``step.run`` the NNX way on `state` (traced by the step's program): merges the
-    model (and the optimizer, metrics and rngs `run` names), calls it, and returns the state
-    holding what `run` left in them, with its outputs."""
+    """Runs ``step.run`` the NNX way on `state` (while traced): returns the state holding what
+    `run` left in the objects it names, and its outputs."""
     if not isinstance(adapter, model_lib.NnxAdapter):
         raise TypeError(
             f"{type(step).__name__}.run takes `model` first, which runs it the NNX way (the "

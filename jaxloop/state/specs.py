@@ -1,7 +1,5 @@
 """Batches from specs such as ``[1, 28, 28, 1]``: built as numpy zeros (`zeros_from_spec`)
-or described as the partitioner would place them (`abstract_batch`).
-
-Example::
+or described as the partitioner would place them (`abstract_batch`)::
 
     zeros_from_spec({'image': [2, 8, 8, 1], 'label': ([2], 'int32')})
     abstract_batch(partitioner, {'image': [256, 28, 28, 1], 'label': ([256], 'int32')})
@@ -61,9 +59,8 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
 
 
 def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
-    """The global batch of `spec` as `jax.ShapeDtypeStruct` leaves placed as
-    `Partitioner.shard_batch` places batches. ValueError for a malformed spec or a leading
-    dimension that does not divide by the devices along the data axis."""
+    """The global batch of `spec` as `jax.ShapeDtypeStruct` leaves placed as `shard_batch`
+    places batches (ValueError: a leading dimension not divisible by the data shards)."""
     mesh = partitioner.mesh
     axis = partitioner.data_axis
     shards = partitioner.num_data_shards
@@ -72,10 +69,9 @@ def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
     def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
         if x.ndim and x.shape[0] % shards:
             raise ValueError(
-                f"Batch leaf {annotations.path_str(path)} has shape "
-                f"{tuple(x.shape)}: its leading dimension {x.shape[0]} (the global "
-                f"batch) does not divide by the {shards} devices along mesh axis "
-                f"{axis!r}")
+                f"Batch leaf {annotations.path_str(path)} has shape {tuple(x.shape)}: its "
+                f"leading dimension {x.shape[0]} (the global batch) does not divide by the "
+                f"{shards} devices along mesh axis {axis!r}")
         sharding = partitioner.batch_sharding if x.ndim else replicated
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
