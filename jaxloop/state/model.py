@@ -3,12 +3,8 @@
 nnx models are split into ``params``, ``batch_stats`` and RNG streams and merged back on
 every call, so one `run` serves both APIs. Each call reseeds the streams named in ``rngs``
 (a bare key seeds them all), so masks are a pure function of (base key, step); drawing from a
-stream given no key is an error. A model built with ``nnx.Rngs(0)`` draws from ``'default'``,
-one built by a Step from its class from ``'dropout'``. In a `Step`, nnx models run in train or
-eval mode by the step's ``train`` flag (linen modules take it as a call argument). An
-NNX-native `run` (`jaxloop.state.nnx_step`) gets the merged model itself (`NnxAdapter.merge`).
-
-Example::
+stream given no key is an error. In a `Step`, nnx models run in train or eval mode by the
+step's ``train`` flag::
 
     logits = state.apply_fn({'params': params}, x, rngs=self.prng_key(state.step))
 """
@@ -44,9 +40,7 @@ _INTERMEDIATES = "intermediates"  # nnx.Intermediate (what `sow` makes), as line
 @contextlib.contextmanager
 def training_mode(train: bool) -> Iterator[None]:
     """nnx models called through an adapter run in train mode (dropout on, BatchNorm on
-    batch statistics) or eval mode while a function is traced in this context.
-
-    Example::
+    batch statistics) or eval mode while a function is traced in this context::
 
         with model.training_mode(False):
             logits = state.apply_fn({'params': state.params}, x)  # dropout off
@@ -64,11 +58,9 @@ _INIT_DROPOUT_STREAM = 0x64726F70
 
 
 def init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
-    """The named keys a model is initialised with. A key is the ``params`` stream as it is
-    (google/jaxloop passes the step's key to ``model.init`` unsplit, so the same key gives
-    the same parameters there and here), and a ``dropout`` stream is derived from it: flax
-    draws each stream apart, so drawing dropout leaves the parameters unchanged. A dict is
-    used as given, with ``params`` (its first key) added when missing."""
+    """The named keys a model is initialised with: a key is the ``params`` stream unsplit (as
+    google/jaxloop passes it: the same parameters), with a ``dropout`` stream derived from it;
+    a dict is used as given, with ``params`` (its first key) added when missing."""
     if isinstance(base_prng, Mapping):
         rngs = dict(base_prng)
         rngs.setdefault("params", next(iter(rngs.values())))
@@ -87,9 +79,8 @@ class _LinenStreams(nn.Module):
 
 
 def nnx_init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
-    """The keys an nnx module class is built with: google/jaxloop wraps the class in flax's
-    ``nnx.bridge.ToLinen``, which seeds ``nnx.Rngs`` with what linen's ``make_rng`` draws
-    from each stream of ``model.init``'s keys; the same here, so the parameters agree."""
+    """The keys an nnx module class is built with: what linen's ``make_rng`` draws, as
+    google/jaxloop's ``nnx.bridge.ToLinen`` seeds them, so the parameters agree."""
     rngs = init_rngs(base_prng)
     return _LinenStreams(tuple(rngs)).apply({}, rngs=rngs)
 
@@ -149,8 +140,7 @@ class NnxAdapter(ModelAdapter):
         return self._model(*self._args, rngs=nnx.Rngs(**nnx_init_rngs(base_prng)), **self._kwargs)
 
     def describe(self, base_prng: types.PRNGType) -> None:
-        """Learns the model's structure without creating its arrays, for a step that runs
-        a state it did not initialise (an eval step given the train step's state)."""
+        """Learns the model's structure without creating arrays (for a state made elsewhere)."""
         if self._graphdef is None:
             self._variables(nnx.eval_shape(lambda: self._build(base_prng)))
 
@@ -194,8 +184,7 @@ class NnxAdapter(ModelAdapter):
         return jax.tree.map(make, self._rng_layout or {})
 
     def merge(self, variables: Mapping[str, Any]) -> nnx.Module:
-        """A new model holding `variables` (``params`` and, if it has any, ``batch_stats``)
-        and placeholder RNG streams, to be reseeded before it draws."""
+        """A new model holding `variables` and placeholder RNG streams (reseeded before use)."""
         if self._graphdef is None:
             raise ValueError("The nnx model was not initialised: call Step.initialize_model")
         if "params" not in variables:
@@ -270,9 +259,7 @@ def _stream_keys(rngs: Mapping[str, jax.Array] | jax.Array | None) -> dict[str, 
 
 def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
           nnx_model_kwargs: Mapping[str, Any] | None = None) -> ModelAdapter:
-    """The adapter for a linen module instance, an nnx module class or an nnx instance.
-
-    Example::
+    """The adapter for a linen module instance, an nnx module class or an nnx instance::
 
         adapter = model.adapt(NnxMLP, nnx_model_args=(16, 32, 10))
         variables = adapter.init(jax.random.key(0), batch)
@@ -310,8 +297,7 @@ def _map_variables(state: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:
 
 
 def _param_leaf(var: nnx.Variable) -> Any:
-    """An nnx Param's value, boxed like linen's when annotated, so partitioners and optax
-    read nnx annotations as linen's."""
+    """An nnx Param's value, boxed like linen's when annotated (partitioners read linen's)."""
     metadata = var.get_metadata()
     names = metadata.get("out_sharding")
     value = var.get_value()
