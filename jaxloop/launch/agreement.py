@@ -3,24 +3,18 @@
 A decision that gates a collective (is a save due, which checkpoints to read) may not come
 from one host's clock or listing. `agreed` takes process 0's answer, `gathered` every
 process's value, `summed` counts summed over processes. Each is one host exchange through
-JAX's coordination service (the one `jax.distributed.initialize` starts), not a device
-collective: it does not queue behind the steps in flight, and it cannot hang. Every process
-publishes where it is (the exchange's `phase` and `step`) with its value, meets the others at
-a barrier, and reads theirs. Processes at different exchanges, or one that does not arrive
-within ``exchange_timeout()`` seconds (`DEFAULT_EXCHANGE_TIMEOUT`, or the environment
-variable ``JAXLOOP_EXCHANGE_TIMEOUT``), get a `DisagreementError` naming the step and the
-phase where they parted. With one process each is a plain call.
-
-Example::
+JAX's coordination service, not a device collective: it does not queue behind the steps in
+flight, and it cannot hang. Processes at different exchanges, or one that does not arrive
+within ``exchange_timeout()`` seconds, get a `DisagreementError` naming the step and the
+phase where they parted. With one process each is a plain call::
 
     due = agreement.agreed(lambda: clock() - last_save >= every_secs,
                            phase="checkpoint time policy", step=step)
     positions = agreement.gathered(iterator_state(it))  # one per process, in process order
     tokens, examples = agreement.summed([local_tokens, local_examples])
 
-JAX 0.10 has no public accessor for the coordination service's key-value store and
-barriers; `_client` takes the client JAX's own `jax.experimental.multihost_utils` uses for
-its preemption sync point, and is the one place that does.
+JAX 0.10 has no public accessor for the coordination service's key-value store; `_client`
+takes the client `jax.experimental.multihost_utils` uses, the one place that does.
 """
 
 from __future__ import annotations
@@ -48,14 +42,12 @@ _count = 0  # exchanges this process took part in; every process counts alike
 
 
 class DisagreementError(RuntimeError):
-    """The processes of a job reached different exchanges, or some did not reach this one in
-    time: they run different code (an action's collective or exchange on some processes
-    only) or one is stuck. Raised on every process that can still raise."""
+    """The processes reached different exchanges, or some did not reach this one in time
+    (different code on some processes, or one is stuck)."""
 
 
 def exchange_timeout() -> float:
-    """Seconds an exchange waits for every process: ``JAXLOOP_EXCHANGE_TIMEOUT``, else
-    `DEFAULT_EXCHANGE_TIMEOUT`."""
+    """Seconds an exchange waits: ``JAXLOOP_EXCHANGE_TIMEOUT``, else the default."""
     raw = os.environ.get(ENV_EXCHANGE_TIMEOUT, "").strip()
     if not raw:
         return DEFAULT_EXCHANGE_TIMEOUT
@@ -70,8 +62,7 @@ def exchange_timeout() -> float:
 
 
 def exchange_count() -> int:
-    """How many host exchanges this process has taken part in (each one a wait for the
-    other processes; none with one process)."""
+    """How many host exchanges this process has taken part in (none with one process)."""
     return _count
 
 
@@ -126,9 +117,8 @@ def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
 
 def gathered(value: Any, *, phase: str = "gathered values", step: int | None = None
              ) -> list[Any]:
-    """Every process's `value` (JSON-serialisable; tuples come back as lists), in process
-    order, on every process. `phase` and `step` say where this is, in the error a
-    disagreement raises."""
+    """Every process's `value` (JSON-serialisable), in process order, on every process;
+    `phase` and `step` name this place in the error a disagreement raises."""
     if jax.process_count() == 1:
         return [value]
     return _exchange(value, phase, step)
@@ -144,8 +134,7 @@ def agreed(decide: Callable[[], T], *, phase: str = "agreed decision",
 
 def summed(counts: Sequence[float], dtype: Any = np.float64, *, phase: str = "summed counts",
            step: int | None = None) -> list[Any]:
-    """Each of this process's `counts` summed with the same position's count of every
-    process (as `dtype`), on every process; with one process, `counts`."""
+    """`counts` summed position-wise over every process (as `dtype`), on every process."""
     if jax.process_count() == 1:
         return list(counts)
     local = np.asarray(counts, dtype).reshape(-1).tolist()

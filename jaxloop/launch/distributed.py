@@ -2,11 +2,7 @@
 
 `initialize` joins JAX's distributed runtime; arguments not given come from
 ``JAXLOOP_COORDINATOR``, ``JAXLOOP_NUM_PROCESSES``, ``JAXLOOP_PROCESS_ID`` and the
-``JAXLOOP_*_TIMEOUT`` variables, then from JAX's cluster detection. A dead or early-exiting
-process aborts the others after the heartbeat or shutdown timeout (docs/multihost.md).
-Only JAX's public API is used, so a repeated call is checked against the address given here.
-
-Example::
+``JAXLOOP_*_TIMEOUT`` variables, then from JAX's cluster detection::
 
     distributed.initialize('127.0.0.1:12345', num_processes=2, process_id=i)  # process i
     if distributed.is_main_process():
@@ -85,8 +81,7 @@ def is_initialized() -> bool:
 
 
 def is_main_process() -> bool:
-    """True in process 0, the one that prints, logs and writes summaries (it starts JAX's
-    backends: call `initialize` first)."""
+    """True in process 0, the one that logs and writes summaries (call `initialize` first)."""
     return jax.process_index() == 0
 
 
@@ -115,15 +110,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                shutdown_timeout_seconds: int | None = None) -> None:
     """Joins this process to a multi-process JAX job; call it before any JAX work.
 
-    Arguments not given come from the environment (module docstring), else JAX detects them
-    (TPU pods, SLURM, Open MPI, mpi4py, Kubernetes). ``coordinator_address`` is process 0's
-    ``HOST:PORT``, reachable from every host. With ``num_processes == 1`` and no address,
-    nothing is initialised; a second call with the same (or no) settings is a no-op.
-
-    Raises:
-      ValueError: a malformed or missing setting.
-      TypeError: an argument of the wrong type.
-      RuntimeError: the runtime is already up with different settings, or JAX already ran.
+    Arguments not given come from the environment, else JAX detects them (TPU pods, SLURM,
+    Open MPI, Kubernetes). ``coordinator_address`` is process 0's ``HOST:PORT``. A second call
+    with the same (or no) settings is a no-op; with other settings a RuntimeError (a bad
+    setting: ValueError or TypeError).
     """
     global _address
 
@@ -181,8 +171,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 
 def shutdown() -> None:
-    """Leaves the distributed job, waiting up to the shutdown timeout for the others (JAX
-    also does this at exit; nothing when not initialised)."""
+    """Leaves the distributed job, waiting up to the shutdown timeout for the others."""
     global _address
     jax.distributed.shutdown()
     _address = None

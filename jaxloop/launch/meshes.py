@@ -1,10 +1,7 @@
 """Device meshes from per-axis sizes, laid out so the last axes stay inside a host.
 
 `make_mesh` takes ``{axis: size}`` in order (one size may be -1: the rest) and devices in
-process order, so trailing axes run within a host (fast links). docs/multihost.md lists the
-usual meshes.
-
-Example::
+process order, so trailing axes run within a host (fast links)::
 
     mesh = meshes.make_mesh({'replica': -1, 'fsdp': jax.local_device_count()})
     partitioner = partition.FSDPPartitioner(mesh, data_axis=('replica', 'fsdp'),
@@ -23,10 +20,8 @@ __all__ = ["axis_sizes", "make_mesh"]
 
 
 def axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
-    """`sizes` with a -1 replaced by what makes the product `num_devices`; a ValueError
-    for other sizes below 1, several -1s or a wrong product.
-
-    Example::
+    """`sizes` with a -1 replaced by what makes the product `num_devices` (ValueError for
+    other sizes below 1, several -1s or a wrong product)::
 
         axis_sizes({'replica': -1, 'fsdp': 4}, 8)  # {'replica': 2, 'fsdp': 4}
     """
