@@ -1,8 +1,5 @@
-"""Early stopping: watch one metric and decide when training has stopped improving.
-
-`MetricMonitoringStopHandler` works in any loop; its state is a small JSON dict, saved
-beside a checkpoint to resume exactly.
-"""
+"""Early stopping: watch one metric and decide when training has stopped improving (its state
+is a small JSON dict, saved beside a checkpoint to resume exactly)."""
 
 from __future__ import annotations
 
@@ -54,13 +51,9 @@ class StopTrainingError(Exception):
 
 
 def infer_mode(metric_name: str) -> str:
-    """Returns ``'max'`` or ``'min'`` for a metric name, as ``mode='auto'`` does.
-
-    The lower-cased name is split on ``/``, ``_``, ``.`` and ``-``; it is maximised when a
-    whole token is in `MAXIMIZED_METRIC_TOKENS` or, as in google/jaxloop, when it ends with
-    ``acc``, ``accuracy`` or ``auc``: ``'eval/accuracy'`` is maximised, ``'heatmap_loss'``
-    minimised.
-    """
+    """``'max'`` or ``'min'`` for a metric name, as ``mode='auto'`` decides: ``'max'`` when a
+    token (split on ``/_.-``) is in `MAXIMIZED_METRIC_TOKENS` or, as in google/jaxloop, the
+    name ends with ``acc``, ``accuracy`` or ``auc`` (``'heatmap_loss'``: ``'min'``)."""
     name = metric_name.lower()
     if any(t in MAXIMIZED_METRIC_TOKENS for t in _TOKEN_SEPARATORS.split(name)):
         return "max"
@@ -97,14 +90,10 @@ def _decode_int(value: Any, key: str) -> int:
 
 
 class MetricMonitoringStopHandler:
-    """Tracks one metric and signals when it has stopped improving (early stopping).
-
-    Its public attributes are google/jaxloop's. A value improves when it beats ``best`` by
-    more than ``min_delta`` (and the ``baseline``, if any; else the first value always
-    does); NaN never improves. `should_stop` is True after ``patience`` consecutive
-    non-improving updates (at least one). ``mode='auto'``: see `infer_mode`.
-
-    Example::
+    """Tracks one metric and signals when it has stopped improving (google/jaxloop's
+    attributes). A value improves when it beats ``best`` (and the ``baseline``, if any) by
+    more than ``min_delta``; NaN never does. `should_stop` is True after ``patience``
+    consecutive non-improving updates (at least one)::
 
       handler = MetricMonitoringStopHandler('eval/loss', min_delta=1e-3, patience=2)
       handler.update_state(eval_loss, step)
@@ -199,15 +188,13 @@ class MetricMonitoringStopHandler:
         return self.best, self.best_step
 
     def state_dict(self) -> dict[str, Any]:
-        """The progress as a JSON-serialisable dict, for checkpointing (not the
-        configuration, which comes from the constructor)."""
+        """The progress (not the configuration) as a JSON-serialisable dict, to checkpoint."""
         return {"monitored_metric": self.monitored_metric, "mode": self.mode,
                 "best": _encode_float(self.best), "best_step": self.best_step,
                 "wait": self.wait, "initialized": self._initialized}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores progress saved by `state_dict`; a ValueError where its
-        ``monitored_metric`` or ``mode`` differ from this handler's."""
+        """Restores `state_dict`'s progress (ValueError: another metric or mode)."""
         missing = [k for k in ("best", "best_step", "wait") if k not in state]
         if missing:
             raise KeyError(f"state_dict is missing keys {missing}; got keys {sorted(state)}")
