@@ -1,10 +1,6 @@
-"""Global batches: the data a run sees, independent of how many processes read it.
-
-`GlobalBatchDataset` cuts grain's order of a random-access source into global batches and
-each process reads only its rows of each (`batch_rows`), so the iterator's position (a
-global batch index) restores under any process count.
-
-Example::
+"""Global batches: the data a run sees, independent of how many processes read it. Each
+process reads only its rows of each global batch, so the iterator's position (a global batch
+index) restores under any process count::
 
     ds = GlobalBatchDataset(ArraySource({'x': x, 'y': y}), global_batch_size=64, seed=1)
     batch = next(iter(ds))  # this process's rows of global batch 0
@@ -31,17 +27,11 @@ Example = Any
 def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
                global_batch_size: int, process_index: int | None = None) -> tuple[int, int]:
     """The rows ``[start, stop)`` of each global batch that a process must provide: those of
-    the data coordinates its devices hold (processes sharing them read the same rows).
-
-    Example::
+    the data coordinates its devices hold (ValueError if they are not contiguous)::
 
         # 2 processes x 4 devices, mesh data=4 x model=2 with 'model' across processes:
-        devices = np.array(jax.devices()).reshape(2, 4).T  # [[0, 4], [1, 5], ...]
-        mesh = Mesh(devices, ('data', 'model'))
+        mesh = Mesh(np.array(jax.devices()).reshape(2, 4).T, ('data', 'model'))
         batch_rows(mesh, 'data', 64)  # (0, 64) on both processes
-
-    A global batch that does not divide by the data axes, or data coordinates of this
-    process that are not contiguous, are a ValueError.
     """
     if process_index is None:
         process_index = jax.process_index()
@@ -82,11 +72,10 @@ def _stack(examples: Sequence[Example]) -> Batch:
 class GlobalBatchDataset(Iterable[Batch]):
     """Global batches of a random-access source, the same for any number of processes.
 
-    Global batch ``k`` holds ``order[k*G:(k+1)*G]`` of grain's order
-    (``MapDataset.range(len(source)).shuffle(seed=seed).repeat(num_epochs)``); process ``p``
-    of ``P`` yields rows ``[p*G/P, (p+1)*G/P)`` of it stacked, or with a `partitioner` the
-    rows its devices hold in the partitioner's mesh (`batch_rows`). `batches` is this
-    process's grain ``MapDataset`` (batch k is ``batches[k]``).
+    Global batch ``k`` holds ``order[k*G:(k+1)*G]`` of grain's shuffled, repeated order;
+    process ``p`` of ``P`` yields rows ``[p*G/P, (p+1)*G/P)`` of it stacked, or with a
+    `partitioner` the rows its devices hold (`batch_rows`). `batches` is this process's grain
+    ``MapDataset`` (batch k is ``batches[k]``).
 
     Args:
       source: ``__len__`` and ``__getitem__(int)`` returning one example (`ArraySource`, a
