@@ -161,9 +161,8 @@ class NnxAdapter(ModelAdapter):
             listed = ", ".join(
                 f"{'/'.join(map(str, path))} ({type(var).__name__})" for path, var in others[:5])
             raise ValueError(
-                f"{type(model).__name__} holds variables that are neither nnx.Param, "
-                f"nnx.BatchStat nor RNG streams: {listed}. A TrainState carries params and "
-                "batch_stats; make carried statistics nnx.BatchStat variables.")
+                f"{type(model).__name__} holds variables that are neither nnx.Param, nnx.BatchStat "
+                f"nor RNG streams: {listed}. Make carried statistics nnx.BatchStat variables.")
         self._graphdef = graphdef
         self._stats_layout = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(stats)]
         self._rng_layout = jax.tree.map(
@@ -194,13 +193,10 @@ class NnxAdapter(ModelAdapter):
         if not stats and self._stats_layout:
             raise ValueError(
                 f"{self.model_name} holds BatchNorm statistics (nnx.BatchStat: "
-                f"{', '.join(self._stats_layout[:3])}), but apply_fn was given no "
-                "'batch_stats'. Pass them and keep the updated ones: "
-                "y, updates = state.apply_fn({'params': params, 'batch_stats': "
-                "state.batch_stats}, x, mutable=['batch_stats']), then "
-                "state.apply_gradients(grads=grads, batch_stats=updates['batch_stats']). "
-                "Or write run the NNX way, run(self, model, optimizer, batch), and call "
-                "model(x) (docs/features.md, 'NNX models').")
+                f"{', '.join(self._stats_layout[:3])}), but apply_fn was given no 'batch_stats'. "
+                "Pass them and keep the updated ones: y, updates = state.apply_fn({'params': "
+                "params, 'batch_stats': state.batch_stats}, x, mutable=['batch_stats']); or "
+                "write run the NNX way, run(self, model, optimizer, batch) (docs/features.md).")
         try:
             return nnx.merge(self._graphdef, variables["params"], stats,
                              self._placeholder_rngs())
@@ -219,7 +215,8 @@ class NnxAdapter(ModelAdapter):
               rngs: Mapping[str, jax.Array] | jax.Array | None = None, mutable: Any = False,
               **kwargs: Any) -> Any:
         model = self.merge(variables)
-        given = _stream_keys(rngs)
+        given = ({} if rngs is None else dict(rngs) if isinstance(rngs, Mapping)
+                 else {"default": rngs, "dropout": rngs})
         streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
         if given:
             nnx.reseed(model, **{k: v for k, v in given.items()
@@ -236,10 +233,9 @@ class NnxAdapter(ModelAdapter):
         })
         if unseeded:
             raise ValueError(
-                f"{type(model).__name__} drew random numbers from the RNG stream(s) "
-                f"{unseeded}, but apply_fn was given no key for them (got rngs for "
-                f"{sorted(given)}). Pass e.g. rngs={{'{unseeded[0]}': "
-                "self.prng_key(state.step)}} so each step draws fresh, reproducible numbers.")
+                f"{type(model).__name__} drew random numbers from the RNG stream(s) {unseeded}, "
+                f"but apply_fn was given keys for {sorted(given)} only. Pass e.g. "
+                f"rngs={{'{unseeded[0]}': self.prng_key(state.step)}}.")
         if not mutable:
             return out
         _, _, new_stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
@@ -247,14 +243,6 @@ class NnxAdapter(ModelAdapter):
         if mutable is True or _INTERMEDIATES in mutable:  # what the model sowed
             mutated[_INTERMEDIATES] = nnx.state(model, nnx.Intermediate).to_pure_dict()
         return out, mutated
-
-
-def _stream_keys(rngs: Mapping[str, jax.Array] | jax.Array | None) -> dict[str, jax.Array]:
-    if rngs is None:
-        return {}
-    if isinstance(rngs, Mapping):
-        return dict(rngs)
-    return {"default": rngs, "dropout": rngs}
 
 
 def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
@@ -275,9 +263,8 @@ def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
     if isinstance(model, nn.Module | nnx.Module):
         if nnx_model_args is not None or nnx_model_kwargs:
             raise ValueError(
-                f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are "
-                f"only for nnx module classes; {type(model).__name__} is an already "
-                "constructed module")
+                f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are only "
+                f"for nnx module classes; {type(model).__name__} is already constructed")
         if isinstance(model, nn.Module):
             return LinenAdapter(model)
         return NnxAdapter(model)

@@ -1,21 +1,14 @@
 """`run` written the NNX way: a Step whose `run` takes ``model`` first gets the model as an
-`nnx.Module` and its optimizer as an `nnx.Optimizer`, as Flax's NNX tutorial writes its steps.
-
-Example::
+`nnx.Module` and its optimizer as an `nnx.Optimizer`, as Flax's NNX tutorial writes its steps::
 
     class TrainStep(step_lib.Step):
         def metrics(self):  # a fresh nnx metric per step; each entry becomes an output
-            return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
-                                   loss=nnx.metrics.Average('loss'))
+            return nnx.MultiMetric(loss=nnx.metrics.Average('loss'))
 
         def run(self, model, optimizer, metrics, rngs, batch):
-            grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
-            (loss, logits), grads = grad_fn(model, batch, rngs)
-            metrics.update(loss=loss, logits=logits, labels=batch['label'])
+            (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, rngs)
+            metrics.update(loss=loss)
             optimizer.update(model, grads)
-
-    step = TrainStep(jax.random.key(0), CNN(rngs=nnx.Rngs(0)), optimizer=optax.adamw(5e-3),
-                     train=True)
 
 `run` names what it takes after ``model``, in any order: ``optimizer`` (``wrt=nnx.Param``),
 ``metrics`` (the step's ``metrics()``, merged by the loop as `clu.metrics.Average`), ``ema``
@@ -64,10 +57,10 @@ def _arguments(step: Any) -> list[str]:
             continue
         if p.name not in ARGUMENTS:
             raise TypeError(
-                f"{type(step).__name__}.run takes `model` first, so it runs the NNX way and "
-                f"may name {', '.join(ARGUMENTS)}; it also names {p.name!r}. "
-                + ("A linen-style run takes the state: run(self, state, batch)."
-                   if p.name == "state" else "Give it a default or take it from `batch`."))
+                f"{type(step).__name__}.run takes `model` first (the NNX way: it may name "
+                f"{', '.join(ARGUMENTS)}) and names {p.name!r}. " + (
+                    "A linen-style run is run(self, state, batch)." if p.name == "state"
+                    else "Give it a default or take it from `batch`."))
         names.append(p.name)
     return names
 
@@ -92,10 +85,9 @@ def _optimizer(model: nnx.Module, tx: Any, state: types.TrainState) -> _Counting
     shapes = [jnp.shape(s.get_value()) for s in slots]
     if shapes != [jnp.shape(x) for x in leaves]:
         raise ValueError(
-            f"The state's optimizer state ({len(leaves)} leaves) does not match what "
-            f"nnx.Optimizer(model, tx, wrt=nnx.Param) holds ({len(slots)} leaves): was the "
-            "state built by a step with another optimizer? An eval step's run takes no "
-            "optimizer.")
+            f"The state's optimizer state ({len(leaves)} leaves) does not match "
+            f"nnx.Optimizer(model, tx, wrt=nnx.Param) ({len(slots)} leaves): was the state "
+            "built with another optimizer? An eval step's run takes no optimizer.")
     for slot, leaf in zip(slots, leaves, strict=True):
         slot.set_value(leaf)
     optimizer.step.set_value(jnp.asarray(state.step, jnp.uint32))
@@ -112,8 +104,7 @@ def _reseed(model: nnx.Module, keys: types.PRNGType) -> None:
         if missing:
             raise ValueError(
                 f"The model draws from the RNG stream(s) {missing}, but the step's base key "
-                f"names only {sorted(keys)}: add them, e.g. {{'{missing[0]}': key}}, or pass "
-                "one key (it seeds every stream).")
+                f"names only {sorted(keys)}: add e.g. {{'{missing[0]}': key}}, or pass one key.")
         nnx.reseed(model, **{t: keys[t] for t in tags})
     else:
         nnx.reseed(model, **dict.fromkeys(tags, keys))
@@ -128,9 +119,8 @@ def metric_outputs(metrics: nnx.Metric) -> dict[str, clu_metrics.Average]:
     for name, metric in entries.items():
         if not isinstance(metric, nnx.metrics.Average):
             raise TypeError(
-                f"metrics entry {name!r} is a {type(metric).__name__}; a step's nnx metrics "
-                "must be nnx.metrics.Average or Accuracy, which a loop merges exactly. "
-                "Return other values from run as a dict of outputs instead.")
+                f"metrics entry {name!r} is a {type(metric).__name__}, not nnx.metrics.Average "
+                "or Accuracy (which a loop merges): return it from run as an output instead.")
         outputs[name] = clu_metrics.Average(total=metric.total.get_value(),
                                             count=metric.count.get_value())
     return outputs
@@ -142,10 +132,9 @@ def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, bat
     `run` left in the objects it names, and its outputs."""
     if not isinstance(adapter, model_lib.NnxAdapter):
         raise TypeError(
-            f"{type(step).__name__}.run takes `model` first, which runs it the NNX way (the "
-            f"model as an nnx.Module), but the step's model is a {type(step.model).__name__}, "
-            "a linen module. For linen write run(self, state, batch) and call "
-            "state.apply_fn({'params': params}, x); or give the step an nnx.Module.")
+            f"{type(step).__name__}.run takes `model` first (an nnx.Module), but the step's "
+            f"model is a {type(step.model).__name__}, a linen module: write "
+            "run(self, state, batch) and call state.apply_fn, or give the step an nnx.Module.")
     names = _arguments(step)
     adapter.describe(step.prng_key(0))  # an eval step may run a state it did not build
     model = adapter.merge({"params": state.params, "batch_stats": state.batch_stats})
@@ -164,10 +153,8 @@ def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, bat
     if "metrics" in names:
         make = getattr(step, "metrics", None)
         if not callable(make):
-            raise TypeError(
-                f"{type(step).__name__}.run takes `metrics`: define "
-                "def metrics(self): return nnx.MultiMetric(...) on the step (a fresh one "
-                "is made for every step).")
+            raise TypeError(f"{type(step).__name__}.run takes `metrics`: define "
+                            "def metrics(self): return nnx.MultiMetric(...) on the step.")
         metrics = given["metrics"] = make()
     if "ema" in names:
         given["ema"] = ema_lib.NnxEma(state, lambda: state.step + (

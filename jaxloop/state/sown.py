@@ -74,9 +74,7 @@ class Recorder:
                 raise ValueError(
                     f"The sown value {key!r} was recorded inside a transformation that traces "
                     "the model on its own (jax.vmap, jax.lax.scan, jax.checkpoint) and cannot "
-                    "leave it: return it from that function yourself, or call the model "
-                    "outside it"
-                ) from e
+                    "leave it: return it from that function yourself") from e
         return merged
 
 

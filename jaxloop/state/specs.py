@@ -29,15 +29,6 @@ def _is_shape(x: Any) -> bool:
         isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in x)
 
 
-def _as_dtype(x: Any) -> np.dtype | None:
-    if isinstance(x, str | np.dtype | type):
-        try:
-            return jnp.dtype(x)
-        except TypeError:
-            return None
-    return None
-
-
 def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
     """Builds a zero batch (numpy arrays) from a batch spec."""
     if isinstance(spec, jax.ShapeDtypeStruct | np.ndarray | jax.Array):
@@ -46,9 +37,10 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
         return np.zeros(tuple(int(d) for d in spec), np.float32)
     is_pair = isinstance(spec, list | tuple) and not hasattr(spec, "_fields") and len(spec) == 2
     if is_pair and _is_shape(spec[0]) and isinstance(spec[1], str | np.dtype | type):
-        dtype = _as_dtype(spec[1])
-        if dtype is None:
-            raise ValueError(f"{path}: {spec[1]!r} is not a dtype; {_SPEC_HELP}")
+        try:
+            dtype = jnp.dtype(spec[1])
+        except TypeError:
+            raise ValueError(f"{path}: {spec[1]!r} is not a dtype; {_SPEC_HELP}") from None
         return np.zeros(tuple(int(d) for d in spec[0]), dtype)
     if isinstance(spec, Mapping):
         return {k: zeros_from_spec(v, f"{path}[{k!r}]") for k, v in spec.items()}
