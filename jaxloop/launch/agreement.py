@@ -12,9 +12,6 @@ phase where they parted. With one process each is a plain call::
                            phase="checkpoint time policy", step=step)
     positions = agreement.gathered(iterator_state(it))  # one per process, in process order
     tokens, examples = agreement.summed([local_tokens, local_examples])
-
-JAX 0.10 has no public accessor for the coordination service's key-value store; `_client`
-takes the client `jax.experimental.multihost_utils` uses, the one place that does.
 """
 
 from __future__ import annotations
@@ -67,8 +64,9 @@ def exchange_count() -> int:
 
 
 def _client() -> Any:
+    # JAX 0.10 has no public accessor for the coordination service's key-value store: this
+    # is the client multihost_utils uses, and the one place that takes it.
     from jax.experimental import multihost_utils  # noqa: PLC0415
-
     client = multihost_utils.distributed.global_state.client
     if client is None:
         raise RuntimeError(
@@ -77,15 +75,11 @@ def _client() -> Any:
     return client
 
 
-def _where(phase: str, step: int | None) -> str:
-    return phase if step is None else f"{phase} at step {step}"
-
-
 def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
     """Every process's `value`, in process order: one key each, one barrier."""
     global _count
     client, me, timeout = _client(), jax.process_index(), exchange_timeout()
-    index, where = _count, _where(phase, step)
+    index, where = _count, phase if step is None else f"{phase} at step {step}"
     _count += 1
     key = f"{_PREFIX}/{index}/"
     client.key_value_set(f"{key}{me}", json.dumps({"at": where, "value": value}))
@@ -94,9 +88,8 @@ def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
     except jax.errors.JaxRuntimeError as e:
         arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(key)}
         missing = sorted(set(range(jax.process_count())) - arrived)
-        late = (f"process(es) {missing} did not arrive: they run something this process "
-                "does not (an action's collective or exchange on some processes only), or "
-                "are stuck" if missing else "the others stopped waiting before this one came")
+        late = (f"process(es) {missing} did not arrive (they run something this process does "
+                "not, or are stuck)" if missing else "the others stopped waiting before it came")
         raise DisagreementError(
             f"Process {me} waited {timeout:g} s for the other processes at '{where}' "
             f"(exchange {index}); {late}. See 'What an action may compute' in "
@@ -109,9 +102,7 @@ def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
         detail = "; ".join(f"process {p} at '{entries[p]['at']}'" for p in sorted(entries))
         raise DisagreementError(
             f"The processes parted at exchange {index}: {detail}. Every process must run the "
-            "library's exchanges in the same order: an action that runs a collective or an "
-            "exchange on some processes only parts them (docs/multihost.md, 'What an action "
-            "may compute').")
+            "same exchanges and collectives (docs/multihost.md, 'What an action may compute').")
     return [entries[p]["value"] for p in sorted(entries)]
 
 

@@ -162,11 +162,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if not missing:
             raise
         raise ValueError(
-            f"jaxloop.launch.distributed.initialize() was not given {', '.join(missing)}, and "
-            "JAX did not start with what it detected from the environment (it reads Cloud TPU "
-            f"pods, SLURM, Open MPI, mpi4py and Kubernetes). Pass them, or set {ENV_COORDINATOR}, "
-            f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}. JAX said: {e}"
-        ) from e
+            f"distributed.initialize() was not given {', '.join(missing)}, and JAX could not "
+            f"detect them. Pass them, or set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and "
+            f"{ENV_PROCESS_ID}. JAX said: {e}") from e
     _address = coordinator_address
 
 
