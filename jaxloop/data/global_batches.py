@@ -33,8 +33,7 @@ def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
         mesh = Mesh(np.array(jax.devices()).reshape(2, 4).T, ('data', 'model'))
         batch_rows(mesh, 'data', 64)  # (0, 64) on both processes
     """
-    if process_index is None:
-        process_index = jax.process_index()
+    process_index = jax.process_index() if process_index is None else process_index
     if data_axis is None:
         return 0, global_batch_size
     axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
@@ -58,9 +57,8 @@ def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
     if coords != list(range(coords[0], coords[-1] + 1)):
         raise ValueError(
             f"Process {process_index} holds data coordinates {coords} of mesh axis "
-            f"{data_axis!r}, which are not contiguous, so no block of rows of a global "
-            "batch is its share. Lay the mesh out so each process's devices hold adjacent "
-            "data coordinates (e.g. reshape jax.devices() in process order).")
+            f"{data_axis!r}, which are not contiguous: lay the mesh out so each process's "
+            "devices hold adjacent data coordinates (jax.devices() in process order).")
     shard = global_batch_size // num_shards
     return coords[0] * shard, (coords[-1] + 1) * shard
 
@@ -105,10 +103,8 @@ class GlobalBatchDataset(Iterable[Batch]):
             raise TypeError(
                 "GlobalBatchDataset needs a random-access source (with __len__ and "
                 f"__getitem__), got {type(source).__qualname__}.")
-        if process_index is None:
-            process_index = jax.process_index()
-        if process_count is None:
-            process_count = jax.process_count()
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}.")
         if process_count <= 0 or not 0 <= process_index < process_count:

@@ -88,10 +88,9 @@ def as_iterator(dataset: Any) -> Iterator[Batch]:
         return iter(grain.MapDataset.source(dataset))
     if isinstance(dataset, Iterable):
         return iter(dataset)
-    raise TypeError(
-        f"Cannot iterate over a dataset of type {type(dataset).__module__}."
-        f"{type(dataset).__qualname__}: expected an iterator, an iterable, a grain dataset, "
-        "a random-access data source or a tf.data.Dataset.")
+    kind = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
+    raise TypeError(f"Cannot iterate over a {kind}: expected an iterable, a grain dataset or "
+                    "source, or a tf.data.Dataset.")
 
 
 def iterator_state(iterator: Any) -> dict[str, Any] | None:
@@ -123,10 +122,8 @@ def restore_iterator_state(iterator: Any, state: Mapping[str, Any]) -> None:
     """Restores a state returned by `iterator_state` into an iterator of the same kind."""
     set_state = getattr(iterator, "set_state", None)
     if not callable(set_state):
-        raise ValueError(
-            f"Cannot restore the data position: iterator of type {type(iterator).__qualname__} "
-            "has no set_state(). Use a checkpointable iterator (a grain dataset or "
-            "GlobalBatchDataset) to resume training data exactly.")
+        raise ValueError(f"Cannot restore the data position: a {type(iterator).__qualname__} has "
+                         "no set_state() (a grain dataset or GlobalBatchDataset has).")
     if isinstance(iterator, grain.DataLoaderIterator) and not isinstance(state, bytes):
         # DataLoaderIterator.set_state wants the JSON bytes that iterator_state decoded.
         state = json.dumps(state).encode()
