@@ -70,8 +70,7 @@ def compile_seconds() -> float:
 def peak_flops(device: jax.Device | str | None = None) -> float | None:
     """Peak dense bf16 flop/s of a device or device kind (default: the first device), or
     None when unknown: ``peak_flops('NVIDIA H100 80GB HBM3') == 9.89e14``."""
-    if device is None:
-        device = jax.devices()[0]
+    device = jax.devices()[0] if device is None else device
     kind = (device if isinstance(device, str) else device.device_kind).lower()
     for name, flops in PEAK_FLOPS:
         if name in kind:
