@@ -70,23 +70,22 @@ def _encode_float(value: float | None) -> float | str | None:
 def _decode_float(value: Any, key: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"state_dict[{key!r}] must be a number, string or None, got {value!r}")
     try:
-        return float(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"state_dict[{key!r}] must be a number, string or None, got {value!r}") from e
+        if not isinstance(value, bool):
+            return float(value)
+    except (TypeError, ValueError):
+        pass
+    raise ValueError(f"state_dict[{key!r}] must be a number, string or None, got {value!r}")
 
 
-def _decode_int(value: Any, key: str) -> int:
-    # operator.index accepts numpy/jax integers but refuses floats and strings.
-    if isinstance(value, bool):
-        raise ValueError(f"state_dict[{key!r}] must be an int, got {value!r}")
+def _as_int(value: Any, what: str, error: type[Exception] = ValueError) -> int:
+    # operator.index accepts numpy/jax integers but refuses floats and strings; bools refused.
     try:
-        return operator.index(value)
-    except TypeError as e:
-        raise ValueError(f"state_dict[{key!r}] must be an int, got {value!r}") from e
+        if not isinstance(value, bool):
+            return operator.index(value)
+    except TypeError:
+        pass
+    raise error(f"{what} must be an int, got {value!r}")
 
 
 class MetricMonitoringStopHandler:
@@ -107,12 +106,7 @@ class MetricMonitoringStopHandler:
         if mode not in _VALID_MODES:
             raise ValueError(f"Invalid mode {mode!r} for monitored metric {monitored_metric!r}; "
                              f"expected one of {', '.join(repr(m) for m in _VALID_MODES)}.")
-        if isinstance(patience, bool):
-            raise TypeError(f"patience must be an int, got {patience!r}")
-        try:
-            patience = operator.index(patience)
-        except TypeError as e:
-            raise TypeError(f"patience must be an int, got {patience!r}") from e
+        patience = _as_int(patience, "patience", TypeError)
         if patience < 0:
             raise ValueError(f"patience must be non-negative, got patience={patience}")
         min_delta = float(min_delta)
@@ -205,8 +199,8 @@ class MetricMonitoringStopHandler:
         best = _decode_float(state["best"], "best")
         best_step = state["best_step"]
         if best_step is not None:
-            best_step = _decode_int(best_step, "best_step")
-        wait = _decode_int(state["wait"], "wait")
+            best_step = _as_int(best_step, "state_dict['best_step']")
+        wait = _as_int(state["wait"], "state_dict['wait']")
         if wait < 0:
             raise ValueError(f"state_dict['wait'] must be non-negative, got {wait!r}")
         initialized = state.get("initialized", best is not None or self.baseline is not None)
