@@ -160,11 +160,7 @@ class ProgressAction(Action):
     def evaluating(self, label: str, spec: Any, batches: Iterator[Any], step: int
                    ) -> Iterator[Iterator[Any]]:
         """Inside: `batches`, with the bar showing ``evaluating <label>: n/total`` as the
-        evaluation at `step` reads them (unchanged when no bar is shown)::
-
-            with progress.evaluating('eval', spec, iter(eval_batches), 400) as batches:
-                eval_loop(state, batches)
-        """
+        evaluation at `step` reads them (unchanged when no bar is shown)."""
         if self._enabled is None:
             self._enabled = self._interactive()
         if not self._enabled or self._closed:
