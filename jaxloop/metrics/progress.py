@@ -59,9 +59,11 @@ class ProgressAction(Action):
         ipython = sys.modules.get("IPython")
         return shell_class is not None and isinstance(ipython.get_ipython(), shell_class)
 
-    @classmethod
-    def _interactive(cls) -> bool:
-        return cls._in_kernel() or sys.stderr.isatty()
+    def _on(self) -> bool:
+        """Whether the bar is shown (`enabled=None`: where the output is interactive)."""
+        if self._enabled is None:
+            self._enabled = self._in_kernel() or sys.stderr.isatty()
+        return self._enabled
 
     @classmethod
     def _bar_class(cls) -> Any:
@@ -122,9 +124,7 @@ class ProgressAction(Action):
         self._bar.set_postfix_str(", ".join(parts), refresh=refresh)
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
-        if self._enabled is None:
-            self._enabled = self._interactive()
-        if not self._enabled:
+        if not self._on():
             return
         step = host_count.host_step(state)
         bar = self._ensure_bar(kwargs.get("first_step") or 0)
@@ -161,9 +161,7 @@ class ProgressAction(Action):
                    ) -> Iterator[Iterator[Any]]:
         """Inside: `batches`, with the bar showing ``evaluating <label>: n/total`` as the
         evaluation at `step` reads them (unchanged when no bar is shown)."""
-        if self._enabled is None:
-            self._enabled = self._interactive()
-        if not self._enabled or self._closed:
+        if not self._on() or self._closed:
             yield batches
             return
         totals = [n for n in (getattr(spec, "num_steps", None),
