@@ -61,9 +61,8 @@ def _checked_axes(mesh: Mesh, axes: str | Sequence[str] | None, name: str) -> Ax
         raise TypeError(f"{name} must be a mesh axis name or a tuple of them, got {axes!r}")
     unknown = [a for a in names if a not in mesh.axis_names]
     if unknown:
-        raise ValueError(
-            f"{name} {axes!r}: {', '.join(map(repr, unknown))} is not an axis of the mesh "
-            f"{dict(mesh.shape)}")
+        raise ValueError(f"{name} {axes!r}: {', '.join(map(repr, unknown))} is not an axis of the "
+                         f"mesh {dict(mesh.shape)}")
     if len(set(names)) != len(names):
         raise ValueError(f"{name} {axes!r} names an axis twice")
     if not names:

@@ -78,9 +78,8 @@ class GlobalBatchIterator(Iterator[Batch]):
                     f"{key}={expected[key]!r}; the saved position would not match.")
         next_batch = int(state["next_batch"])
         if not 0 <= next_batch <= len(self._dataset.batches):
-            raise ValueError(
-                f"next_batch={next_batch} is outside this dataset's "
-                f"{len(self._dataset.batches)} batches.")
+            raise ValueError(f"next_batch={next_batch} is outside this dataset's "
+                             f"{len(self._dataset.batches)} batches.")
         back = self._next_batch - next_batch
         if 0 < back <= len(self._recent):
             for _ in range(back):  # read again, the workers running on

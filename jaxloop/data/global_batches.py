@@ -93,16 +93,14 @@ class GlobalBatchDataset(Iterable[Batch]):
                  mask_key: str = "mask", partitioner: Any = None, num_workers: int = 0,
                  worker_buffer_size: int = 2):
         if num_workers < 0 or worker_buffer_size < 1:
-            raise ValueError(
-                f"num_workers must be >= 0 and worker_buffer_size >= 1, got "
-                f"num_workers={num_workers}, worker_buffer_size={worker_buffer_size}.")
+            raise ValueError("num_workers must be >= 0 and worker_buffer_size >= 1, got "
+                             f"num_workers={num_workers}, worker_buffer_size={worker_buffer_size}.")
         if isinstance(source, Mapping):
             # A dict has __len__ and __getitem__ too, but indexes keys, not examples.
             source = ArraySource(source)
         if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
-            raise TypeError(
-                "GlobalBatchDataset needs a random-access source (with __len__ and "
-                f"__getitem__), got {type(source).__qualname__}.")
+            raise TypeError("GlobalBatchDataset needs a random-access source (with __len__ and "
+                            f"__getitem__), got {type(source).__qualname__}.")
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
         if global_batch_size <= 0:
@@ -111,9 +109,8 @@ class GlobalBatchDataset(Iterable[Batch]):
             raise ValueError(
                 f"Invalid process_index={process_index} for process_count={process_count}.")
         if partitioner is None and global_batch_size % process_count:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not divisible by "
-                f"process_count={process_count}.")
+            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
+                             f"process_count={process_count}.")
         if num_epochs is not None and num_epochs <= 0:
             raise ValueError(f"num_epochs must be None or positive, got {num_epochs}.")
         num_examples = len(source)
@@ -186,9 +183,8 @@ class GlobalBatchDataset(Iterable[Batch]):
     def _example(self, index: int) -> Example:
         example = self.source[index]
         if example is None:
-            raise ValueError(
-                f"Source returned None at index {index}; GlobalBatchDataset needs every "
-                "index to hold an example (filter the data before batching).")
+            raise ValueError(f"Source returned None at index {index}; GlobalBatchDataset needs "
+                             "every index to hold an example (filter the data before batching).")
         if self.transform is not None:
             example = self.transform(example)
         return example
@@ -208,9 +204,8 @@ class GlobalBatchDataset(Iterable[Batch]):
         if not self._pad:
             return batch
         if not isinstance(batch, Mapping):
-            raise TypeError(
-                "drop_remainder=False adds a mask to each batch, so examples must be "
-                f"dicts; got {type(batch).__qualname__}.")
+            raise TypeError("drop_remainder=False adds a mask to each batch, so examples must be "
+                            f"dicts; got {type(batch).__qualname__}.")
         if self.mask_key in batch:
             raise ValueError(f"Examples already have a {self.mask_key!r} entry.")
         if not real.all():

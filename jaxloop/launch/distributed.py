@@ -64,14 +64,12 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 def _check_address(address: Any) -> str:
     if not isinstance(address, str):
-        raise TypeError(
-            f"coordinator_address must be a 'HOST:PORT' string, got {address!r} of type "
-            f"{type(address).__name__}.")
+        raise TypeError(f"coordinator_address must be a 'HOST:PORT' string, got {address!r} of "
+                        f"type {type(address).__name__}.")
     match = _ADDRESS.match(address.strip())
     if not match or not 1 <= int(match.group(1)) <= 65535:
-        raise ValueError(
-            f"coordinator_address must look like 'HOST:PORT' (e.g. '10.0.0.1:1234' or "
-            f"'[::1]:1234') with a port in 1..65535, got {address!r}.")
+        raise ValueError("coordinator_address must look like 'HOST:PORT' (e.g. '10.0.0.1:1234' or "
+                         f"'[::1]:1234') with a port in 1..65535, got {address!r}.")
     return address.strip()
 
 
@@ -137,9 +135,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if process_id is not None:
         _check_int("process_id", process_id, 0)
         if num_processes is not None and process_id >= num_processes:
-            raise ValueError(
-                f"process_id must be in 0..{num_processes - 1} for num_processes="
-                f"{num_processes}, got process_id={process_id}.")
+            raise ValueError(f"process_id must be in 0..{num_processes - 1} for "
+                             f"num_processes={num_processes}, got process_id={process_id}.")
     for name, value in timeouts.items():
         _check_int(name, value, 1)
 

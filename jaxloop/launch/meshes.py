@@ -38,14 +38,12 @@ def axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
     known = int(np.prod([v for v in sizes.values() if v != -1], dtype=np.int64))
     if rest:
         if num_devices % known:
-            raise ValueError(
-                f"Mesh axis sizes {sizes}: the {num_devices} devices do not divide by {known}, "
-                f"so axis {rest[0]!r} cannot take the rest")
+            raise ValueError(f"Mesh axis sizes {sizes}: the {num_devices} devices do not divide by "
+                             f"{known}, so axis {rest[0]!r} cannot take the rest")
         sizes[rest[0]] = num_devices // known
     elif known != num_devices:
-        raise ValueError(
-            f"Mesh axis sizes {sizes} multiply to {known}, not the {num_devices} devices; "
-            "give one axis -1 to take the rest")
+        raise ValueError(f"Mesh axis sizes {sizes} multiply to {known}, not the {num_devices} "
+                         "devices; give one axis -1 to take the rest")
     return {k: int(v) for k, v in sizes.items()}
 
 

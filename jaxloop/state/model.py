@@ -201,9 +201,8 @@ class NnxAdapter(ModelAdapter):
             return nnx.merge(self._graphdef, variables["params"], stats,
                              self._placeholder_rngs())
         except ValueError as e:
-            raise ValueError(
-                f"The state's params / batch_stats do not fit {self.model_name}'s variables "
-                f"(was the state built from another model?): {e}") from e
+            raise ValueError(f"The state's params / batch_stats do not fit {self.model_name}'s "
+                             f"variables (was the state built from another model?): {e}") from e
 
     @staticmethod
     def split(model: nnx.Module) -> Variables:

@@ -90,9 +90,8 @@ def record(state: Any, collections: Sequence[str], scalars_only: bool = True
            ) -> tuple[Any, Recorder]:
     """`state` with an ``apply_fn`` that records `collections`, and the `Recorder`."""
     if not hasattr(state, "apply_fn") or not hasattr(state, "replace"):
-        raise TypeError(
-            f"Step(sown=...) records the collections of state.apply_fn, but the state "
-            f"({type(state).__name__}) has none")
+        raise TypeError("Step(sown=...) records the collections of state.apply_fn, but the state "
+                        f"({type(state).__name__}) has none")
     recorder = Recorder(collections, scalars_only)
     return state.replace(apply_fn=_RecordingApply(state.apply_fn, recorder)), recorder
 
