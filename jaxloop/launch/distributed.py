@@ -94,10 +94,9 @@ def _check_same(requested: dict[str, Any]) -> None:
             different[name] = (value, current)
     if different:
         detail = ", ".join(f"{k}={new!r} (running: {old!r})" for k, (new, old) in different.items())
-        raise RuntimeError(
-            f"jax.distributed is already initialised with other settings: {detail}. Call "
-            "jaxloop.launch.distributed.shutdown() first (before any JAX computation) to change "
-            "them.")
+        raise RuntimeError(f"jax.distributed is already initialised with other settings: {detail}. "
+                           "Call jaxloop.launch.distributed.shutdown() first (before any JAX "
+                           "computation) to change them.")
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -158,10 +157,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     except ValueError as e:
         if not missing:
             raise
-        raise ValueError(
-            f"distributed.initialize() was not given {', '.join(missing)}, and JAX could not "
-            f"detect them. Pass them, or set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and "
-            f"{ENV_PROCESS_ID}. JAX said: {e}") from e
+        raise ValueError(f"distributed.initialize() was not given {', '.join(missing)}, and JAX "
+                         f"could not detect them. Pass them, or set {ENV_COORDINATOR}, "
+                         f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}. JAX said: {e}") from e
     _address = coordinator_address
 
 

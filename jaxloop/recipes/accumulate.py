@@ -29,10 +29,9 @@ def split_microbatches(batch: Any, num_microbatches: int) -> Any:
     def split(path: tuple, x: Any) -> Any:
         shape = jnp.shape(x)
         if not shape or shape[0] % num_microbatches:
-            raise ValueError(
-                f"Cannot split {jax.tree_util.keystr(path) or 'batch'} of shape "
-                f"{tuple(shape)} into {num_microbatches} microbatches: its leading (batch) "
-                f"size must be a multiple of {num_microbatches}")
+            raise ValueError(f"Cannot split {jax.tree_util.keystr(path) or 'batch'} of shape "
+                             f"{tuple(shape)} into {num_microbatches} microbatches: its leading "
+                             f"(batch) size must be a multiple of {num_microbatches}")
         x = jnp.reshape(x, (shape[0] // num_microbatches, num_microbatches, *shape[1:]))
         return jnp.swapaxes(x, 0, 1)
 

@@ -231,10 +231,9 @@ class NnxAdapter(ModelAdapter):
             if s.key.tag not in given and s.count.get_value() is not counts[id(s)]
         })
         if unseeded:
-            raise ValueError(
-                f"{type(model).__name__} drew random numbers from the RNG stream(s) {unseeded}, "
-                f"but apply_fn was given keys for {sorted(given)} only. Pass e.g. "
-                f"rngs={{'{unseeded[0]}': self.prng_key(state.step)}}.")
+            raise ValueError(f"{type(model).__name__} drew random numbers from the RNG stream(s) "
+                             f"{unseeded}, but apply_fn was given keys for {sorted(given)} only. "
+                             f"Pass e.g. rngs={{'{unseeded[0]}': self.prng_key(state.step)}}.")
         if not mutable:
             return out
         _, _, new_stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)

@@ -60,10 +60,9 @@ def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
 
     def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
         if x.ndim and x.shape[0] % shards:
-            raise ValueError(
-                f"Batch leaf {annotations.path_str(path)} has shape {tuple(x.shape)}: its "
-                f"leading dimension {x.shape[0]} (the global batch) does not divide by the "
-                f"{shards} devices along mesh axis {axis!r}")
+            raise ValueError(f"Batch leaf {annotations.path_str(path)} has shape {tuple(x.shape)}: "
+                             f"its leading dimension {x.shape[0]} (the global batch) does not "
+                             f"divide by the {shards} devices along mesh axis {axis!r}")
         sharding = partitioner.batch_sharding if x.ndim else replicated
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
