@@ -173,11 +173,10 @@ class GlobalBatchDataset(Iterable[Batch]):
         return GlobalBatchIterator(self)
 
     def __repr__(self) -> str:
-        return (f"GlobalBatchDataset(num_examples={self.num_examples}, "
-                f"global_batch_size={self.global_batch_size}, seed={self.seed}, "
-                f"shuffle={self.shuffle}, num_epochs={self.num_epochs}, "
-                f"drop_remainder={self.drop_remainder}, "
-                f"process={self.process_index}/{self.process_count}, rows={self.rows}, "
+        return (f"GlobalBatchDataset(num_examples={self.num_examples}, global_batch_size="
+                f"{self.global_batch_size}, seed={self.seed}, shuffle={self.shuffle}, "
+                f"num_epochs={self.num_epochs}, drop_remainder={self.drop_remainder}, process="
+                f"{self.process_index}/{self.process_count}, rows={self.rows}, "
                 f"num_workers={self.num_workers})")
 
     def _example(self, index: int) -> Example:

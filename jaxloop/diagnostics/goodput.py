@@ -88,10 +88,8 @@ def resolved_peak(peak: float | None = None,
         kind = device if isinstance(device, str) else (device or jax.devices()[0]).device_kind
         if kind not in _noticed:
             _noticed.add(kind)
-            log.warning(
-                "No peak flop/s known for device kind %r, so MFU is not reported; give the "
-                "peak as StatLoop(peak_flops_per_device=...). Model TFLOP/s per device is "
-                "reported without it.", kind)
+            log.warning("No peak flop/s known for device kind %r, so MFU is not reported; give "
+                        "it as StatLoop(peak_flops_per_device=...).", kind)
     return found
 
 

@@ -136,10 +136,9 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
             bad = [d for d, (_, excess) in zip(devices, table, strict=True) if excess > atol]
             if bad:
                 where = ", ".join(f"{d} (process {d.process_index})" for d in bad)
-                problems.append(
-                    f"{name}: the copies on {where} differ from the first copy of their "
-                    f"slice (replicated over {axes}) "
-                    f"by up to {found[name]:.6g} (atol={atol}, rtol={rtol})")
+                problems.append(f"{name}: the copies on {where} differ from the first copy of "
+                                f"their slice (replicated over {axes}) by up to "
+                                f"{found[name]:.6g} (atol={atol}, rtol={rtol})")
     if problems:
         raise ReplicaMismatchError("Replicated state copies differ:\n  " + "\n  ".join(problems))
     return found

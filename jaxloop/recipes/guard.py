@@ -38,9 +38,8 @@ class NonFiniteError(FloatingPointError):
     """
 
     def __init__(self, step: int, leaf: str):
-        super().__init__(
-            f"Non-finite value at training step {step}: {leaf} is NaN or Inf. The update was "
-            "not applied and no checkpoint was written after it.")
+        super().__init__(f"Non-finite value at training step {step}: {leaf} is NaN or Inf. The "
+                         "update was not applied and no checkpoint was written after it.")
         self.step, self.leaf = step, leaf
 
 
