@@ -214,9 +214,6 @@ class Partitioner(abc.ABC):
         given, plain ``jax.jit(fn, **jit_kwargs)``). Every step's program is made here, so an
         override wraps, logs or changes the jit of every step::
 
-            train_fn = partitioner.partition(step_fn, donate_argnums=(0,))
-            state, outputs = train_fn(state, partitioner.shard_batch(batch))
-
             class Logged(partition.DataParallelPartitioner):
                 def partition(self, fn, **jit_kwargs):
                     print('jitting', fn.__name__)

@@ -11,7 +11,6 @@ unknown fields are argparse errors naming the flag::
         partitioner: Literal['dp', 'fsdp'] = 'dp'
 
     config = config_lib.parse(Config, ['--train-steps', '100'])  # Config(train_steps=100, ...)
-    run_record.write(workdir, config=config)
 """
 
 from __future__ import annotations
