@@ -140,10 +140,7 @@ def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, bat
     model = adapter.merge({"params": state.params, "batch_stats": state.batch_stats})
     if step.dtype_policy is not None:
         step.dtype_policy.set_layer_dtypes(model)
-    if step.train:
-        model.train()
-    else:
-        model.eval()
+    model.train() if step.train else model.eval()
     keys = step.prng_key(state.step)
     _reseed(model, keys)
     given: dict[str, Any] = {"model": model, "batch": batch}
