@@ -67,25 +67,15 @@ def _encode_float(value: float | None) -> float | str | None:
     return repr(value)  # 'nan', 'inf' or '-inf'
 
 
-def _decode_float(value: Any, key: str) -> float | None:
-    if value is None:
-        return None
-    try:
-        if not isinstance(value, bool):
-            return float(value)
-    except (TypeError, ValueError):
-        pass
-    raise ValueError(f"state_dict[{key!r}] must be a number, string or None, got {value!r}")
-
-
-def _as_int(value: Any, what: str, error: type[Exception] = ValueError) -> int:
+def _as(convert: Any, value: Any, what: str, kind: str,
+        error: type[Exception] = ValueError) -> Any:
     # operator.index accepts numpy/jax integers but refuses floats and strings; bools refused.
     try:
         if not isinstance(value, bool):
-            return operator.index(value)
-    except TypeError:
+            return convert(value)
+    except (TypeError, ValueError):
         pass
-    raise error(f"{what} must be an int, got {value!r}")
+    raise error(f"{what} must be {kind}, got {value!r}")
 
 
 class MetricMonitoringStopHandler:
@@ -106,7 +96,7 @@ class MetricMonitoringStopHandler:
         if mode not in _VALID_MODES:
             raise ValueError(f"Invalid mode {mode!r} for monitored metric {monitored_metric!r}; "
                              f"expected one of {', '.join(repr(m) for m in _VALID_MODES)}.")
-        patience = _as_int(patience, "patience", TypeError)
+        patience = _as(operator.index, patience, "patience", "an int", TypeError)
         if patience < 0:
             raise ValueError(f"patience must be non-negative, got patience={patience}")
         min_delta = float(min_delta)
@@ -196,11 +186,11 @@ class MetricMonitoringStopHandler:
             if key in state and state[key] != own:
                 raise ValueError(f"state_dict was saved with {key}={state[key]!r}, but this "
                                  f"handler has {key}={own!r}")
-        best = _decode_float(state["best"], "best")
-        best_step = state["best_step"]
-        if best_step is not None:
-            best_step = _as_int(best_step, "state_dict['best_step']")
-        wait = _as_int(state["wait"], "state_dict['wait']")
+        best = state["best"] if state["best"] is None else _as(
+            float, state["best"], "state_dict['best']", "a number, string or None")
+        best_step = state["best_step"] if state["best_step"] is None else _as(
+            operator.index, state["best_step"], "state_dict['best_step']", "an int")
+        wait = _as(operator.index, state["wait"], "state_dict['wait']", "an int")
         if wait < 0:
             raise ValueError(f"state_dict['wait'] must be non-negative, got {wait!r}")
         initialized = state.get("initialized", best is not None or self.baseline is not None)
