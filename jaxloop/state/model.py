@@ -167,7 +167,7 @@ class NnxAdapter(ModelAdapter):
         self._stats_layout = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(stats)]
         self._rng_layout = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rngs.to_pure_dict())
-        variables: Variables = {"params": _map_variables(params, _param_leaf)}
+        variables: Variables = {"params": nnx.to_pure_dict(params, _param_leaf)}
         stats_dict = stats.to_pure_dict()
         if stats_dict:
             variables[_BATCH_STATS] = stats_dict
@@ -268,17 +268,6 @@ def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
         return NnxAdapter(model)
     raise TypeError(
         f"model must be a flax linen module instance or an nnx module class, got {model!r}")
-
-
-def _map_variables(state: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:
-    """Maps each variable of an nnx State to `fn(variable)`, as a nested pure dict."""
-    out: dict = {}
-    for path, var in nnx.to_flat_state(state):
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = fn(var)
-    return out
 
 
 def _param_leaf(var: nnx.Variable) -> Any:
