@@ -1,9 +1,5 @@
-"""Errors of background work, re-raised on the training thread at the next loop boundary.
-
-Work done off the training thread registers a future with the process-wide
-`AsyncActionContext`; `OuterLoop` waits for all of it when training ends.
-
-Example, an action that uploads files in the background::
+"""Errors of background work, re-raised on the training thread at the next loop boundary
+(`OuterLoop` waits for all of it when training ends). An action uploading in the background::
 
     class UploadAction(actions.Action):
         def __call__(self, state, outputs, **kwargs):
@@ -25,14 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class MutexLock:
-    """Holds `mutex` for the duration of a ``with`` block (google/jaxloop's name).
-
-    Example::
-
-        lock = threading.Lock()
-        with MutexLock(lock):
-            shared.append(item)
-    """
+    """Holds `mutex` for the duration of a ``with`` block (google/jaxloop's name)."""
 
     def __init__(self, mutex: threading.Lock | threading.RLock):
         self.mutex = mutex
@@ -103,10 +92,9 @@ class AsyncActionContext:
         return False
 
     def check_exceptions_and_raise(self, raise_exception: bool = True, wait: bool = True) -> None:
-        """Raises the exception of the first failed future, after logging every other
-        failure with its traceback (with ``raise_exception=False`` all are logged), then
-        forgets the futures. ``wait=False`` looks only at the futures already done, so a
-        loop boundary never waits."""
+        """Raises the first failed future's exception after logging the other failures (with
+        ``raise_exception=False`` logs all), forgetting the futures; ``wait=False`` looks only
+        at those already done."""
         with self._mutex:
             pending = list(self._futures)
         if wait:

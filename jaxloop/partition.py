@@ -2,11 +2,8 @@
 
 `SingleDevicePartitioner`, `DataParallelPartitioner` (state replicated), `FSDPPartitioner`
 (large leaves split over the data axes, or over `fsdp_axis` only: HSDP) and `SPMDPartitioner`
-(flax partitioning annotations, optionally with FSDP on top). `data_axis` is one mesh axis or
-a tuple of them, split over in the tuple's order. A partitioner is a pure policy: the same
-state gets the same placement from any instance; steps ask it, loops never touch sharding.
-
-Example::
+(flax annotations, optionally with FSDP on top). A partitioner is a pure policy: the same
+state gets the same placement from any instance; steps ask it, loops never touch sharding::
 
     mesh = jax.sharding.Mesh(jax.devices(), ('data',))
     step = MyStep(key, model, partitioner=partition.DataParallelPartitioner(mesh), train=True)
@@ -45,11 +42,9 @@ _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 def _dense_general_without_mesh(call: Callable[..., Any], args: Any, kwargs: Any,
                                 context: Any) -> Any:
-    """Runs a flax ``nn.DenseGeneral`` call with no mesh in context. Each call re-creates its
-    kernel abstractly to check the shape (flax's ``Scope.param``), at the flattened 2-D
-    shape its annotation does not fit; under a mesh flax constrains it there and fails
-    ("only valid for values of rank at least 4", google/flax#3676). Nothing else in the
-    layer reads the mesh: its parameters arrive placed by the step's input shardings."""
+    """Runs a flax ``nn.DenseGeneral`` call with no mesh: each call re-creates its kernel
+    abstractly at a 2-D shape its annotation does not fit, which fails under a mesh
+    (google/flax#3676). Its parameters arrive placed by the step's input shardings."""
     if isinstance(context.module, nn.DenseGeneral):
         with jax.sharding.use_abstract_mesh(_NO_MESH):
             return call(*args, **kwargs)
@@ -66,9 +61,8 @@ def _checked_axes(mesh: Mesh, axes: str | Sequence[str] | None, name: str) -> Ax
         raise TypeError(f"{name} must be a mesh axis name or a tuple of them, got {axes!r}")
     unknown = [a for a in names if a not in mesh.axis_names]
     if unknown:
-        raise ValueError(
-            f"{name} {axes!r}: {', '.join(map(repr, unknown))} is not an axis of the mesh "
-            f"{dict(mesh.shape)}")
+        raise ValueError(f"{name} {axes!r}: {', '.join(map(repr, unknown))} is not an axis of the "
+                         f"mesh {dict(mesh.shape)}")
     if len(set(names)) != len(names):
         raise ValueError(f"{name} {axes!r} names an axis twice")
     if not names:
@@ -85,8 +79,7 @@ def axes_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
 
 
 class Partitioner(abc.ABC):
-    """Decides where the state and batches live, and jits step functions; subclasses
-    implement `state_specs`."""
+    """Where the state and batches live, and the jit of steps; subclasses define `state_specs`."""
 
     def __init__(self, mesh: Mesh, data_axis: str | Sequence[str] | None):
         if not isinstance(mesh, Mesh):
@@ -121,21 +114,16 @@ class Partitioner(abc.ABC):
 
     @property
     def sharding(self) -> PyTree:
-        """The state's sharding (a report; placement never reads it): FSDP and SPMD give
-        the tree of shardings of the state `shard_init_fn` last created, None before."""
+        """A report (placement never reads it): the shardings `shard_init_fn` last made."""
         return self._last_state_shardings
 
     @abc.abstractmethod
     def state_specs(self, abstract_state: PyTree) -> PyTree:
-        """A PartitionSpec for each leaf of the state (`jax.ShapeDtypeStruct` leaves, maybe
-        still in flax `AxisMetadata` boxes carrying annotations)."""
+        """A PartitionSpec per state leaf (abstract leaves, maybe in flax `AxisMetadata` boxes)."""
 
     def state_shardings(self, state: PyTree) -> PyTree:
-        """The `NamedSharding` of each state leaf: a leaf already placed on this mesh's
-        devices keeps its sharding, any other (a Python scalar, a numpy array, an array on
-        other devices) gets the rule (`state_specs`). Pins a step's state and places a
-        restored one where training expects it.
-        """
+        """The `NamedSharding` of each state leaf: a leaf already on this mesh's devices keeps
+        its sharding, any other gets the rule (`state_specs`)."""
         devices = set(self._mesh.devices.flat)
         rule = jax.tree.map(lambda s: NamedSharding(self._mesh, s), self.state_specs(state))
 
@@ -148,10 +136,7 @@ class Partitioner(abc.ABC):
         return jax.tree.map(keep_or_rule, annotations.unboxed(state), rule)
 
     def placement(self, state: PyTree) -> PyTree:
-        """The rule's `NamedSharding` of each leaf on this mesh, whatever the state's current
-        placement (`EvalLoop` moves a state trained elsewhere there).
-
-        Example::
+        """The rule's `NamedSharding` of each leaf on this mesh, wherever the state is now::
 
             evaluated = jax.device_put(state, eval_partitioner.placement(state))
         """
@@ -159,28 +144,24 @@ class Partitioner(abc.ABC):
         return jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
 
     def _mesh_context(self) -> contextlib.AbstractContextManager:
-        """The context state creation runs in: no mesh, even one the user set. Under a mesh
-        flax constrains each annotated parameter as it is made, and linen's DenseGeneral,
-        Einsum and scanned layers make theirs at another rank than the annotation's
-        ("spec ... is only valid for values of rank at least 4"); nnx would place each
-        variable as it is made. The jitted init's out_shardings place the state instead."""
+        """No mesh, even the user's, while state is created: flax would constrain parameters
+        made at another rank than their annotation's (DenseGeneral, Einsum, scan) and nnx
+        would place each as made. The jitted init's out_shardings place the state instead."""
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(None))
         stack.enter_context(nnx.use_eager_sharding(False))
         return stack
 
     def trace_context(self) -> contextlib.AbstractContextManager:
-        """The context a step is traced in: this mesh, abstract, so
-        ``jax.lax.with_sharding_constraint(x, P('data'))`` works in `run`; flax's
-        DenseGeneral layers run without it (`_dense_general_without_mesh`)."""
+        """This mesh, abstract, while a step traces: ``with_sharding_constraint(x, P('data'))``
+        works in `run` (flax's DenseGeneral runs without it)."""
         stack = contextlib.ExitStack()
         stack.enter_context(jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh))
         stack.enter_context(nn.intercept_methods(_dense_general_without_mesh))
         return stack
 
     def abstract_init_fn(self, init_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
-        """Like `shard_init_fn`, but the state is only described: `jax.ShapeDtypeStruct`
-        leaves with the shardings `shard_init_fn` would give them."""
+        """`shard_init_fn`, but abstract: ShapeDtypeStructs carrying the same shardings."""
 
         def abstract_init(*args: Any, **kwargs: Any) -> PyTree:
             with self._mesh_context():
@@ -199,10 +180,8 @@ class Partitioner(abc.ABC):
         return shardings
 
     def shard_init_fn(self, init_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
-        """Wraps a state-creating function so its (unboxed) result is born in place: jitted
-        with this partitioner's output shardings, so no device holds more than its share.
-
-        Example::
+        """Wraps a state-creating function so its result is born in place (jitted with this
+        partitioner's output shardings: no device holds more than its share)::
 
             state = partitioner.shard_init_fn(create_state)(example_batch)
         """
@@ -222,9 +201,8 @@ class Partitioner(abc.ABC):
         return batches.batch_shardings(self, batch, stacked)
 
     def shard_batch(self, batch: PyTree) -> PyTree:
-        """This process's batch as global arrays split along the data axis; leaves already
-        placed pass through. The one place a step's batch is placed, so a subclass or a
-        patched method (as google's notebooks do) decides how batches land."""
+        """This process's batch as global arrays split along the data axis (placed leaves pass
+        through); the one place a step's batch is placed, so a subclass may change it."""
         return batches.place(self, batch)
 
     def shard_stacked_batch(self, batch: PyTree) -> PyTree:
@@ -232,16 +210,9 @@ class Partitioner(abc.ABC):
         return batches.place(self, batch, stacked=True)
 
     def partition(self, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
-        """Jits `fn(state, batch, ...)` pinned to the state's shardings; `jit_kwargs` go to
-        `jax.jit`. Every step's program is made here: called with `in_shardings` (as a
-        step's program calls it, with `out_shardings` and the donation), it returns
-        ``jax.jit(fn, **jit_kwargs)``. Override it to wrap, log or change the jit of every
-        step, at one step per call and at k.
-
-        Example::
-
-            train_fn = partitioner.partition(step_fn, donate_argnums=(0,))
-            state, outputs = train_fn(state, partitioner.shard_batch(batch))
+        """Jits `fn(state, batch, ...)` pinned to the state's shardings (with `in_shardings`
+        given, plain ``jax.jit(fn, **jit_kwargs)``). Every step's program is made here, so an
+        override wraps, logs or changes the jit of every step::
 
             class Logged(partition.DataParallelPartitioner):
                 def partition(self, fn, **jit_kwargs):
@@ -278,11 +249,8 @@ class SingleDevicePartitioner(DataParallelPartitioner):
 
 class FSDPPartitioner(Partitioner):
     """Fully sharded data parallel: each state leaf of at least `min_weight_size` elements
-    is split on its largest dimension that divides by the size of `fsdp_axis` (default the
-    data axes); smaller leaves are replicated. With ``fsdp_axis`` one of several data axes
-    laid out within a host (HSDP), parameter all-gathers stay on the host.
-
-    Example::
+    is split on its largest dimension divisible by the size of `fsdp_axis` (default the
+    data axes). With ``fsdp_axis`` a data axis within a host (HSDP), all-gathers stay there::
 
         mesh = meshes.make_mesh({'replica': -1, 'fsdp': jax.local_device_count()})
         hsdp = FSDPPartitioner(mesh, data_axis=('replica', 'fsdp'), fsdp_axis='fsdp')
@@ -318,14 +286,10 @@ class FSDPPartitioner(Partitioner):
 
 
 class SPMDPartitioner(Partitioner):
-    """Places each state leaf as its flax partitioning annotation says (mesh axes, or
-    logical names through `logical_axis_rules`; a name without a rule is a ValueError).
-    Optimizer-state leaves shaped like their parameter inherit its annotation; others are
-    replicated. With `fsdp_min_weight_size`, FSDP runs on top over `fsdp_axis` (default
-    `data_axis`) on big leaves whose annotation leaves it unused. `run` is traced under the
-    mesh and rules, so `partition.with_logical_constraint` works inside it.
-
-    Example::
+    """Places each state leaf as its flax annotation says (mesh axes, or logical names through
+    `logical_axis_rules`); optimizer leaves shaped like their parameter inherit its annotation.
+    With `fsdp_min_weight_size`, FSDP runs on top over `fsdp_axis` where the annotation leaves
+    it unused. `run` traces under the mesh and rules (`with_logical_constraint` works)::
 
         mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'model'))
         partitioner = SPMDPartitioner(
@@ -378,8 +342,7 @@ class SPMDPartitioner(Partitioner):
         return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=annotations.is_box)
 
     def placement(self, state: PyTree) -> PyTree:
-        """Like `Partitioner.placement`, but a state already on this mesh stays as it is (its
-        annotations are not in its arrays)."""
+        """`Partitioner.placement`, but a state already on this mesh stays where it is."""
         leaves = jax.tree.leaves(state)
         if leaves and all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
                           and x.sharding.mesh == self._mesh for x in leaves):

@@ -1,10 +1,6 @@
-"""PipelineLoop: an EvalLoop whose results go through an ml_metrics pipeline.
-
-At the loop's end each step's outputs (as numpy, plus `EXAMPLE_COUNT`) are fed to an
-``ml_metrics.chainable.Pipeline``, whose aggregate result becomes the loop's outputs.
-Needs ``pip install 'jaxloop[pipeline]'``.
-
-Example, accuracy over every example (``from ml_metrics.metrics import rolling_stats``)::
+"""PipelineLoop: an EvalLoop whose steps' outputs (as numpy, plus `EXAMPLE_COUNT`) are fed to
+an ``ml_metrics.chainable.Pipeline`` at the loop's end; its aggregate result becomes the loop's
+outputs (``pip install 'jaxloop[pipeline]'``). Accuracy over every example::
 
     pipeline = chainable.Pipeline.new().assign(
         'correct', fn=lambda logits, y: np.argmax(logits, -1) == y,
@@ -63,14 +59,9 @@ def _per_step(outputs: Mapping[str, Any], counts: list[Any]) -> list[dict[str, A
 
 
 class PipelineLoop(eval_loop.EvalLoop):
-    """An `EvalLoop` whose outputs are the result of an ml_metrics pipeline over its steps,
-    plus the loop's clu metrics and statistics (not fed to the pipeline).
-
-    Args:
-      pipeline: ending in an aggregate whose result is a mapping (e.g.
-        ``.aggregate(..., output_keys='accuracy')``); None: `make_pipeline` decides (by
-        default none: the loop is an `EvalLoop`).
-    """
+    """An `EvalLoop` whose outputs are an ml_metrics pipeline's result over its steps, plus
+    the loop's clu metrics and statistics. `pipeline` ends in an aggregate whose result is a
+    mapping; None: `make_pipeline` decides (by default none: the loop is an `EvalLoop`)."""
 
     def __init__(self, step: Any, pipeline: chainable.Pipeline | None = None, **kwargs: Any):
         if pipeline is not None and not isinstance(pipeline, chainable.Pipeline):

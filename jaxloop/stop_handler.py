@@ -1,8 +1,5 @@
-"""Early stopping: watch one metric and decide when training has stopped improving.
-
-`MetricMonitoringStopHandler` works in any loop; its state is a small JSON dict, saved
-beside a checkpoint to resume exactly.
-"""
+"""Early stopping: watch one metric and decide when training has stopped improving (its state
+is a small JSON dict, saved beside a checkpoint to resume exactly)."""
 
 from __future__ import annotations
 
@@ -54,13 +51,9 @@ class StopTrainingError(Exception):
 
 
 def infer_mode(metric_name: str) -> str:
-    """Returns ``'max'`` or ``'min'`` for a metric name, as ``mode='auto'`` does.
-
-    The lower-cased name is split on ``/``, ``_``, ``.`` and ``-``; it is maximised when a
-    whole token is in `MAXIMIZED_METRIC_TOKENS` or, as in google/jaxloop, when it ends with
-    ``acc``, ``accuracy`` or ``auc``: ``'eval/accuracy'`` is maximised, ``'heatmap_loss'``
-    minimised.
-    """
+    """``'max'`` or ``'min'`` for a metric name, as ``mode='auto'`` decides: ``'max'`` when a
+    token (split on ``/_.-``) is in `MAXIMIZED_METRIC_TOKENS` or, as in google/jaxloop, the
+    name ends with ``acc``, ``accuracy`` or ``auc`` (``'heatmap_loss'``: ``'min'``)."""
     name = metric_name.lower()
     if any(t in MAXIMIZED_METRIC_TOKENS for t in _TOKEN_SEPARATORS.split(name)):
         return "max"
@@ -74,37 +67,22 @@ def _encode_float(value: float | None) -> float | str | None:
     return repr(value)  # 'nan', 'inf' or '-inf'
 
 
-def _decode_float(value: Any, key: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"state_dict[{key!r}] must be a number, string or None, got {value!r}")
+def _as(convert: Any, value: Any, what: str, kind: str,
+        error: type[Exception] = ValueError) -> Any:
+    # operator.index accepts numpy/jax integers but refuses floats and strings; bools refused.
     try:
-        return float(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"state_dict[{key!r}] must be a number, string or None, got {value!r}") from e
-
-
-def _decode_int(value: Any, key: str) -> int:
-    # operator.index accepts numpy/jax integers but refuses floats and strings.
-    if isinstance(value, bool):
-        raise ValueError(f"state_dict[{key!r}] must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError as e:
-        raise ValueError(f"state_dict[{key!r}] must be an int, got {value!r}") from e
+        if not isinstance(value, bool):
+            return convert(value)
+    except (TypeError, ValueError):
+        pass
+    raise error(f"{what} must be {kind}, got {value!r}")
 
 
 class MetricMonitoringStopHandler:
-    """Tracks one metric and signals when it has stopped improving (early stopping).
-
-    Its public attributes are google/jaxloop's. A value improves when it beats ``best`` by
-    more than ``min_delta`` (and the ``baseline``, if any; else the first value always
-    does); NaN never improves. `should_stop` is True after ``patience`` consecutive
-    non-improving updates (at least one). ``mode='auto'``: see `infer_mode`.
-
-    Example::
+    """Tracks one metric and signals when it has stopped improving (google/jaxloop's
+    attributes). A value improves when it beats ``best`` (and the ``baseline``, if any) by
+    more than ``min_delta``; NaN never does. `should_stop` is True after ``patience``
+    consecutive non-improving updates (at least one)::
 
       handler = MetricMonitoringStopHandler('eval/loss', min_delta=1e-3, patience=2)
       handler.update_state(eval_loss, step)
@@ -118,12 +96,7 @@ class MetricMonitoringStopHandler:
         if mode not in _VALID_MODES:
             raise ValueError(f"Invalid mode {mode!r} for monitored metric {monitored_metric!r}; "
                              f"expected one of {', '.join(repr(m) for m in _VALID_MODES)}.")
-        if isinstance(patience, bool):
-            raise TypeError(f"patience must be an int, got {patience!r}")
-        try:
-            patience = operator.index(patience)
-        except TypeError as e:
-            raise TypeError(f"patience must be an int, got {patience!r}") from e
+        patience = _as(operator.index, patience, "patience", "an int", TypeError)
         if patience < 0:
             raise ValueError(f"patience must be non-negative, got patience={patience}")
         min_delta = float(min_delta)
@@ -199,15 +172,13 @@ class MetricMonitoringStopHandler:
         return self.best, self.best_step
 
     def state_dict(self) -> dict[str, Any]:
-        """The progress as a JSON-serialisable dict, for checkpointing (not the
-        configuration, which comes from the constructor)."""
+        """The progress (not the configuration) as a JSON-serialisable dict, to checkpoint."""
         return {"monitored_metric": self.monitored_metric, "mode": self.mode,
                 "best": _encode_float(self.best), "best_step": self.best_step,
                 "wait": self.wait, "initialized": self._initialized}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores progress saved by `state_dict`; a ValueError where its
-        ``monitored_metric`` or ``mode`` differ from this handler's."""
+        """Restores `state_dict`'s progress (ValueError: another metric or mode)."""
         missing = [k for k in ("best", "best_step", "wait") if k not in state]
         if missing:
             raise KeyError(f"state_dict is missing keys {missing}; got keys {sorted(state)}")
@@ -215,11 +186,11 @@ class MetricMonitoringStopHandler:
             if key in state and state[key] != own:
                 raise ValueError(f"state_dict was saved with {key}={state[key]!r}, but this "
                                  f"handler has {key}={own!r}")
-        best = _decode_float(state["best"], "best")
-        best_step = state["best_step"]
-        if best_step is not None:
-            best_step = _decode_int(best_step, "best_step")
-        wait = _decode_int(state["wait"], "wait")
+        best = state["best"] if state["best"] is None else _as(
+            float, state["best"], "state_dict['best']", "a number, string or None")
+        best_step = state["best_step"] if state["best_step"] is None else _as(
+            operator.index, state["best_step"], "state_dict['best_step']", "an int")
+        wait = _as(operator.index, state["wait"], "state_dict['wait']", "an int")
         if wait < 0:
             raise ValueError(f"state_dict['wait'] must be non-negative, got {wait!r}")
         initialized = state.get("initialized", best is not None or self.baseline is not None)

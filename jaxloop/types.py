@@ -43,8 +43,7 @@ CluMetricType = clu_metrics.Metric | clu_metrics.Collection
 
 
 class TrainState(train_state.TrainState):
-    """flax's TrainState plus `batch_stats`, the model's non-parameter variables (or None).
-    Arrays only: host data is saved beside it in each checkpoint."""
+    """flax's TrainState plus `batch_stats`, the model's non-parameter variables (or None)."""
 
     batch_stats: Any = None
 
@@ -64,10 +63,7 @@ class MetricType(enum.Enum):
 
 @flax.struct.dataclass
 class MetricWithMetadata:
-    """A step output that says how it should be written (plain outputs are scalars); the
-    value may be traced, the type and metadata are static.
-
-    Example::
+    """A step output that says how it should be written (plain outputs are scalars)::
 
         return state, {'loss': loss, 'inputs': MetricWithMetadata(images, MetricType.IMAGE)}
     """

@@ -84,8 +84,8 @@ def state_arrays(state: State) -> dict[str, Any]:
 def save(manager: ocp.CheckpointManager, step: int, state: State,
          meta: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
          force: bool = False, dataset_state: Any = None) -> bool:
-    """Saves `state` at `step`, with `meta` (JSON) and this process's `dataset_state` unless the
-    manager holds one item; returns whether a save started. Every process calls it."""
+    """Saves `state` at `step` with `meta` (JSON) and each process's `dataset_state` (unless the
+    manager holds one item); returns whether a save started. Every process calls it."""
     if not force and not manager.should_save(step):
         return False
     positions = agreement.gathered(dataset_state, phase="checkpoint data position", step=step)
@@ -118,8 +118,7 @@ def _looks_process_independent(position: Any) -> bool:
 
 def dataset_state_for_process(meta: Mapping[str, Any], process_index: int | None = None,
                               process_count: int | None = None) -> Any:
-    """This process's data position from a checkpoint's metadata (None if none saved).
-    Under another process count only a process-independent position can be used."""
+    """This process's data position from a checkpoint's metadata (None if none saved)."""
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     positions = meta.get("dataset_states") or [meta.get("dataset_state")]
@@ -131,11 +130,9 @@ def dataset_state_for_process(meta: Mapping[str, Any], process_index: int | None
     if all(p == positions[0] for p in positions) and _looks_process_independent(positions[0]):
         return positions[0]
     raise ValueError(
-        f"The checkpoint holds the data positions of {saved_count} process(es), but this "
-        f"job has {process_count}: a per-process pipeline (e.g. grain with "
-        "ShardByJaxProcess) cannot resume on another process count. Resume with "
-        f"{saved_count} processes, or read the data with data.GlobalBatchDataset, whose "
-        "position does not depend on the process count.")
+        f"The checkpoint holds the data positions of {saved_count} process(es), but this job "
+        f"has {process_count}: a per-process pipeline cannot resume on another process count. "
+        f"Resume with {saved_count} processes, or read with data.GlobalBatchDataset.")
 
 
 def _key(k: Any) -> Any:
@@ -294,11 +291,10 @@ def restore(state: State, directory: Any, step: int | None = None, partitioner: 
             skip_optimizer: bool = False, transforms: Any = None,
             dataset: Iterator[Any] | None = None, *, best: str | None = None,
             mode: str = "min", partial: bool = False) -> tuple[State, dict[str, Any]]:
-    """Restores the checkpoint at `step` (the latest if None, the best by metric `best`);
-    returns (state, metadata), or `state` and {} when there is none. `state` may be abstract
-    or, with `partial`, hold some leaves only; `skip_optimizer` keeps its optimizer state;
-    `dataset` is moved to this process's saved position. `transforms` are orbax's, keyed by
-    '/'-joined paths, e.g. for a new head::
+    """Restores the checkpoint at `step` (the latest if None, the best by metric `best`):
+    (state, metadata), or (`state`, {}) if there is none. `state` may be abstract or, with
+    `partial`, some leaves only; `dataset` moves to its saved position. `transforms` are
+    orbax's, keyed by '/'-joined paths, e.g. for a new head::
 
         state, _ = checkpoint.restore(
             state, ckpt_dir, transforms={r'params/head/.*': ocp.Transform(use_fallback=True)})
@@ -396,11 +392,10 @@ def _renamer(rename: Any) -> Any:
 def warm_start(state: State, directory: Any, step: int | None = None, *,
                rename: dict[str, str | None] | Callable[[str], str | None] | None = None,
                strict: bool = True, partitioner: Any = None) -> State:
-    """Loads only the parameters of another run's checkpoint into a fresh `state`.
-
-    `rename` maps checkpoint names (``'backbone/Dense_0/kernel'``) to the state's: a dict of
-    prefixes (a prefix mapped to None is not loaded) or a callable. With `strict`, missing
-    or unexpected parameters are a ValueError, else logged. Example, a new head::
+    """Loads only the parameters of another run's checkpoint into a fresh `state`. `rename`
+    maps checkpoint names (``'backbone/Dense_0/kernel'``) to the state's: a dict of prefixes
+    (None: not loaded) or a callable. With `strict`, missing or unexpected parameters are a
+    ValueError, else logged. A new head::
 
         state = checkpoint.warm_start(state, 'runs/a/checkpoints', rename={'head/': None},
                                       strict=False, partitioner=partitioner)
@@ -419,8 +414,7 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
     with _reader(handlers) as reader:
         saved = _saved_tree(reader, path, name)
     if PARAMS_KEY not in saved:
-        raise ValueError(
-            f"Warm start: checkpoint {path} holds no {PARAMS_KEY!r}; it has {sorted(saved)}")
+        raise ValueError(f"Warm start: checkpoint {path} has no {PARAMS_KEY!r}: {sorted(saved)}")
     sources = _named_leaves(saved[PARAMS_KEY])
     loads: dict[str, str] = {}  # target name -> checkpoint name
     unexpected, mismatched = [], []
@@ -432,8 +426,7 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
             unexpected.append(source if new == source else f"{source} (as {new})")
             continue
         if new in loads:
-            raise ValueError(
-                f"Warm start: checkpoint parameters {loads[new]} and {source} both map to {new}")
+            raise ValueError(f"Warm start: parameters {loads[new]} and {source} both map to {new}")
         target_shape = tuple(targets[new][1].shape)
         saved_shape = tuple(getattr(meta, "shape", ()) or ())
         if saved_shape != target_shape:

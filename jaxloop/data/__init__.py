@@ -1,10 +1,6 @@
 """Data layer: any dataset as an iterator (`as_iterator`), global batches that do not depend
 on the process count (`GlobalBatchDataset`), exact eval (`pad_to_global_batches`) and device
-prefetch. Re-exports the names users write as ``data.<name>``; jaxloop imports the submodules.
-
-Example::
-
-    from jaxloop import data
+prefetch, as ``data.<name>``::
 
     ds = data.GlobalBatchDataset(data.ArraySource({'x': x, 'y': y}), global_batch_size=64)
     it = data.as_iterator(ds)
@@ -15,8 +11,7 @@ Example::
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# Each name is imported from its submodule on first use (PEP 562), so that the loops, which
-# import `read_ahead`, load no grain.
+# Each name is imported from its submodule on first use (PEP 562): the loops load no grain.
 _NAMES = {
     "ArraySource": "sources.ArraySource",
     "GlobalBatchDataset": "global_batches.GlobalBatchDataset",

@@ -1,8 +1,5 @@
-"""`GlobalBatchIterator`: the iterator of a `GlobalBatchDataset`, its position and workers.
-
-The position is the next global batch, so it restores under any number of processes; a
-position a few batches back is restored without restarting grain's workers.
-"""
+"""`GlobalBatchIterator`: the iterator of a `GlobalBatchDataset`, its position and workers (a
+position a few batches back is restored without restarting them)."""
 
 from __future__ import annotations
 
@@ -16,29 +13,22 @@ from jaxloop.data.iterators import grain_ready
 
 Batch = Any
 
-# Read in the caller's thread: jaxloop's prefetch decides what is read ahead, not grain's
-# default threads.
+# Read in the caller's thread: jaxloop's prefetch decides what is read ahead, not grain.
 _READ_IN_CALLER = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
-# Batches kept to step back without restarting the workers: more than an OuterLoop's
-# prefetcher reads ahead.
+# Batches kept to step back without restarting the workers (more than a prefetcher reads).
 _REPLAYABLE = 8
 
 
 class GlobalBatchIterator(Iterator[Batch]):
-    """Iterator of a `GlobalBatchDataset` (`dataset`): grain's over its `batches`.
-
-    ``get_state()`` is ``{'next_batch': k, 'global_batch_size': G, 'num_examples': N,
-    'seed': s, 'shuffle': b}`` (k: batches returned so far); ``set_state`` checks the rest
-    match and reads on from batch k. `close` stops the workers.
-    """
+    """Iterator of a `GlobalBatchDataset`: ``get_state()`` is ``{'next_batch': k, ...}`` with
+    the dataset's size, seed and shuffle, which ``set_state`` checks before reading on from k."""
 
     def __init__(self, dataset: Any):
         self._dataset = dataset
         self._next_batch = 0
         self._iterator: Any = None  # made at the first read: workers start only if used
-        # With workers: the last batches returned, for a prefetcher that read ahead to step
-        # back to, and the batches to return again before reading on.
+        # With workers: the last batches returned (to step back to), and those to return again.
         self._recent: collections.deque = collections.deque(
             maxlen=_REPLAYABLE if dataset.num_workers else 0)
         self._replay: collections.deque = collections.deque()
@@ -88,9 +78,8 @@ class GlobalBatchIterator(Iterator[Batch]):
                     f"{key}={expected[key]!r}; the saved position would not match.")
         next_batch = int(state["next_batch"])
         if not 0 <= next_batch <= len(self._dataset.batches):
-            raise ValueError(
-                f"next_batch={next_batch} is outside this dataset's "
-                f"{len(self._dataset.batches)} batches.")
+            raise ValueError(f"next_batch={next_batch} is outside this dataset's "
+                             f"{len(self._dataset.batches)} batches.")
         back = self._next_batch - next_batch
         if 0 < back <= len(self._recent):
             for _ in range(back):  # read again, the workers running on

@@ -1,10 +1,6 @@
-"""Global batches: the data a run sees, independent of how many processes read it.
-
-`GlobalBatchDataset` cuts grain's order of a random-access source into global batches and
-each process reads only its rows of each (`batch_rows`), so the iterator's position (a
-global batch index) restores under any process count.
-
-Example::
+"""Global batches: the data a run sees, independent of how many processes read it. Each
+process reads only its rows of each global batch, so the iterator's position (a global batch
+index) restores under any process count::
 
     ds = GlobalBatchDataset(ArraySource({'x': x, 'y': y}), global_batch_size=64, seed=1)
     batch = next(iter(ds))  # this process's rows of global batch 0
@@ -31,20 +27,13 @@ Example = Any
 def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
                global_batch_size: int, process_index: int | None = None) -> tuple[int, int]:
     """The rows ``[start, stop)`` of each global batch that a process must provide: those of
-    the data coordinates its devices hold (processes sharing them read the same rows).
-
-    Example::
+    the data coordinates its devices hold (ValueError if they are not contiguous)::
 
         # 2 processes x 4 devices, mesh data=4 x model=2 with 'model' across processes:
-        devices = np.array(jax.devices()).reshape(2, 4).T  # [[0, 4], [1, 5], ...]
-        mesh = Mesh(devices, ('data', 'model'))
+        mesh = Mesh(np.array(jax.devices()).reshape(2, 4).T, ('data', 'model'))
         batch_rows(mesh, 'data', 64)  # (0, 64) on both processes
-
-    A global batch that does not divide by the data axes, or data coordinates of this
-    process that are not contiguous, are a ValueError.
     """
-    if process_index is None:
-        process_index = jax.process_index()
+    process_index = jax.process_index() if process_index is None else process_index
     if data_axis is None:
         return 0, global_batch_size
     axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
@@ -68,9 +57,8 @@ def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
     if coords != list(range(coords[0], coords[-1] + 1)):
         raise ValueError(
             f"Process {process_index} holds data coordinates {coords} of mesh axis "
-            f"{data_axis!r}, which are not contiguous, so no block of rows of a global "
-            "batch is its share. Lay the mesh out so each process's devices hold adjacent "
-            "data coordinates (e.g. reshape jax.devices() in process order).")
+            f"{data_axis!r}, which are not contiguous: lay the mesh out so each process's "
+            "devices hold adjacent data coordinates (jax.devices() in process order).")
     shard = global_batch_size // num_shards
     return coords[0] * shard, (coords[-1] + 1) * shard
 
@@ -82,11 +70,10 @@ def _stack(examples: Sequence[Example]) -> Batch:
 class GlobalBatchDataset(Iterable[Batch]):
     """Global batches of a random-access source, the same for any number of processes.
 
-    Global batch ``k`` holds ``order[k*G:(k+1)*G]`` of grain's order
-    (``MapDataset.range(len(source)).shuffle(seed=seed).repeat(num_epochs)``); process ``p``
-    of ``P`` yields rows ``[p*G/P, (p+1)*G/P)`` of it stacked, or with a `partitioner` the
-    rows its devices hold in the partitioner's mesh (`batch_rows`). `batches` is this
-    process's grain ``MapDataset`` (batch k is ``batches[k]``).
+    Global batch ``k`` holds ``order[k*G:(k+1)*G]`` of grain's shuffled, repeated order;
+    process ``p`` of ``P`` yields rows ``[p*G/P, (p+1)*G/P)`` of it stacked, or with a
+    `partitioner` the rows its devices hold (`batch_rows`). `batches` is this process's grain
+    ``MapDataset`` (batch k is ``batches[k]``).
 
     Args:
       source: ``__len__`` and ``__getitem__(int)`` returning one example (`ArraySource`, a
@@ -106,29 +93,24 @@ class GlobalBatchDataset(Iterable[Batch]):
                  mask_key: str = "mask", partitioner: Any = None, num_workers: int = 0,
                  worker_buffer_size: int = 2):
         if num_workers < 0 or worker_buffer_size < 1:
-            raise ValueError(
-                f"num_workers must be >= 0 and worker_buffer_size >= 1, got "
-                f"num_workers={num_workers}, worker_buffer_size={worker_buffer_size}.")
+            raise ValueError("num_workers must be >= 0 and worker_buffer_size >= 1, got "
+                             f"num_workers={num_workers}, worker_buffer_size={worker_buffer_size}.")
         if isinstance(source, Mapping):
             # A dict has __len__ and __getitem__ too, but indexes keys, not examples.
             source = ArraySource(source)
         if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
-            raise TypeError(
-                "GlobalBatchDataset needs a random-access source (with __len__ and "
-                f"__getitem__), got {type(source).__qualname__}.")
-        if process_index is None:
-            process_index = jax.process_index()
-        if process_count is None:
-            process_count = jax.process_count()
+            raise TypeError("GlobalBatchDataset needs a random-access source (with __len__ and "
+                            f"__getitem__), got {type(source).__qualname__}.")
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}.")
         if process_count <= 0 or not 0 <= process_index < process_count:
             raise ValueError(
                 f"Invalid process_index={process_index} for process_count={process_count}.")
         if partitioner is None and global_batch_size % process_count:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not divisible by "
-                f"process_count={process_count}.")
+            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
+                             f"process_count={process_count}.")
         if num_epochs is not None and num_epochs <= 0:
             raise ValueError(f"num_epochs must be None or positive, got {num_epochs}.")
         num_examples = len(source)
@@ -191,19 +173,17 @@ class GlobalBatchDataset(Iterable[Batch]):
         return GlobalBatchIterator(self)
 
     def __repr__(self) -> str:
-        return (f"GlobalBatchDataset(num_examples={self.num_examples}, "
-                f"global_batch_size={self.global_batch_size}, seed={self.seed}, "
-                f"shuffle={self.shuffle}, num_epochs={self.num_epochs}, "
-                f"drop_remainder={self.drop_remainder}, "
-                f"process={self.process_index}/{self.process_count}, rows={self.rows}, "
+        return (f"GlobalBatchDataset(num_examples={self.num_examples}, global_batch_size="
+                f"{self.global_batch_size}, seed={self.seed}, shuffle={self.shuffle}, "
+                f"num_epochs={self.num_epochs}, drop_remainder={self.drop_remainder}, process="
+                f"{self.process_index}/{self.process_count}, rows={self.rows}, "
                 f"num_workers={self.num_workers})")
 
     def _example(self, index: int) -> Example:
         example = self.source[index]
         if example is None:
-            raise ValueError(
-                f"Source returned None at index {index}; GlobalBatchDataset needs every "
-                "index to hold an example (filter the data before batching).")
+            raise ValueError(f"Source returned None at index {index}; GlobalBatchDataset needs "
+                             "every index to hold an example (filter the data before batching).")
         if self.transform is not None:
             example = self.transform(example)
         return example
@@ -223,9 +203,8 @@ class GlobalBatchDataset(Iterable[Batch]):
         if not self._pad:
             return batch
         if not isinstance(batch, Mapping):
-            raise TypeError(
-                "drop_remainder=False adds a mask to each batch, so examples must be "
-                f"dicts; got {type(batch).__qualname__}.")
+            raise TypeError("drop_remainder=False adds a mask to each batch, so examples must be "
+                            f"dicts; got {type(batch).__qualname__}.")
         if self.mask_key in batch:
             raise ValueError(f"Examples already have a {self.mask_key!r} entry.")
         if not real.all():

@@ -1,12 +1,8 @@
 """Any dataset as an iterator, and an iterator's checkpointable position.
 
-The loops accept a dataset in whichever form the user has it (a list of batches, a grain
-dataset or data source, a tfds source, a tf.data pipeline) and read it through
-`as_iterator`. A checkpoint records where the iterator is with `iterator_state` (a
-JSON-serialisable dict) and a resumed run puts it back with `restore_iterator_state`.
-TensorFlow is never imported here: tf.data objects are recognised only once the user has.
-
-Example::
+The loops read a dataset in whichever form the user has it through `as_iterator`; a
+checkpoint records where it is with `iterator_state` (JSON) and a resumed run puts it back
+with `restore_iterator_state`. TensorFlow is never imported here::
 
     it = as_iterator(grain.MapDataset.source(source).batch(8))
     next(it)
@@ -69,12 +65,9 @@ def _is_random_access_source(obj: Any) -> bool:
 
 
 def as_iterator(dataset: Any) -> Iterator[Batch]:
-    """An iterator over `dataset`: iterators as they are (tf.data's yielding numpy), grain
-    datasets and random-access sources (tfds, grain, `ArraySource`: single examples) as
-    checkpointable grain iterators, a ``tf.data.Dataset`` as its numpy iterator, any other
-    iterable as ``iter(dataset)``; anything else is a TypeError.
-
-    Example::
+    """An iterator over `dataset`: iterators as they are, grain datasets and random-access
+    sources (single examples) as checkpointable grain iterators, a ``tf.data.Dataset`` as its
+    numpy iterator, any other iterable as ``iter(dataset)`` (else a TypeError)::
 
         it = as_iterator([{'x': np.ones((8, 2))}, {'x': np.zeros((8, 2))}])
         batch = next(it)
@@ -95,10 +88,9 @@ def as_iterator(dataset: Any) -> Iterator[Batch]:
         return iter(grain.MapDataset.source(dataset))
     if isinstance(dataset, Iterable):
         return iter(dataset)
-    raise TypeError(
-        f"Cannot iterate over a dataset of type {type(dataset).__module__}."
-        f"{type(dataset).__qualname__}: expected an iterator, an iterable, a grain dataset, "
-        "a random-access data source or a tf.data.Dataset.")
+    kind = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
+    raise TypeError(f"Cannot iterate over a {kind}: expected an iterable, a grain dataset or "
+                    "source, or a tf.data.Dataset.")
 
 
 def iterator_state(iterator: Any) -> dict[str, Any] | None:
@@ -127,14 +119,11 @@ def describe_iterator(iterator: Any) -> str:
 
 
 def restore_iterator_state(iterator: Any, state: Mapping[str, Any]) -> None:
-    """Restores a state returned by `iterator_state` into an iterator of the same kind (a
-    ValueError for one without ``set_state``)."""
+    """Restores a state returned by `iterator_state` into an iterator of the same kind."""
     set_state = getattr(iterator, "set_state", None)
     if not callable(set_state):
-        raise ValueError(
-            f"Cannot restore the data position: iterator of type {type(iterator).__qualname__} "
-            "has no set_state(). Use a checkpointable iterator (a grain dataset or "
-            "GlobalBatchDataset) to resume training data exactly.")
+        raise ValueError(f"Cannot restore the data position: a {type(iterator).__qualname__} has "
+                         "no set_state() (a grain dataset or GlobalBatchDataset has).")
     if isinstance(iterator, grain.DataLoaderIterator) and not isinstance(state, bytes):
         # DataLoaderIterator.set_state wants the JSON bytes that iterator_state decoded.
         state = json.dumps(state).encode()
@@ -142,8 +131,7 @@ def restore_iterator_state(iterator: Any, state: Mapping[str, Any]) -> None:
 
 
 def absl_flags_usable() -> None:
-    """Lets grain's worker processes start where absl never parsed the command line (grain
-    reads an absl flag when it starts workers); the flags keep their defaults."""
+    """Lets grain's workers start where absl never parsed the command line (flags: defaults)."""
     from absl import flags  # noqa: PLC0415 (a dependency of grain)
 
     if not flags.FLAGS.is_parsed():
@@ -164,12 +152,9 @@ def _close_at_exit() -> None:
 
 
 def grain_ready(iterator: grain.DatasetIterator) -> grain.DatasetIterator:
-    """A grain iterator (a user's own pipeline too) made safe to read in a script or a
-    notebook whose absl flags were never parsed: grain reads an absl flag as an
-    ``mp_prefetch`` starts its worker processes (`absl_flags_usable`). It is also closed
-    when the interpreter exits, before multiprocessing's own clean-up: there grain's
-    finalizer closes it after its queues' handles, and each worker's queue printed an
-    ``OSError: handle is closed`` traceback. Returns `iterator`."""
+    """`iterator`, made safe to read where absl flags were never parsed (`absl_flags_usable`)
+    and closed at exit before multiprocessing's clean-up (after it, each worker's queue
+    printed an ``OSError: handle is closed`` traceback)."""
     absl_flags_usable()
     with _TO_CLOSE_LOCK:
         if not _TO_CLOSE:
@@ -179,4 +164,3 @@ def grain_ready(iterator: grain.DatasetIterator) -> grain.DatasetIterator:
             atexit.register(_close_at_exit)
         _TO_CLOSE.add(iterator)
     return iterator
-

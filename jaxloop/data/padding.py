@@ -16,12 +16,8 @@ def pad_to_global_batches(dataset: Any, global_batch_size: int, *,
                           mask_key: str = "mask",
                           transform: Callable[[Example], Example] | None = None,
                           partitioner: Any = None) -> GlobalBatchDataset:
-    """One in-order pass over a finite eval source (dict examples, or a dict of arrays),
-    padded with zeros to ``ceil(N / G)`` global batches on every process; each batch's
-    boolean ``batch[mask_key]`` is True for real examples: weight metrics by it. Other
-    arguments as `GlobalBatchDataset`'s.
-
-    Example::
+    """One in-order pass over a finite eval source, padded with zeros to ``ceil(N / G)`` global
+    batches on every process; ``batch[mask_key]`` is True for real examples (weight by it)::
 
         eval_ds = pad_to_global_batches({'x': x_test, 'y': y_test}, global_batch_size=256)
         for batch in eval_ds:  # iterable again for each eval

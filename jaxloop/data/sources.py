@@ -14,9 +14,7 @@ Example = Any
 
 
 class ArraySource(Sequence[Example]):
-    """A random-access source over a pytree of arrays that share their leading dimension.
-
-    Example::
+    """A random-access source over a pytree of arrays that share their leading dimension::
 
         source = ArraySource({'image': images, 'label': labels})
         len(source)  # images.shape[0]

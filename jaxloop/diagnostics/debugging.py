@@ -1,11 +1,8 @@
 """Debugging switches: steps without jit, and the post-mortem debugger on an error.
 
-``disable_jit`` runs every step op by op (`jax.disable_jit`), so ``breakpoint()`` inside
-`Step.run` sees concrete arrays; ``post_mortem`` stops an error in `pdb.post_mortem` when the
-session is interactive, then re-raises. `OuterLoop(disable_jit=..., post_mortem=...)` enters a
-`session`; None reads ``JAXLOOP_DISABLE_JIT=1`` / ``JAXLOOP_POST_MORTEM=1``.
-
-Example::
+``disable_jit`` runs every step op by op, so ``breakpoint()`` in `Step.run` sees concrete
+arrays; ``post_mortem`` stops an error in `pdb.post_mortem` when interactive, then re-raises.
+None reads ``JAXLOOP_DISABLE_JIT=1`` / ``JAXLOOP_POST_MORTEM=1``::
 
     with debugging.session(disable_jit=True, post_mortem=True):
         state, outputs = train_loop(state, batches, num_steps=3)
@@ -47,9 +44,7 @@ def interactive() -> bool:
 
 @contextlib.contextmanager
 def session(disable_jit: bool | None = None, post_mortem: bool | None = None) -> Iterator[None]:
-    """Runs its body with the debugging switches (None: from the environment; a value
-    other than yes/no there is a ValueError)."""
-    # Say where the switch came from: in the user's code or in the environment.
+    """Runs its body with the debugging switches (None: from the environment)."""
     source = "disable_jit=True" if disable_jit else f"{ENV_DISABLE_JIT}=1 in the environment"
     disable_jit = _from_env(ENV_DISABLE_JIT) if disable_jit is None else disable_jit
     post_mortem = _from_env(ENV_POST_MORTEM) if post_mortem is None else post_mortem

@@ -1,11 +1,7 @@
 """MFU and goodput: how much of the hardware and of the wall time went into training.
 
-* **MFU**: model flop/s per device over the device's dense bf16 peak (`PEAK_FLOPS`), which
-  `StatLoop(model_flops_per_example=...)` reports as ``jaxloop/mfu`` where the peak is known.
-* **Goodput**: a `Recorder` splits the wall time into `CATEGORIES` (the rest is ``other``);
-  `StatLoop(recorder=...)` reports them and ``jaxloop/goodput`` (compute / wall).
-
-Example::
+MFU is model flop/s per device over the device's dense bf16 peak (`PEAK_FLOPS`); a `Recorder`
+splits the wall time into `CATEGORIES` and ``other``; `StatLoop` reports both::
 
     recorder = goodput.Recorder()
     ckpt_start, ckpt_stop = recorder.span('checkpoint')
@@ -63,8 +59,7 @@ def _on_duration(event: str, duration: float, **kwargs: Any) -> None:
 
 
 def compile_seconds() -> float:
-    """Seconds spent tracing, lowering and compiling JAX programs since the first call
-    (JAX's compile-duration events)."""
+    """Seconds spent tracing, lowering and compiling JAX programs since the first call."""
     with _compile_lock:
         if not _listening[0]:
             jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -75,8 +70,7 @@ def compile_seconds() -> float:
 def peak_flops(device: jax.Device | str | None = None) -> float | None:
     """Peak dense bf16 flop/s of a device or device kind (default: the first device), or
     None when unknown: ``peak_flops('NVIDIA H100 80GB HBM3') == 9.89e14``."""
-    if device is None:
-        device = jax.devices()[0]
+    device = jax.devices()[0] if device is None else device
     kind = (device if isinstance(device, str) else device.device_kind).lower()
     for name, flops in PEAK_FLOPS:
         if name in kind:
@@ -86,8 +80,7 @@ def peak_flops(device: jax.Device | str | None = None) -> float | None:
 
 def resolved_peak(peak: float | None = None,
                   device: jax.Device | str | None = None) -> float | None:
-    """`peak` when given, else `peak_flops(device)`; when neither is known, None, and a
-    notice is logged once per device kind."""
+    """`peak` when given, else `peak_flops(device)` (None, logged once per kind, if unknown)."""
     if peak is not None:
         return float(peak)
     found = peak_flops(device)
@@ -95,10 +88,8 @@ def resolved_peak(peak: float | None = None,
         kind = device if isinstance(device, str) else (device or jax.devices()[0]).device_kind
         if kind not in _noticed:
             _noticed.add(kind)
-            log.warning(
-                "No peak flop/s known for device kind %r, so MFU is not reported; give the "
-                "peak as StatLoop(peak_flops_per_device=...). Model TFLOP/s per device is "
-                "reported without it.", kind)
+            log.warning("No peak flop/s known for device kind %r, so MFU is not reported; give "
+                        "it as StatLoop(peak_flops_per_device=...).", kind)
     return found
 
 
@@ -157,9 +148,7 @@ class Recorder:
             self.add(category, max(0.0, elapsed - (compile_seconds() - opened[1])))
 
     def span(self, category: str, interval: int = 1) -> tuple[Any, Any]:
-        """Two actions, (start, stop), that time what runs between them (e.g. around a
-        checkpoint action, or as an eval loop's first begin and last end action)."""
-
+        """Two actions, (start, stop), that time what runs between them (around a checkpoint)."""
         recorder = self
 
         class _Start(Action):
@@ -173,8 +162,7 @@ class Recorder:
         return _Start(interval), _Stop(interval)
 
     def window(self) -> dict[str, float]:
-        """Seconds per category since the last `window` call, with ``other`` and ``wall``;
-        starts a new window."""
+        """Seconds per category (and ``other``, ``wall``) since the last call; starts a new one."""
         now, compiled = time.perf_counter(), compile_seconds()
         out = _with_rest(self._window, compiled - self._window_compile, now - self._window_start)
         self._window = dict.fromkeys(CATEGORIES, 0.0)

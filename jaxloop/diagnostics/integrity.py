@@ -1,11 +1,7 @@
-"""Replica integrity: every copy of a replicated state leaf holds the same values.
-
-A faulty device or a non-deterministic collective can make the copies of a leaf along the
-mesh axes its spec does not name drift apart silently. `check_replicas` has each device
-fingerprint its slice of every leaf (one small all-gather), then compares value by value
-only the leaves whose copies' fingerprints differ. It is a collective: every process calls it.
-
-Example::
+"""Replica integrity: every copy of a replicated state leaf holds the same values (a faulty
+device or a non-deterministic collective can make them drift apart silently). Each device
+fingerprints its slice of every leaf; only leaves whose fingerprints differ are compared value
+by value. A collective: every process calls it::
 
     integrity.check_replicas(state, atol=0.0)            # raises ReplicaMismatchError
     TrainLoop(step, end_actions=[integrity.ReplicaIntegrityAction(interval=10)])
@@ -99,12 +95,9 @@ def _deviation(mesh: jax.sharding.Mesh, specs: Sequence[P], axes: Sequence[tuple
 
 
 def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str, float]:
-    """Checks that every copy of each (partly) replicated leaf of `tree` equals the first
-    copy of its slice within ``atol + rtol * |first copy|`` (NaN equals NaN), else raises
-    `ReplicaMismatchError`. Leaves without a `NamedSharding`, unreplicated ones and PRNG
-    keys are skipped. Returns the largest difference per checked leaf path, e.g.
-    ``{'params/Dense_0/kernel': 0.0, ...}``.
-    """
+    """Checks that every copy of each replicated leaf of `tree` equals the first copy of its
+    slice within ``atol + rtol * |first copy|`` (NaN equals NaN), else raises
+    `ReplicaMismatchError`; returns the largest difference per leaf path checked."""
     if atol < 0 or rtol < 0:
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
     by_mesh: dict[Any, list[tuple[str, jax.Array, tuple[str, ...]]]] = {}
@@ -143,18 +136,16 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
             bad = [d for d, (_, excess) in zip(devices, table, strict=True) if excess > atol]
             if bad:
                 where = ", ".join(f"{d} (process {d.process_index})" for d in bad)
-                problems.append(
-                    f"{name}: the copies on {where} differ from the first copy of their "
-                    f"slice (replicated over {axes}) "
-                    f"by up to {found[name]:.6g} (atol={atol}, rtol={rtol})")
+                problems.append(f"{name}: the copies on {where} differ from the first copy of "
+                                f"their slice (replicated over {axes}) by up to "
+                                f"{found[name]:.6g} (atol={atol}, rtol={rtol})")
     if problems:
         raise ReplicaMismatchError("Replicated state copies differ:\n  " + "\n  ".join(problems))
     return found
 
 
 class ReplicaIntegrityAction(Action):
-    """Runs `check_replicas` on the loop's state; raises `ReplicaMismatchError` when
-    copies differ."""
+    """Runs `check_replicas` on the loop's state (`ReplicaMismatchError` when copies differ)."""
 
     def __init__(self, interval: int = 1, atol: float = 0.0, rtol: float = 0.0):
         super().__init__(interval)

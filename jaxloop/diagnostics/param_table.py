@@ -1,10 +1,5 @@
-"""Parameter table: what a state holds and where, as readable text.
-
-One row per array leaf (path, shape, dtype, sharding, bytes on one device, bytes in all),
-then totals; it works on abstract states too (`Step.abstract_state`), before anything is
-allocated. `OuterLoop` logs it when training starts.
-
-Example::
+"""Parameter table: what a state holds and where, one row per array leaf (path, shape, dtype,
+sharding, bytes on one device, bytes in all), then totals; abstract states work too::
 
     print(param_table.table(state))          # in a notebook
     rows = param_table.rows(state)           # the figures, one dict per leaf
@@ -86,8 +81,7 @@ def rows(tree: Any) -> list[Row]:
 
 
 def totals(tree: Any) -> dict[str, int]:
-    """``params`` (elements of the ``params`` subtree, else of all leaves), ``bytes`` and
-    ``max_bytes_per_device``."""
+    """``params`` (in the ``params`` subtree, else all), ``bytes`` and ``max_bytes_per_device``."""
     leaves = _leaves(tree)
     params_tree = getattr(tree, "params", None)
     counted = _leaves(params_tree) if params_tree is not None else leaves
@@ -138,8 +132,6 @@ def markdown(tree: Any) -> str:
 
 
 def log_table(tree: Any, logger: logging.Logger = log) -> None:
-    """Logs `table` at DEBUG level on process 0 (built only when that level is logged): about
-    a line per parameter, for a log file that asks for it
-    (``logging.getLogger('jaxloop.diagnostics.param_table').setLevel(logging.DEBUG)``)."""
+    """Logs `table` at DEBUG level on process 0 (built only when that level is logged)."""
     if jax.process_index() == 0 and logger.isEnabledFor(logging.DEBUG):
         logger.debug("State:\n%s", table(tree))

@@ -1,11 +1,8 @@
 """Profiling: capture a `jax.profiler` trace of a chosen range of steps.
 
-`ProfileAction`, given to a Step as both a begin and an end action, traces steps
-``start_step .. start_step + num_steps - 1`` (numbered within their loop, from 1) of the first
-loop that reaches them, into TensorBoard's profile plugin files under `logdir`. It waits for
-the device at both ends of the range only, so the trace holds exactly those steps' work.
-
-Example::
+`ProfileAction`, a Step's begin and end action, traces steps ``start_step .. start_step +
+num_steps - 1`` (from 1 within their loop) of the first loop that reaches them into `logdir`,
+waiting for the device at both ends only, so the trace holds exactly those steps' work::
 
     profile = profiling.ProfileAction(workdir / 'profile', start_step=10, num_steps=5)
     train_step = MyStep(key, model, optimizer, train=True,
@@ -27,11 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class ProfileAction(Action):
-    """Traces steps ``start_step .. start_step + num_steps - 1`` of a loop, once.
-
-    A step action only (a Step's begin and end actions). If the loop ends inside the range,
-    the trace stops before the next loop's first step (or at `close`).
-    """
+    """Traces steps ``start_step .. start_step + num_steps - 1`` of a loop, once (a loop
+    ending inside the range: stopped before the next loop's first step, or at `close`)."""
 
     def __init__(self, logdir: str | os.PathLike[str], start_step: int = 2, num_steps: int = 5):
         super().__init__(interval=1)
@@ -55,8 +49,8 @@ class ProfileAction(Action):
         return self._done
 
     def fires_at(self, per_loop_step_number: int, begin: bool) -> bool:
-        """Before `start_step` and after the last traced step; while tracing, also before
-        a new loop's early steps, to stop a trace the previous loop left running."""
+        """Before `start_step` and after the last traced step (while tracing, also before a
+        new loop's early steps: a trace the previous loop left running stops)."""
         if self._done:
             return False
         if begin:

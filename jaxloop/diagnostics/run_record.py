@@ -1,9 +1,5 @@
-"""Run record: what a run was, written once when it starts.
-
-`write` records the configuration, package versions, devices and mesh as ``run.json`` in the
-work directory and as TensorBoard hparams, so a result can be traced to its code and hardware.
-
-Example::
+"""Run record: the configuration, package versions, devices and mesh, written once when a run
+starts as ``run.json`` and TensorBoard hparams, so a result can be traced to its code::
 
     record = run_record.write(workdir, config={'lr': 1e-3, 'batch_size': 128},
                               mesh=partitioner.mesh, writer=train_writer, state=state)
@@ -86,11 +82,8 @@ def _mesh(mesh: Any) -> dict[str, Any] | None:
 
 
 def collect(config: Any = None, mesh: Any = None) -> dict[str, Any]:
-    """The run record as a JSON-safe dict (see `write`).
-
-    `config` may be a mapping, dataclass, `argparse.Namespace` or ``ConfigDict``; `mesh` a
-    `jax.sharding.Mesh` or a partitioner.
-    """
+    """The run record as a JSON-safe dict; `config` a mapping, dataclass, `argparse.Namespace`
+    or ``ConfigDict``, `mesh` a Mesh or a partitioner."""
     return {
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": [sys.executable, *sys.argv],
@@ -103,8 +96,7 @@ def collect(config: Any = None, mesh: Any = None) -> dict[str, Any]:
 
 
 def hparams(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The flat view of a record given to ``write_hparams``: the config under its own
-    names, the rest under ``run.``."""
+    """The record for ``write_hparams``: the config under its own names, the rest ``run.*``."""
     flat = dict(record["config"])
     flat["run.versions"] = dict(record["versions"])
     flat["run.devices"] = {
@@ -121,12 +113,9 @@ def hparams(record: Mapping[str, Any]) -> dict[str, Any]:
 
 def write(workdir: str | os.PathLike[str] | None, config: Any = None, mesh: Any = None,
           writer: Any = None, state: Any = None) -> dict[str, Any]:
-    """Records this run: ``workdir/run.json`` and hparams through `writer`; returns it.
-
-    With `state` (arrays or abstract), the record holds its `param_table.totals` and
-    `writer` gets the parameter table as the text ``parameters`` at step 0. Only process 0
-    writes. A resumed run keeps the earlier record as ``run.<started>.json``.
-    """
+    """Records this run (process 0): ``workdir/run.json`` and hparams through `writer`, with
+    `state` its `param_table.totals` and the table as text; returns it. A resumed run keeps
+    the earlier record as ``run.<started>.json``."""
     record = collect(config, mesh)
     if state is not None:
         record["state"] = param_table.totals(state)

@@ -1,8 +1,5 @@
 """Throughput accounting beside a loop: tokens/s, model TFLOP/s per device, MFU and the
-goodput split, from what the loop tells it (each batch read, its input wait, the loop's
-time). `StatLoop` builds one from its opt-in arguments and adds its figures to its own.
-
-Example::
+goodput split, from what the loop tells it (`StatLoop` builds one from its opt-in arguments)::
 
     meter = Throughput(global_batch_size=64, model_flops_per_example=3.1e9)
     meter.begin()
@@ -34,11 +31,8 @@ STAT_MODEL_TFLOPS = "jaxloop/model_tflops_per_sec_per_device"
 
 
 def token_count(batch: Any, key: str | Sequence[str]) -> Any:
-    """The tokens a batch holds: the sum of ``batch[key]`` (a token mask or a count);
-    `key` may be a path into nested mappings. A device scalar for a placed batch (no
-    transfer), else a float of this process's rows.
-
-    Example::
+    """The sum of ``batch[key]`` (a token mask or count; `key` may be a path): a device scalar
+    for a placed batch (no transfer), else a float of this process's rows::
 
         token_count({'ids': ids, 'mask': np.array([[1, 1, 0], [1, 0, 0]])}, 'mask')  # 3.0
     """
@@ -61,15 +55,12 @@ class Throughput:
     Args:
       global_batch_size: examples per step across all processes.
       model_flops_per_example: training flops per example, for ``jaxloop/mfu`` and
-        ``jaxloop/model_tflops_per_sec_per_device`` (needs `global_batch_size`), or
-        ``'xla'`` for ``jaxloop/mfu_xla_cost_analysis`` from the compiled step. MFU needs
-        the device's peak (`goodput.PEAK_FLOPS`, or `peak_flops_per_device`).
+        ``jaxloop/model_tflops_per_sec_per_device``, or ``'xla'`` for
+        ``jaxloop/mfu_xla_cost_analysis`` from the compiled step.
       model_flops_per_token: training flops per token (``6 * num_params`` for a
         transformer), instead of per example; needs `tokens_key`.
-      tokens_key: the batch entry (or path) holding a token mask or count (`token_count`),
-        for ``jaxloop/tokens_per_sec`` over all processes.
-      recorder: a `goodput.Recorder`, for the wall-time split since the previous loop
-        (``jaxloop/time/*_secs``, ``jaxloop/goodput``).
+      tokens_key: the batch entry (or path) holding a token mask or count.
+      recorder: a `goodput.Recorder`, for the wall-time split since the previous loop.
     """
 
     global_batch_size: int | None = None

@@ -3,24 +3,15 @@
 A decision that gates a collective (is a save due, which checkpoints to read) may not come
 from one host's clock or listing. `agreed` takes process 0's answer, `gathered` every
 process's value, `summed` counts summed over processes. Each is one host exchange through
-JAX's coordination service (the one `jax.distributed.initialize` starts), not a device
-collective: it does not queue behind the steps in flight, and it cannot hang. Every process
-publishes where it is (the exchange's `phase` and `step`) with its value, meets the others at
-a barrier, and reads theirs. Processes at different exchanges, or one that does not arrive
-within ``exchange_timeout()`` seconds (`DEFAULT_EXCHANGE_TIMEOUT`, or the environment
-variable ``JAXLOOP_EXCHANGE_TIMEOUT``), get a `DisagreementError` naming the step and the
-phase where they parted. With one process each is a plain call.
-
-Example::
+JAX's coordination service, not a device collective: it does not queue behind the steps in
+flight, and it cannot hang. Processes at different exchanges, or one that does not arrive
+within ``exchange_timeout()`` seconds, get a `DisagreementError` naming the step and the
+phase where they parted. With one process each is a plain call::
 
     due = agreement.agreed(lambda: clock() - last_save >= every_secs,
                            phase="checkpoint time policy", step=step)
     positions = agreement.gathered(iterator_state(it))  # one per process, in process order
     tokens, examples = agreement.summed([local_tokens, local_examples])
-
-JAX 0.10 has no public accessor for the coordination service's key-value store and
-barriers; `_client` takes the client JAX's own `jax.experimental.multihost_utils` uses for
-its preemption sync point, and is the one place that does.
 """
 
 from __future__ import annotations
@@ -48,14 +39,12 @@ _count = 0  # exchanges this process took part in; every process counts alike
 
 
 class DisagreementError(RuntimeError):
-    """The processes of a job reached different exchanges, or some did not reach this one in
-    time: they run different code (an action's collective or exchange on some processes
-    only) or one is stuck. Raised on every process that can still raise."""
+    """The processes reached different exchanges, or some did not reach this one in time
+    (different code on some processes, or one is stuck)."""
 
 
 def exchange_timeout() -> float:
-    """Seconds an exchange waits for every process: ``JAXLOOP_EXCHANGE_TIMEOUT``, else
-    `DEFAULT_EXCHANGE_TIMEOUT`."""
+    """Seconds an exchange waits: ``JAXLOOP_EXCHANGE_TIMEOUT``, else the default."""
     raw = os.environ.get(ENV_EXCHANGE_TIMEOUT, "").strip()
     if not raw:
         return DEFAULT_EXCHANGE_TIMEOUT
@@ -70,14 +59,14 @@ def exchange_timeout() -> float:
 
 
 def exchange_count() -> int:
-    """How many host exchanges this process has taken part in (each one a wait for the
-    other processes; none with one process)."""
+    """How many host exchanges this process has taken part in (none with one process)."""
     return _count
 
 
 def _client() -> Any:
+    # JAX 0.10 has no public accessor for the coordination service's key-value store: this
+    # is the client multihost_utils uses, and the one place that takes it.
     from jax.experimental import multihost_utils  # noqa: PLC0415
-
     client = multihost_utils.distributed.global_state.client
     if client is None:
         raise RuntimeError(
@@ -86,15 +75,11 @@ def _client() -> Any:
     return client
 
 
-def _where(phase: str, step: int | None) -> str:
-    return phase if step is None else f"{phase} at step {step}"
-
-
 def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
     """Every process's `value`, in process order: one key each, one barrier."""
     global _count
     client, me, timeout = _client(), jax.process_index(), exchange_timeout()
-    index, where = _count, _where(phase, step)
+    index, where = _count, phase if step is None else f"{phase} at step {step}"
     _count += 1
     key = f"{_PREFIX}/{index}/"
     client.key_value_set(f"{key}{me}", json.dumps({"at": where, "value": value}))
@@ -103,9 +88,8 @@ def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
     except jax.errors.JaxRuntimeError as e:
         arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(key)}
         missing = sorted(set(range(jax.process_count())) - arrived)
-        late = (f"process(es) {missing} did not arrive: they run something this process "
-                "does not (an action's collective or exchange on some processes only), or "
-                "are stuck" if missing else "the others stopped waiting before this one came")
+        late = (f"process(es) {missing} did not arrive (they run something this process does "
+                "not, or are stuck)" if missing else "the others stopped waiting before it came")
         raise DisagreementError(
             f"Process {me} waited {timeout:g} s for the other processes at '{where}' "
             f"(exchange {index}); {late}. See 'What an action may compute' in "
@@ -118,17 +102,14 @@ def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
         detail = "; ".join(f"process {p} at '{entries[p]['at']}'" for p in sorted(entries))
         raise DisagreementError(
             f"The processes parted at exchange {index}: {detail}. Every process must run the "
-            "library's exchanges in the same order: an action that runs a collective or an "
-            "exchange on some processes only parts them (docs/multihost.md, 'What an action "
-            "may compute').")
+            "same exchanges and collectives (docs/multihost.md, 'What an action may compute').")
     return [entries[p]["value"] for p in sorted(entries)]
 
 
 def gathered(value: Any, *, phase: str = "gathered values", step: int | None = None
              ) -> list[Any]:
-    """Every process's `value` (JSON-serialisable; tuples come back as lists), in process
-    order, on every process. `phase` and `step` say where this is, in the error a
-    disagreement raises."""
+    """Every process's `value` (JSON-serialisable), in process order, on every process;
+    `phase` and `step` name this place in the error a disagreement raises."""
     if jax.process_count() == 1:
         return [value]
     return _exchange(value, phase, step)
@@ -144,8 +125,7 @@ def agreed(decide: Callable[[], T], *, phase: str = "agreed decision",
 
 def summed(counts: Sequence[float], dtype: Any = np.float64, *, phase: str = "summed counts",
            step: int | None = None) -> list[Any]:
-    """Each of this process's `counts` summed with the same position's count of every
-    process (as `dtype`), on every process; with one process, `counts`."""
+    """`counts` summed position-wise over every process (as `dtype`), on every process."""
     if jax.process_count() == 1:
         return list(counts)
     local = np.asarray(counts, dtype).reshape(-1).tolist()

@@ -1,8 +1,5 @@
-"""Faster start-ups: JAX's persistent compilation cache, enabled with one call, so a
-restarted job loads its compiled programs instead of compiling again. The cache is trusted
-code: never point it at a directory others can write to.
-
-Example::
+"""Faster start-ups: JAX's persistent compilation cache, so a restarted job loads its compiled
+programs. The cache is trusted code: never point it at a directory others can write to::
 
     compilation_cache.enable('/tmp/jax_cache')   # before or after the first jit
 """
@@ -19,12 +16,9 @@ __all__ = ["enable"]
 
 def enable(cache_dir: str | os.PathLike[str], min_compile_time_secs: float = 0.0,
            max_size_bytes: int = -1) -> str:
-    """Enables JAX's persistent compilation cache in `cache_dir` (local, created when
-    missing, or ``gs://``); returns the directory. Only programs that took at least
-    `min_compile_time_secs` to compile are written (0: all; JAX's default of 1 s skips a
-    CPU job's many small ones); beyond `max_size_bytes` (-1: no limit) the least recently
-    used go. Works after earlier compilations too (JAX's cache decision is reset).
-    """
+    """Enables JAX's persistent compilation cache in `cache_dir` (local or ``gs://``) and
+    returns it. Only programs compiled in at least `min_compile_time_secs` are written (0: all);
+    beyond `max_size_bytes` (-1: no limit) the least recently used go."""
     path = os.fspath(cache_dir)
     if "://" not in path:
         path = os.path.abspath(path)

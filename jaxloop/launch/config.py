@@ -1,11 +1,8 @@
 """Run configuration: a dataclass describes a run; the command line overrides its fields.
 
 `parse` makes each field a flag (``train_steps``: ``--train-steps``) typed by its annotation
-and documented by its comment, with simple_parsing (argparse driven by a dataclass, no global
-flag registry; the ``examples`` extra). Bad values, unknown fields (closest names suggested)
-and ``__post_init__`` ValueErrors are argparse errors naming the flag.
-
-Example::
+and documented by its comment, with simple_parsing (the ``examples`` extra); bad values and
+unknown fields are argparse errors naming the flag::
 
     @dataclasses.dataclass
     class Config:
@@ -14,7 +11,6 @@ Example::
         partitioner: Literal['dp', 'fsdp'] = 'dp'
 
     config = config_lib.parse(Config, ['--train-steps', '100'])  # Config(train_steps=100, ...)
-    run_record.write(workdir, config=config)
 """
 
 from __future__ import annotations

@@ -2,11 +2,7 @@
 
 `initialize` joins JAX's distributed runtime; arguments not given come from
 ``JAXLOOP_COORDINATOR``, ``JAXLOOP_NUM_PROCESSES``, ``JAXLOOP_PROCESS_ID`` and the
-``JAXLOOP_*_TIMEOUT`` variables, then from JAX's cluster detection. A dead or early-exiting
-process aborts the others after the heartbeat or shutdown timeout (docs/multihost.md).
-Only JAX's public API is used, so a repeated call is checked against the address given here.
-
-Example::
+``JAXLOOP_*_TIMEOUT`` variables, then from JAX's cluster detection::
 
     distributed.initialize('127.0.0.1:12345', num_processes=2, process_id=i)  # process i
     if distributed.is_main_process():
@@ -68,14 +64,12 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 def _check_address(address: Any) -> str:
     if not isinstance(address, str):
-        raise TypeError(
-            f"coordinator_address must be a 'HOST:PORT' string, got {address!r} of type "
-            f"{type(address).__name__}.")
+        raise TypeError(f"coordinator_address must be a 'HOST:PORT' string, got {address!r} of "
+                        f"type {type(address).__name__}.")
     match = _ADDRESS.match(address.strip())
     if not match or not 1 <= int(match.group(1)) <= 65535:
-        raise ValueError(
-            f"coordinator_address must look like 'HOST:PORT' (e.g. '10.0.0.1:1234' or "
-            f"'[::1]:1234') with a port in 1..65535, got {address!r}.")
+        raise ValueError("coordinator_address must look like 'HOST:PORT' (e.g. '10.0.0.1:1234' or "
+                         f"'[::1]:1234') with a port in 1..65535, got {address!r}.")
     return address.strip()
 
 
@@ -85,8 +79,7 @@ def is_initialized() -> bool:
 
 
 def is_main_process() -> bool:
-    """True in process 0, the one that prints, logs and writes summaries (it starts JAX's
-    backends: call `initialize` first)."""
+    """True in process 0, the one that logs and writes summaries (call `initialize` first)."""
     return jax.process_index() == 0
 
 
@@ -101,10 +94,9 @@ def _check_same(requested: dict[str, Any]) -> None:
             different[name] = (value, current)
     if different:
         detail = ", ".join(f"{k}={new!r} (running: {old!r})" for k, (new, old) in different.items())
-        raise RuntimeError(
-            f"jax.distributed is already initialised with other settings: {detail}. Call "
-            "jaxloop.launch.distributed.shutdown() first (before any JAX computation) to change "
-            "them.")
+        raise RuntimeError(f"jax.distributed is already initialised with other settings: {detail}. "
+                           "Call jaxloop.launch.distributed.shutdown() first (before any JAX "
+                           "computation) to change them.")
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -115,15 +107,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                shutdown_timeout_seconds: int | None = None) -> None:
     """Joins this process to a multi-process JAX job; call it before any JAX work.
 
-    Arguments not given come from the environment (module docstring), else JAX detects them
-    (TPU pods, SLURM, Open MPI, mpi4py, Kubernetes). ``coordinator_address`` is process 0's
-    ``HOST:PORT``, reachable from every host. With ``num_processes == 1`` and no address,
-    nothing is initialised; a second call with the same (or no) settings is a no-op.
-
-    Raises:
-      ValueError: a malformed or missing setting.
-      TypeError: an argument of the wrong type.
-      RuntimeError: the runtime is already up with different settings, or JAX already ran.
+    Arguments not given come from the environment, else JAX detects them (TPU pods, SLURM,
+    Open MPI, Kubernetes). ``coordinator_address`` is process 0's ``HOST:PORT``. A second call
+    with the same (or no) settings is a no-op; with other settings a RuntimeError (a bad
+    setting: ValueError or TypeError).
     """
     global _address
 
@@ -147,9 +134,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if process_id is not None:
         _check_int("process_id", process_id, 0)
         if num_processes is not None and process_id >= num_processes:
-            raise ValueError(
-                f"process_id must be in 0..{num_processes - 1} for num_processes="
-                f"{num_processes}, got process_id={process_id}.")
+            raise ValueError(f"process_id must be in 0..{num_processes - 1} for "
+                             f"num_processes={num_processes}, got process_id={process_id}.")
     for name, value in timeouts.items():
         _check_int(name, value, 1)
 
@@ -171,18 +157,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     except ValueError as e:
         if not missing:
             raise
-        raise ValueError(
-            f"jaxloop.launch.distributed.initialize() was not given {', '.join(missing)}, and "
-            "JAX did not start with what it detected from the environment (it reads Cloud TPU "
-            f"pods, SLURM, Open MPI, mpi4py and Kubernetes). Pass them, or set {ENV_COORDINATOR}, "
-            f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}. JAX said: {e}"
-        ) from e
+        raise ValueError(f"distributed.initialize() was not given {', '.join(missing)}, and JAX "
+                         f"could not detect them. Pass them, or set {ENV_COORDINATOR}, "
+                         f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}. JAX said: {e}") from e
     _address = coordinator_address
 
 
 def shutdown() -> None:
-    """Leaves the distributed job, waiting up to the shutdown timeout for the others (JAX
-    also does this at exit; nothing when not initialised)."""
+    """Leaves the distributed job, waiting up to the shutdown timeout for the others."""
     global _address
     jax.distributed.shutdown()
     _address = None

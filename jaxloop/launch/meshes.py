@@ -1,10 +1,7 @@
 """Device meshes from per-axis sizes, laid out so the last axes stay inside a host.
 
 `make_mesh` takes ``{axis: size}`` in order (one size may be -1: the rest) and devices in
-process order, so trailing axes run within a host (fast links). docs/multihost.md lists the
-usual meshes.
-
-Example::
+process order, so trailing axes run within a host (fast links)::
 
     mesh = meshes.make_mesh({'replica': -1, 'fsdp': jax.local_device_count()})
     partitioner = partition.FSDPPartitioner(mesh, data_axis=('replica', 'fsdp'),
@@ -23,10 +20,8 @@ __all__ = ["axis_sizes", "make_mesh"]
 
 
 def axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
-    """`sizes` with a -1 replaced by what makes the product `num_devices`; a ValueError
-    for other sizes below 1, several -1s or a wrong product.
-
-    Example::
+    """`sizes` with a -1 replaced by what makes the product `num_devices` (ValueError for
+    other sizes below 1, several -1s or a wrong product)::
 
         axis_sizes({'replica': -1, 'fsdp': 4}, 8)  # {'replica': 2, 'fsdp': 4}
     """
@@ -43,14 +38,12 @@ def axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
     known = int(np.prod([v for v in sizes.values() if v != -1], dtype=np.int64))
     if rest:
         if num_devices % known:
-            raise ValueError(
-                f"Mesh axis sizes {sizes}: the {num_devices} devices do not divide by {known}, "
-                f"so axis {rest[0]!r} cannot take the rest")
+            raise ValueError(f"Mesh axis sizes {sizes}: the {num_devices} devices do not divide by "
+                             f"{known}, so axis {rest[0]!r} cannot take the rest")
         sizes[rest[0]] = num_devices // known
     elif known != num_devices:
-        raise ValueError(
-            f"Mesh axis sizes {sizes} multiply to {known}, not the {num_devices} devices; "
-            "give one axis -1 to take the rest")
+        raise ValueError(f"Mesh axis sizes {sizes} multiply to {known}, not the {num_devices} "
+                         "devices; give one axis -1 to take the rest")
     return {k: int(v) for k, v in sizes.items()}
 
 

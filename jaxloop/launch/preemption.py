@@ -1,13 +1,9 @@
 """Preemption: stop at the next step boundary on SIGTERM/SIGINT so a checkpoint can be saved.
 
-`OuterLoop` installs the handlers (`handling_preemption`) and loops ask
-`reached_sync_point(step)` between steps. SIGINT ends the run with `Interrupted` (a
-`KeyboardInterrupt`; a third SIGINT raises at once), SIGTERM or `request()` with `Preempted`
-(a `SystemExit`, status 143: "requeue"); both carry the live ``state``. With several
-processes JAX's preemption sync service owns SIGTERM and picks one step for all (a save is
-a collective); SIGINT and `request()` are handed to it.
-
-Example::
+SIGINT ends the run with `Interrupted` (a `KeyboardInterrupt`; a third SIGINT raises at once),
+SIGTERM or `request()` with `Preempted` (a `SystemExit`, status 143: "requeue"); both carry
+the live ``state``. With several processes JAX's preemption sync service owns SIGTERM and
+picks one step for all (a save is a collective)::
 
     with preemption.handling_preemption():
         for step in range(start, total):
@@ -37,8 +33,7 @@ _active = 0  # how many `handling_preemption` blocks are open (nested ones share
 _interrupts = 0  # SIGINTs received while active: the first asks to stop; the third raises
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM
-# ``extra=`` of the log records announcing a stop: a notebook leaves them out of the cell,
-# whose exception says it in one line (`jaxloop.metrics.notebook_logging`).
+# ``extra=`` of the log records announcing a stop, which a notebook leaves out of the cell.
 STOP_NOTICE = {"jaxloop_stop_notice": True}
 
 
@@ -47,9 +42,7 @@ def _saved_text(saved: bool) -> str:
 
 
 class _OneLine:
-    """A stop renders as one line in IPython (which asks an exception's
-    ``_render_traceback_``): the cell still ends there, so "Run all" stops, and a script
-    still gets the full exception."""
+    """A stop renders as one line in IPython (``_render_traceback_``); scripts get it whole."""
 
     step: int | None
     saved: bool
@@ -62,9 +55,7 @@ class _OneLine:
 
 class Interrupted(_OneLine, KeyboardInterrupt):
     """Training stopped at a step boundary because of SIGINT (Ctrl-C, a notebook's Stop);
-    ``state`` is the live state at ``step``, ``saved`` whether a checkpoint of it was written.
-
-    Example::
+    ``state`` is the live state at ``step``, ``saved`` whether a checkpoint of it was written::
 
         except preemption.Interrupted as stop:  # around an OuterLoop call
             state = stop.state  # continue later from here
@@ -88,8 +79,8 @@ class Preempted(_OneLine, SystemExit):
 
 
 def stopped(state: Any, step: int | None, saved: bool) -> Interrupted | Preempted:
-    """The exception that ends a run stopped at `step`: `Interrupted` when this process got
-    SIGINT, else `Preempted`."""
+    """The exception that ends a run stopped at `step`: `Interrupted` after SIGINT, else
+    `Preempted`."""
     kind = Interrupted if _interrupts else Preempted
     return kind(state, step, saved)
 
@@ -112,16 +103,14 @@ def active() -> bool:
 
 
 def requested() -> bool:
-    """Whether training should stop now: a notice arrived (one process) or all processes
-    agreed on it (several: `reached_sync_point` decides)."""
+    """Whether training should stop now (several processes: as `reached_sync_point` agreed)."""
     if _multiprocess_sync():
         return _stop.is_set()
     return _requested.is_set()
 
 
 def request() -> None:
-    """Asks the running loops to stop at the next step boundary (as SIGTERM does); every
-    process stops at the same step."""
+    """Asks the running loops to stop at the next step boundary (as SIGTERM does)."""
     _notice()
 
 
@@ -148,8 +137,8 @@ def reached_sync_point(step: int) -> bool:
 @contextlib.contextmanager
 def handling_preemption(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
                         ) -> Iterator[None]:
-    """Installs preemption signal handlers for the block (main thread only; `request()`
-    works anywhere) and restores the previous ones; a nested block keeps the outer one's."""
+    """Installs preemption signal handlers for the block (main thread only), restoring the
+    previous ones after; a nested block keeps the outer one's."""
     global _active, _interrupts
     if _active:
         _active += 1

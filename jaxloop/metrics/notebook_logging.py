@@ -1,13 +1,10 @@
 """Makes jaxloop's messages in a notebook cell one line per event a user acts on.
 
-Importing `jaxloop` in a kernel calls `show_info_if_unconfigured`: if neither the ``jaxloop``
-nor the root logger was configured, the ``jaxloop`` logger is set to INFO (with a stderr
-handler while the root has none) so that a resume, an early stop, a warning or an error shows
-as a line. Routine lines stay out of the cell: each checkpoint save (and that there is none to
-resume from), the per-step lines of the
-writers, the parameter table; and a Stop's notices, since the exception that ends the cell
-says it in one line (`preemption.Interrupted`). Scripts keep every line. Any configuration of
-yours wins; to see the routine lines in a notebook (at INFO, as a script logs them)::
+Importing `jaxloop` in a kernel with logging unconfigured sets the ``jaxloop`` logger to INFO
+(with a stderr handler while the root has none): a resume, an early stop, a warning shows as a
+line. Routine lines (checkpoint saves, the writers' per-step lines, the parameter table) and a
+Stop's notices (the exception that ends the cell says it) stay out of the cell; scripts keep
+every line, and any configuration of yours wins. To see the routine lines in a notebook::
 
     from jaxloop.metrics import notebook_logging
     notebook_logging.show_routine()
@@ -85,8 +82,7 @@ def unconfigured() -> bool:
 
 
 def show_info_if_unconfigured() -> bool:
-    """Shows jaxloop's INFO messages where nothing is configured, routine lines left out;
-    returns whether it did."""
+    """Shows jaxloop's INFO messages, routine lines left out, if nothing is configured."""
     if not unconfigured():
         return False
     logger = logging.getLogger(LOGGER_NAME)
@@ -104,10 +100,8 @@ def show_info_if_unconfigured() -> bool:
 
 
 def show_routine(show: bool = True) -> None:
-    """Shows (``show=False``: hides again) the routine lines in a notebook at INFO: each
-    checkpoint save, each write of a `writers.LoggingWriter`. (The parameter table is logged
-    at DEBUG: ``logging.getLogger('jaxloop.diagnostics.param_table').setLevel(logging.DEBUG)``.)
-    """
+    """Shows (``show=False``: hides) the routine lines at INFO: checkpoint saves, each write of
+    a `LoggingWriter` (the parameter table is logged at DEBUG, by its own logger)."""
     logging.getLogger(WRITERS).setLevel(logging.INFO if show else logging.WARNING)
     for filtered in _filtered_loggers():
         if show:

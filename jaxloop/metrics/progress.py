@@ -1,8 +1,5 @@
-"""The progress bar: `ProgressAction`, a tqdm bar updated at each loop's end.
-
-`OuterLoop` shows one when the output is interactive; tqdm is imported only then.
-
-Example::
+"""The progress bar: `ProgressAction`, a tqdm bar updated at each loop's end (`OuterLoop`
+shows one when the output is interactive; tqdm is imported only then)::
 
     TrainLoop(step, end_actions=[actions.ProgressAction(total_steps=1000)])
 """
@@ -29,14 +26,10 @@ State = types.TrainState
 
 
 class ProgressAction(Action):
-    """A progress bar: tqdm's widget in notebooks with ipywidgets, else a text bar.
-
-    Shows step/total, steps/s between two updates (none after the first loop, which
-    compiles), the latest train `metric` and, given a `history`, the latest evaluation's
-    results with their step (``eval at step 400: accuracy=0.98, loss=0.07``). Updated at
-    each loop end, never per step, with the values the device has computed by then (a loop
-    end never waits: the last loop's show when the bar closes). `enabled=None`: only when
-    the output is interactive.
+    """A progress bar (tqdm's widget in notebooks with ipywidgets, else a text bar): step/total,
+    steps/s, the latest train `metric` and, given a `history`, the latest evaluation's results
+    (``eval at step 400: accuracy=0.98``). Updated at each loop end with the values the device
+    has computed by then (it never waits). `enabled=None`: only when the output is interactive.
     """
 
     # tqdm's own rate and estimate would count the compilation and dispatch: left out.
@@ -67,14 +60,16 @@ class ProgressAction(Action):
         ipython = sys.modules.get("IPython")
         return shell_class is not None and isinstance(ipython.get_ipython(), shell_class)
 
-    @classmethod
-    def _interactive(cls) -> bool:
-        return cls._in_kernel() or sys.stderr.isatty()
+    def _on(self) -> bool:
+        """Whether the bar is shown (`enabled=None`: where the output is interactive)."""
+        if self._enabled is None:
+            self._enabled = self._in_kernel() or sys.stderr.isatty()
+        return self._enabled
 
     @classmethod
     def _bar_class(cls) -> Any:
         """tqdm's widget bar where a notebook has ipywidgets, else its text bar (`tqdm.auto`
-        would warn in every cell that ipywidgets is missing)."""
+        would warn in every cell)."""
         import importlib.util  # noqa: PLC0415
 
         if cls._in_kernel() and importlib.util.find_spec("ipywidgets") is not None:
@@ -122,8 +117,7 @@ class ProgressAction(Action):
         self._draw(refresh)
 
     def _draw(self, refresh: bool = True) -> None:
-        """Draws what `_show` read last, and the running evaluation's count (a prefetch
-        thread may count: it reads nothing here)."""
+        """Draws what `_show` read last and the evaluation's count (threads call it: no reads)."""
         parts = [f"{k}={v}" for k, v in self._postfix.items()]
         parts += [f"{k}: {v}" for k, v in self._evaluated.items()]
         if self._status is not None:
@@ -131,14 +125,10 @@ class ProgressAction(Action):
         self._bar.set_postfix_str(", ".join(parts), refresh=refresh)
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
-        if self._enabled is None:
-            self._enabled = self._interactive()
-        if not self._enabled:
+        if not self._on():
             return
         step = host_count.host_step(state)
         bar = self._ensure_bar(kwargs.get("first_step") or 0)
-        # What the device has computed: a loop end never waits for its last steps (they
-        # show at the next update, or when the bar closes).
         postfix = self._latest(outputs, wait=False)
         now = time.perf_counter()
         if self._last is not None and step > self._last[0] and now > self._last[1]:
@@ -171,17 +161,8 @@ class ProgressAction(Action):
     def evaluating(self, label: str, spec: Any, batches: Iterator[Any], step: int
                    ) -> Iterator[Iterator[Any]]:
         """Inside: `batches`, with the bar showing ``evaluating <label>: n/total`` as the
-        evaluation at `step` reads them (the total: `spec`'s ``num_steps``, or the length of
-        a finite ``dataset``, else none); `batches` unchanged when no bar is shown.
-
-        Example::
-
-            with progress.evaluating('eval', spec, iter(eval_batches), 400) as batches:
-                eval_loop(state, batches)
-        """
-        if self._enabled is None:
-            self._enabled = self._interactive()
-        if not self._enabled or self._closed:
+        evaluation at `step` reads them (unchanged when no bar is shown)."""
+        if not self._on() or self._closed:
             yield batches
             return
         totals = [n for n in (getattr(spec, "num_steps", None),
@@ -220,8 +201,7 @@ def _length(dataset: Any) -> int | None:
 
 
 class _Counted:
-    """An evaluation's batches, counted on the bar as they are read (at most ten redraws
-    a second; the count includes the batches a prefetch thread read ahead)."""
+    """An evaluation's batches, counted on the bar as read (at most ten redraws a second)."""
 
     def __init__(self, progress: ProgressAction, batches: Iterator[Any], label: str,
                  total: int | None):

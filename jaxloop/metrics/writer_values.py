@@ -1,9 +1,6 @@
 """Values made ready for a metric writer, checked before any is written: steps as ints,
 scalars as floats, images and videos as uint8 pixels, audio as [N, T, C] floats, hparams
-flattened to the types TensorBoard's hparams plugin stores. `writers` and `trackers` share
-them.
-
-Example::
+flattened to the types TensorBoard's hparams plugin stores::
 
     prepare_scalars({'loss': np.float32(0.25)})  # {'loss': 0.25}
     flatten_hparams({'opt': {'lr': 1e-3}})        # {'opt.lr': 0.001}
@@ -103,8 +100,7 @@ LAYOUTS = {"Image": ["HW", "HWC", "NHWC"], "Video": ["THWC", "NTHWC"]}
 
 
 def pixels(kind: str, key: str, value: ArrayLike) -> np.ndarray:
-    """An image or video batch as uint8 [N, H, W, C] or [N, T, H, W, C]; floats in [0, 1],
-    integers in [0, 255]."""
+    """An image or video batch as uint8 [N, (T,) H, W, C]; floats in [0, 1], ints in [0, 255]."""
     arr, layouts = np.asarray(value), LAYOUTS[kind]
     shape = arr.shape
     if arr.ndim not in {len(layout) for layout in layouts}:

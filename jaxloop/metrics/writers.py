@@ -138,10 +138,9 @@ class SummaryWriter(Closing):
                           bins=buckets.get(key, DEFAULT_HISTOGRAM_BUCKETS))
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-        """Nested mappings become dotted names (``opt.lr``); values other than bools, numbers
-        and strings are written as their ``str()``. They go into this writer's run (not a
-        sub-run per call, as tensorboardX's add_hparams does): one run folder per writer's
-        logdir, which a resumed run appends to."""
+        """Nested mappings become dotted names (``opt.lr``), other values than bools, numbers
+        and strings their ``str()``; into this writer's run (not a sub-run per call, as
+        tensorboardX's add_hparams does), which a resumed run appends to."""
         import tensorboardX.summary
         flat = {key: hparam_value(v) for key, v in flatten_hparams(hparams).items()}
         with self._lock:
@@ -226,8 +225,7 @@ class _Forwarder(Closing):
 
 class LoggingWriter(_Forwarder):
     """Logs ``[prefix] step | key=value, ...`` for scalars, only the shapes of arrays, to
-    the ``jaxloop.metrics.writers`` logger (hidden in an unconfigured notebook:
-    `jaxloop.metrics.notebook_logging`). Example::
+    the ``jaxloop.metrics.writers`` logger::
 
         writer = LoggingWriter('eval')   # INFO:jaxloop.metrics.writers:[eval] 400 | accuracy=0.97
         writer.write_scalars(400, {'accuracy': 0.97})

@@ -1,16 +1,11 @@
-"""Gradient accumulation: the loss and gradients of a global batch, as k microbatches.
-
-`value_and_grad` is `jax.value_and_grad` for a batch too large to run at once: it runs k
-microbatches one after another in a `jax.lax.scan` (one microbatch's activations alive at a
-time) and returns the average loss and gradients, so one step stays one optimizer update.
-
-Example::
+"""Gradient accumulation: `value_and_grad` is `jax.value_and_grad` for a batch too large to
+run at once: k microbatches in a `jax.lax.scan` (one's activations alive at a time), the
+average loss and gradients returned, so one step stays one optimizer update::
 
     grad_fn = accumulate.value_and_grad(loss_fn, num_microbatches=4)
     loss, grads = grad_fn(state.params, batch, rngs=self.prng_key(state.step))
 
-`nnx_value_and_grad` is the same for an NNX-native ``run(self, model, optimizer, batch)``: it
-takes the model as `nnx.value_and_grad` does and returns gradients ``optimizer.update`` takes.
+`nnx_value_and_grad` is the same for an NNX-native ``run(self, model, optimizer, batch)``.
 """
 
 from __future__ import annotations
@@ -26,22 +21,17 @@ __all__ = ["nnx_value_and_grad", "split_microbatches", "value_and_grad"]
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> Any:
-    """Reshapes every leaf ``[B, ...]`` into ``[k, B // k, ...]`` (k = `num_microbatches`).
-
-    Microbatch ``i`` holds examples ``i, i + k, ...`` (``split_microbatches(np.arange(8),
-    4)[1]`` is ``[1, 5]``): strided, so a batch sharded along its first axis stays sharded
-    alike and no data moves between devices.
-    """
+    """Reshapes every leaf ``[B, ...]`` into ``[k, B // k, ...]``; microbatch ``i`` holds
+    examples ``i, i + k, ...``: strided, so a batch sharded on its first axis moves no data."""
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
 
     def split(path: tuple, x: Any) -> Any:
         shape = jnp.shape(x)
         if not shape or shape[0] % num_microbatches:
-            raise ValueError(
-                f"Cannot split {jax.tree_util.keystr(path) or 'batch'} of shape "
-                f"{tuple(shape)} into {num_microbatches} microbatches: its leading (batch) "
-                f"size must be a multiple of {num_microbatches}")
+            raise ValueError(f"Cannot split {jax.tree_util.keystr(path) or 'batch'} of shape "
+                             f"{tuple(shape)} into {num_microbatches} microbatches: its leading "
+                             f"(batch) size must be a multiple of {num_microbatches}")
         x = jnp.reshape(x, (shape[0] // num_microbatches, num_microbatches, *shape[1:]))
         return jnp.swapaxes(x, 0, 1)
 
@@ -55,10 +45,15 @@ def _mean_or_last(stacked: Any, how: str) -> Any:
         lambda x: jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[-1], stacked)
 
 
+def _is_key(path: tuple, x: Any) -> bool:
+    del path
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _reject_positional_keys(args: tuple) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(args):
-        dtype = getattr(leaf, "dtype", None)
-        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if _is_key(path, leaf):
             raise TypeError(
                 f"A PRNG key was passed positionally (argument {jax.tree_util.keystr(path)}): "
                 "every microbatch would reuse it, drawing the same dropout masks. Pass "
@@ -76,16 +71,13 @@ def value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int, has_aux: 
       num_microbatches: k, a divisor of the batch size; 1 is plain `jax.value_and_grad`.
       aux: ``'mean'`` averages the floating aux leaves (others keep the last
         microbatch's); ``'stack'`` returns all k along a leading axis.
-      sharding: the parameters' shardings (a tree or one sharding or `PartitionSpec`),
-        e.g. ``self.partitioner.sharding.params``; the running sum is constrained to it so
-        under FSDP each device holds only its part (inside jit parameters carry no
-        sharding to read). None leaves the placement to XLA.
+      sharding: the parameters' shardings (``self.partitioner.sharding.params``): the running
+        sum is constrained to it, so under FSDP each device holds only its part.
 
     Returns:
       ``grad_fn(params, batch, *args, rngs=None) -> (loss, grads)`` (``((loss, aux),
-      grads)`` with `has_aux`): averages over the microbatches, summed in float32. `rngs`
-      (a key or a tree of keys) is split into one per microbatch; a typed key among `args`
-      is a TypeError, as every microbatch would reuse it.
+      grads)`` with `has_aux`), averaged, summed in float32. `rngs` is split one per
+      microbatch; a typed key among `args` is a TypeError (every microbatch would reuse it).
     """
     if aux not in ("mean", "stack"):
         raise ValueError(f"aux must be 'mean' or 'stack', got {aux!r}")
@@ -123,25 +115,13 @@ def value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int, has_aux: 
     return grad_fn
 
 
-def _is_key(path: tuple, x: Any) -> bool:
-    del path
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def nnx_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int,
                        has_aux: bool = False, aux: Literal["mean", "stack"] = "mean",
                        sharding: Any = None) -> Callable[..., Any]:
-    """`nnx.value_and_grad` of ``loss_fn(model, microbatch, *args)`` over k microbatches,
-    as `value_and_grad` (the same arguments) does for parameters.
-
-    Each microbatch draws its own dropout masks: the model's RNG streams and the keys in
-    `rngs` (an ``nnx.Rngs``, a key or a tree of keys, passed on to `loss_fn` as ``rngs=``)
-    are split k ways. What `loss_fn` changes in the model, such as BatchNorm statistics,
-    is averaged over the microbatches (integers, such as RNG counts, take the last one's).
-    `sharding` may be the state's tree (``self.partitioner.sharding.params``).
-
-    Example::
+    """`nnx.value_and_grad` of ``loss_fn(model, microbatch, *args)`` over k microbatches, as
+    `value_and_grad` does for parameters. The model's RNG streams and `rngs` are split k ways
+    (each microbatch its own dropout masks); what `loss_fn` changes in the model (BatchNorm
+    statistics) is averaged over the microbatches (integers take the last one's)::
 
         def run(self, model, optimizer, batch):
             grad_fn = accumulate.nnx_value_and_grad(loss_fn, num_microbatches=4)

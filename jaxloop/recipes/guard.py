@@ -1,13 +1,9 @@
 """Non-finite guard: a training step skips its update when the loss or a gradient is NaN/Inf.
 
-`NonFiniteGuard.apply_gradients` replaces ``state.apply_gradients`` in `Step.run`; the check
-reduces over the global arrays inside the compiled step, so every device decides alike. A
-skipped step keeps the state but advances ``step``. Mode ``'skip'`` outputs
-``nonfinite/skipped``; ``'raise'`` also makes `action` raise `NonFiniteError` at the loop's end,
-before a checkpoint (list it first). Unlike `optax.apply_if_finite`, the optimizer state's
-structure is unchanged and the loss and the whole state are covered.
-
-Example::
+`NonFiniteGuard.apply_gradients` replaces ``state.apply_gradients`` in `Step.run`; every device
+decides alike (global arrays, inside the step). A skipped step advances ``step`` only. Mode
+``'raise'`` also makes `action` raise `NonFiniteError` at the loop's end, before a checkpoint.
+Unlike `optax.apply_if_finite`, the optimizer state's structure is unchanged::
 
     guard = NonFiniteGuard(mode='raise')
     state, guard_outputs = guard.apply_gradients(state, grads, loss)    # in Step.run
@@ -42,9 +38,8 @@ class NonFiniteError(FloatingPointError):
     """
 
     def __init__(self, step: int, leaf: str):
-        super().__init__(
-            f"Non-finite value at training step {step}: {leaf} is NaN or Inf. The update was "
-            "not applied and no checkpoint was written after it.")
+        super().__init__(f"Non-finite value at training step {step}: {leaf} is NaN or Inf. The "
+                         "update was not applied and no checkpoint was written after it.")
         self.step, self.leaf = step, leaf
 
 
@@ -61,8 +56,7 @@ def all_finite(*trees: Any) -> jax.Array:
 
 class NonFiniteGuard:
     """Skips updates whose loss or gradients are not finite; with ``mode='raise'``,
-    `action` raises `NonFiniteError` at the loop's end. The leaf names stay on this object:
-    the compiled step only outputs numbers."""
+    `action` raises `NonFiniteError` at the loop's end."""
 
     def __init__(self, mode: Literal["skip", "raise"] = "skip"):
         if mode not in ("skip", "raise"):
@@ -72,9 +66,8 @@ class NonFiniteGuard:
 
     def apply_gradients(self, state: types.TrainState, grads: Any, loss: Any = None,
                         **updates: Any) -> tuple[types.TrainState, dict[str, jax.Array]]:
-        """``state.apply_gradients(grads=grads, **updates)`` when `loss` and `grads` are
-        finite, else `state` with only its step advanced (`updates` dropped too); plus the
-        guard's outputs."""
+        """(``state.apply_gradients(grads=grads, **updates)`` if `loss` and `grads` are finite,
+        else `state` with only its step advanced; the guard's outputs)."""
         named = [("loss", loss)] if loss is not None else []
         named += [("grads" + jax.tree_util.keystr(path), leaf)
                   for path, leaf in jax.tree_util.tree_leaves_with_path(grads)]
@@ -111,7 +104,6 @@ class NonFiniteGuard:
 
     def action(self, interval: int = 1) -> Any:
         """An end action for a train loop that calls `check`; list it before checkpoints."""
-
         guard = self
 
         class NonFiniteAction(Action):

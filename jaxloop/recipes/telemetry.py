@@ -1,9 +1,5 @@
-"""Training telemetry as step outputs: gradient, parameter and update norms, learning rate.
-
-`train_metrics`, called in `Step.run`, returns them as ordinary scalar outputs computed in the
-compiled step, so `SummaryAction` writes them like the loss.
-
-Example::
+"""Training telemetry as step outputs: gradient, parameter and update norms, learning rate,
+computed in the compiled step (`SummaryAction` writes them like the loss)::
 
     new_state = state.apply_gradients(grads=grads)
     return new_state, {'loss': loss, **telemetry.train_metrics(
@@ -40,11 +36,8 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 def injected_hyperparam(opt_state: Any, name: str = "learning_rate") -> jax.Array | None:
-    """The current value of a hyperparameter set by ``optax.inject_hyperparams``, or None.
-
-    The first ``hyperparams[name]`` found, also inside chains and `optax.MultiSteps`.
-
-    Example::
+    """The first ``hyperparams[name]`` set by ``optax.inject_hyperparams`` (also in chains and
+    `optax.MultiSteps`), or None::
 
         tx = optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
         injected_hyperparam(tx.init(params))  # schedule(0)
@@ -60,12 +53,9 @@ def injected_hyperparam(opt_state: Any, name: str = "learning_rate") -> jax.Arra
 def train_metrics(state: types.TrainState, grads: Any, new_state: types.TrainState | None = None,
                   learning_rate: float | Callable[[jax.Array], Any] | None = None,
                   ) -> dict[str, jax.Array]:
-    """Per-step telemetry outputs; call inside `Step.run`.
-
-    `state` is the state before the update (a schedule is read at its step), `new_state`
-    the one after it (for the update norm); `learning_rate` is a schedule, a constant, or
-    None to read it from ``inject_hyperparams`` state. Returns float32 scalars.
-    """
+    """Per-step telemetry outputs (float32 scalars) inside `Step.run`: `state` before the
+    update, `new_state` after it (for the update norm); `learning_rate` a schedule, a
+    constant, or None to read it from ``inject_hyperparams`` state."""
     after = state if new_state is None else new_state
     out = {GRAD_NORM: global_norm(grads), PARAM_NORM: global_norm(after.params)}
     if new_state is not None:

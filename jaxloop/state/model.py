@@ -3,12 +3,8 @@
 nnx models are split into ``params``, ``batch_stats`` and RNG streams and merged back on
 every call, so one `run` serves both APIs. Each call reseeds the streams named in ``rngs``
 (a bare key seeds them all), so masks are a pure function of (base key, step); drawing from a
-stream given no key is an error. A model built with ``nnx.Rngs(0)`` draws from ``'default'``,
-one built by a Step from its class from ``'dropout'``. In a `Step`, nnx models run in train or
-eval mode by the step's ``train`` flag (linen modules take it as a call argument). An
-NNX-native `run` (`jaxloop.state.nnx_step`) gets the merged model itself (`NnxAdapter.merge`).
-
-Example::
+stream given no key is an error. In a `Step`, nnx models run in train or eval mode by the
+step's ``train`` flag::
 
     logits = state.apply_fn({'params': params}, x, rngs=self.prng_key(state.step))
 """
@@ -44,9 +40,7 @@ _INTERMEDIATES = "intermediates"  # nnx.Intermediate (what `sow` makes), as line
 @contextlib.contextmanager
 def training_mode(train: bool) -> Iterator[None]:
     """nnx models called through an adapter run in train mode (dropout on, BatchNorm on
-    batch statistics) or eval mode while a function is traced in this context.
-
-    Example::
+    batch statistics) or eval mode while a function is traced in this context::
 
         with model.training_mode(False):
             logits = state.apply_fn({'params': state.params}, x)  # dropout off
@@ -64,11 +58,9 @@ _INIT_DROPOUT_STREAM = 0x64726F70
 
 
 def init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
-    """The named keys a model is initialised with. A key is the ``params`` stream as it is
-    (google/jaxloop passes the step's key to ``model.init`` unsplit, so the same key gives
-    the same parameters there and here), and a ``dropout`` stream is derived from it: flax
-    draws each stream apart, so drawing dropout leaves the parameters unchanged. A dict is
-    used as given, with ``params`` (its first key) added when missing."""
+    """The named keys a model is initialised with: a key is the ``params`` stream unsplit (as
+    google/jaxloop passes it: the same parameters), with a ``dropout`` stream derived from it;
+    a dict is used as given, with ``params`` (its first key) added when missing."""
     if isinstance(base_prng, Mapping):
         rngs = dict(base_prng)
         rngs.setdefault("params", next(iter(rngs.values())))
@@ -87,9 +79,8 @@ class _LinenStreams(nn.Module):
 
 
 def nnx_init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
-    """The keys an nnx module class is built with: google/jaxloop wraps the class in flax's
-    ``nnx.bridge.ToLinen``, which seeds ``nnx.Rngs`` with what linen's ``make_rng`` draws
-    from each stream of ``model.init``'s keys; the same here, so the parameters agree."""
+    """The keys an nnx module class is built with: what linen's ``make_rng`` draws, as
+    google/jaxloop's ``nnx.bridge.ToLinen`` seeds them, so the parameters agree."""
     rngs = init_rngs(base_prng)
     return _LinenStreams(tuple(rngs)).apply({}, rngs=rngs)
 
@@ -149,8 +140,7 @@ class NnxAdapter(ModelAdapter):
         return self._model(*self._args, rngs=nnx.Rngs(**nnx_init_rngs(base_prng)), **self._kwargs)
 
     def describe(self, base_prng: types.PRNGType) -> None:
-        """Learns the model's structure without creating its arrays, for a step that runs
-        a state it did not initialise (an eval step given the train step's state)."""
+        """Learns the model's structure without creating arrays (for a state made elsewhere)."""
         if self._graphdef is None:
             self._variables(nnx.eval_shape(lambda: self._build(base_prng)))
 
@@ -171,14 +161,13 @@ class NnxAdapter(ModelAdapter):
             listed = ", ".join(
                 f"{'/'.join(map(str, path))} ({type(var).__name__})" for path, var in others[:5])
             raise ValueError(
-                f"{type(model).__name__} holds variables that are neither nnx.Param, "
-                f"nnx.BatchStat nor RNG streams: {listed}. A TrainState carries params and "
-                "batch_stats; make carried statistics nnx.BatchStat variables.")
+                f"{type(model).__name__} holds variables that are neither nnx.Param, nnx.BatchStat "
+                f"nor RNG streams: {listed}. Make carried statistics nnx.BatchStat variables.")
         self._graphdef = graphdef
         self._stats_layout = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(stats)]
         self._rng_layout = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rngs.to_pure_dict())
-        variables: Variables = {"params": _map_variables(params, _param_leaf)}
+        variables: Variables = {"params": nnx.to_pure_dict(params, _param_leaf)}
         stats_dict = stats.to_pure_dict()
         if stats_dict:
             variables[_BATCH_STATS] = stats_dict
@@ -194,8 +183,7 @@ class NnxAdapter(ModelAdapter):
         return jax.tree.map(make, self._rng_layout or {})
 
     def merge(self, variables: Mapping[str, Any]) -> nnx.Module:
-        """A new model holding `variables` (``params`` and, if it has any, ``batch_stats``)
-        and placeholder RNG streams, to be reseeded before it draws."""
+        """A new model holding `variables` and placeholder RNG streams (reseeded before use)."""
         if self._graphdef is None:
             raise ValueError("The nnx model was not initialised: call Step.initialize_model")
         if "params" not in variables:
@@ -205,20 +193,16 @@ class NnxAdapter(ModelAdapter):
         if not stats and self._stats_layout:
             raise ValueError(
                 f"{self.model_name} holds BatchNorm statistics (nnx.BatchStat: "
-                f"{', '.join(self._stats_layout[:3])}), but apply_fn was given no "
-                "'batch_stats'. Pass them and keep the updated ones: "
-                "y, updates = state.apply_fn({'params': params, 'batch_stats': "
-                "state.batch_stats}, x, mutable=['batch_stats']), then "
-                "state.apply_gradients(grads=grads, batch_stats=updates['batch_stats']). "
-                "Or write run the NNX way, run(self, model, optimizer, batch), and call "
-                "model(x) (docs/features.md, 'NNX models').")
+                f"{', '.join(self._stats_layout[:3])}), but apply_fn was given no 'batch_stats'. "
+                "Pass them and keep the updated ones: y, updates = state.apply_fn({'params': "
+                "params, 'batch_stats': state.batch_stats}, x, mutable=['batch_stats']); or "
+                "write run the NNX way, run(self, model, optimizer, batch) (docs/features.md).")
         try:
             return nnx.merge(self._graphdef, variables["params"], stats,
                              self._placeholder_rngs())
         except ValueError as e:
-            raise ValueError(
-                f"The state's params / batch_stats do not fit {self.model_name}'s variables "
-                f"(was the state built from another model?): {e}") from e
+            raise ValueError(f"The state's params / batch_stats do not fit {self.model_name}'s "
+                             f"variables (was the state built from another model?): {e}") from e
 
     @staticmethod
     def split(model: nnx.Module) -> Variables:
@@ -230,7 +214,8 @@ class NnxAdapter(ModelAdapter):
               rngs: Mapping[str, jax.Array] | jax.Array | None = None, mutable: Any = False,
               **kwargs: Any) -> Any:
         model = self.merge(variables)
-        given = _stream_keys(rngs)
+        given = ({} if rngs is None else dict(rngs) if isinstance(rngs, Mapping)
+                 else {"default": rngs, "dropout": rngs})
         streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
         if given:
             nnx.reseed(model, **{k: v for k, v in given.items()
@@ -246,11 +231,9 @@ class NnxAdapter(ModelAdapter):
             if s.key.tag not in given and s.count.get_value() is not counts[id(s)]
         })
         if unseeded:
-            raise ValueError(
-                f"{type(model).__name__} drew random numbers from the RNG stream(s) "
-                f"{unseeded}, but apply_fn was given no key for them (got rngs for "
-                f"{sorted(given)}). Pass e.g. rngs={{'{unseeded[0]}': "
-                "self.prng_key(state.step)}} so each step draws fresh, reproducible numbers.")
+            raise ValueError(f"{type(model).__name__} drew random numbers from the RNG stream(s) "
+                             f"{unseeded}, but apply_fn was given keys for {sorted(given)} only. "
+                             f"Pass e.g. rngs={{'{unseeded[0]}': self.prng_key(state.step)}}.")
         if not mutable:
             return out
         _, _, new_stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
@@ -260,19 +243,9 @@ class NnxAdapter(ModelAdapter):
         return out, mutated
 
 
-def _stream_keys(rngs: Mapping[str, jax.Array] | jax.Array | None) -> dict[str, jax.Array]:
-    if rngs is None:
-        return {}
-    if isinstance(rngs, Mapping):
-        return dict(rngs)
-    return {"default": rngs, "dropout": rngs}
-
-
 def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
           nnx_model_kwargs: Mapping[str, Any] | None = None) -> ModelAdapter:
-    """The adapter for a linen module instance, an nnx module class or an nnx instance.
-
-    Example::
+    """The adapter for a linen module instance, an nnx module class or an nnx instance::
 
         adapter = model.adapt(NnxMLP, nnx_model_args=(16, 32, 10))
         variables = adapter.init(jax.random.key(0), batch)
@@ -288,9 +261,8 @@ def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
     if isinstance(model, nn.Module | nnx.Module):
         if nnx_model_args is not None or nnx_model_kwargs:
             raise ValueError(
-                f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are "
-                f"only for nnx module classes; {type(model).__name__} is an already "
-                "constructed module")
+                f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are only "
+                f"for nnx module classes; {type(model).__name__} is already constructed")
         if isinstance(model, nn.Module):
             return LinenAdapter(model)
         return NnxAdapter(model)
@@ -298,20 +270,8 @@ def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
         f"model must be a flax linen module instance or an nnx module class, got {model!r}")
 
 
-def _map_variables(state: nnx.State, fn: Callable[[nnx.Variable], Any]) -> dict:
-    """Maps each variable of an nnx State to `fn(variable)`, as a nested pure dict."""
-    out: dict = {}
-    for path, var in nnx.to_flat_state(state):
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = fn(var)
-    return out
-
-
 def _param_leaf(var: nnx.Variable) -> Any:
-    """An nnx Param's value, boxed like linen's when annotated, so partitioners and optax
-    read nnx annotations as linen's."""
+    """An nnx Param's value, boxed like linen's when annotated (partitioners read linen's)."""
     metadata = var.get_metadata()
     names = metadata.get("out_sharding")
     value = var.get_value()

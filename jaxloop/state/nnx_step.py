@@ -1,36 +1,24 @@
 """`run` written the NNX way: a Step whose `run` takes ``model`` first gets the model as an
-`nnx.Module` and its optimizer as an `nnx.Optimizer`, as Flax's NNX tutorial writes its steps.
-
-Example::
+`nnx.Module` and its optimizer as an `nnx.Optimizer`, as Flax's NNX tutorial writes its steps::
 
     class TrainStep(step_lib.Step):
         def metrics(self):  # a fresh nnx metric per step; each entry becomes an output
-            return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
-                                   loss=nnx.metrics.Average('loss'))
+            return nnx.MultiMetric(loss=nnx.metrics.Average('loss'))
 
         def run(self, model, optimizer, metrics, rngs, batch):
-            grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
-            (loss, logits), grads = grad_fn(model, batch, rngs)
-            metrics.update(loss=loss, logits=logits, labels=batch['label'])
+            (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, rngs)
+            metrics.update(loss=loss)
             optimizer.update(model, grads)
 
-    step = TrainStep(jax.random.key(0), CNN(rngs=nnx.Rngs(0)), optimizer=optax.adamw(5e-3),
-                     train=True)
+`run` names what it takes after ``model``, in any order: ``optimizer`` (``wrt=nnx.Param``),
+``metrics`` (the step's ``metrics()``, merged by the loop as `clu.metrics.Average`), ``ema``
+(`NnxEma`, for a state made with ``ema.init``), ``rngs`` (of ``self.prng_key(step)``) and
+``batch``. It updates the objects in place and may return a dict of further outputs.
 
-`run` names what it takes after ``model``, in any order: ``optimizer`` (an `nnx.Optimizer` of
-the step's optax optimizer, ``wrt=nnx.Param``), ``metrics`` (the step's ``metrics()``: its
-`nnx.metrics.Average` entries, `Accuracy` included, come out as `clu.metrics.Average`
-outputs that a loop merges), ``ema`` (`jaxloop.recipes.ema.NnxEma`, for a state made with
-``ema.init``), ``rngs`` (``nnx.Rngs`` of ``self.prng_key(step)``) and ``batch``. It updates
-the objects in place and may return a dict of further outputs. A step's ``dtype_policy``
-sets the model's layer dtypes (`jaxloop.recipes.precision.Policy.set_layer_dtypes`).
-
-Inside the compiled step the objects are merged from the loop's state and split back into it
-while `jax.jit` traces (the fast path: no `nnx.jit` per call), so the state stays a
-`TrainState` of arrays: checkpoints, partitioners, fused steps, actions and linen-style steps
-(`state.apply_fn`) see what they always see. Train steps run the model in train mode and eval
-steps in eval mode; its RNG streams are reseeded from ``self.prng_key(step)`` every step, so a
-resumed run draws the same dropout masks. The caller's model object is never touched.
+The objects are merged from the loop's state and split back while `jax.jit` traces (no
+`nnx.jit` per call), so the state stays a `TrainState` of arrays that checkpoints,
+partitioners and actions see as always. RNG streams are reseeded from ``self.prng_key(step)``
+every step (a resumed run draws the same masks); the caller's model is never touched.
 """
 
 from __future__ import annotations
@@ -62,25 +50,23 @@ def takes_model(run: Callable[..., Any]) -> bool:
 
 
 def _arguments(step: Any) -> list[str]:
-    """The objects `step.run` takes, in its order (parameters with defaults are left to the
-    keyword arguments a loop passes)."""
+    """The objects `step.run` takes, in its order (those with defaults are left to kwargs)."""
     names = []
     for p in inspect.signature(step.run).parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
             continue
         if p.name not in ARGUMENTS:
             raise TypeError(
-                f"{type(step).__name__}.run takes `model` first, so it runs the NNX way and "
-                f"may name {', '.join(ARGUMENTS)}; it also names {p.name!r}. "
-                + ("A linen-style run takes the state: run(self, state, batch)."
-                   if p.name == "state" else "Give it a default or take it from `batch`."))
+                f"{type(step).__name__}.run takes `model` first (the NNX way: it may name "
+                f"{', '.join(ARGUMENTS)}) and names {p.name!r}. " + (
+                    "A linen-style run is run(self, state, batch)." if p.name == "state"
+                    else "Give it a default or take it from `batch`."))
         names.append(p.name)
     return names
 
 
 class _CountingOptimizer(nnx.Optimizer):
-    """The `nnx.Optimizer` a run receives; counts its updates, so the state's step advances
-    by a trace-time number (keeping the step's dtype, weak type included)."""
+    """Counts its updates, so the state's step advances by a trace-time number (same dtype)."""
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
         self.updates_made += 1
@@ -92,18 +78,16 @@ def _slots(optimizer: nnx.Optimizer) -> list[nnx.Variable]:
 
 
 def _optimizer(model: nnx.Module, tx: Any, state: types.TrainState) -> _CountingOptimizer:
-    """An `nnx.Optimizer` for `model` holding the state's optimizer state (its own `tx.init`
-    is traced only: XLA drops it)."""
+    """An `nnx.Optimizer` holding the state's optimizer state (its `tx.init` XLA drops)."""
     optimizer = _CountingOptimizer(model, tx, wrt=nnx.Param)
     optimizer.updates_made = 0
     slots, leaves = _slots(optimizer), jax.tree.leaves(state.opt_state)
     shapes = [jnp.shape(s.get_value()) for s in slots]
     if shapes != [jnp.shape(x) for x in leaves]:
         raise ValueError(
-            f"The state's optimizer state ({len(leaves)} leaves) does not match what "
-            f"nnx.Optimizer(model, tx, wrt=nnx.Param) holds ({len(slots)} leaves): was the "
-            "state built by a step with another optimizer? An eval step's run takes no "
-            "optimizer.")
+            f"The state's optimizer state ({len(leaves)} leaves) does not match "
+            f"nnx.Optimizer(model, tx, wrt=nnx.Param) ({len(slots)} leaves): was the state "
+            "built with another optimizer? An eval step's run takes no optimizer.")
     for slot, leaf in zip(slots, leaves, strict=True):
         slot.set_value(leaf)
     optimizer.step.set_value(jnp.asarray(state.step, jnp.uint32))
@@ -120,26 +104,23 @@ def _reseed(model: nnx.Module, keys: types.PRNGType) -> None:
         if missing:
             raise ValueError(
                 f"The model draws from the RNG stream(s) {missing}, but the step's base key "
-                f"names only {sorted(keys)}: add them, e.g. {{'{missing[0]}': key}}, or pass "
-                "one key (it seeds every stream).")
+                f"names only {sorted(keys)}: add e.g. {{'{missing[0]}': key}}, or pass one key.")
         nnx.reseed(model, **{t: keys[t] for t in tags})
     else:
         nnx.reseed(model, **dict.fromkeys(tags, keys))
 
 
 def metric_outputs(metrics: nnx.Metric) -> dict[str, clu_metrics.Average]:
-    """An `nnx.MultiMetric`'s entries (or one metric, as ``'metrics'``) as clu metrics that
-    a loop merges over its steps: `nnx.metrics.Average` and `Accuracy` become
-    `clu.metrics.Average` of the same total and count (TypeError for other metrics)."""
+    """An `nnx.MultiMetric`'s entries (or one metric, as ``'metrics'``) as `clu.metrics.Average`
+    of the same total and count, which a loop merges (TypeError for other metrics)."""
     entries = ({k: v for k, v in vars(metrics).items() if isinstance(v, nnx.Metric)}
                if isinstance(metrics, nnx.MultiMetric) else {"metrics": metrics})
     outputs = {}
     for name, metric in entries.items():
         if not isinstance(metric, nnx.metrics.Average):
             raise TypeError(
-                f"metrics entry {name!r} is a {type(metric).__name__}; a step's nnx metrics "
-                "must be nnx.metrics.Average or Accuracy, which a loop merges exactly. "
-                "Return other values from run as a dict of outputs instead.")
+                f"metrics entry {name!r} is a {type(metric).__name__}, not nnx.metrics.Average "
+                "or Accuracy (which a loop merges): return it from run as an output instead.")
         outputs[name] = clu_metrics.Average(total=metric.total.get_value(),
                                             count=metric.count.get_value())
     return outputs
@@ -147,24 +128,19 @@ def metric_outputs(metrics: nnx.Metric) -> dict[str, clu_metrics.Average]:
 
 def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, batch: Any,
         *args: Any, **kwargs: Any) -> tuple[types.TrainState, dict[str, Any]]:
-    """Runs ``step.run`` the NNX way on `state` (traced by the step's program): merges the
-    model (and the optimizer, metrics and rngs `run` names), calls it, and returns the state
-    holding what `run` left in them, with its outputs."""
+    """Runs ``step.run`` the NNX way on `state` (while traced): returns the state holding what
+    `run` left in the objects it names, and its outputs."""
     if not isinstance(adapter, model_lib.NnxAdapter):
         raise TypeError(
-            f"{type(step).__name__}.run takes `model` first, which runs it the NNX way (the "
-            f"model as an nnx.Module), but the step's model is a {type(step.model).__name__}, "
-            "a linen module. For linen write run(self, state, batch) and call "
-            "state.apply_fn({'params': params}, x); or give the step an nnx.Module.")
+            f"{type(step).__name__}.run takes `model` first (an nnx.Module), but the step's "
+            f"model is a {type(step.model).__name__}, a linen module: write "
+            "run(self, state, batch) and call state.apply_fn, or give the step an nnx.Module.")
     names = _arguments(step)
     adapter.describe(step.prng_key(0))  # an eval step may run a state it did not build
     model = adapter.merge({"params": state.params, "batch_stats": state.batch_stats})
     if step.dtype_policy is not None:
         step.dtype_policy.set_layer_dtypes(model)
-    if step.train:
-        model.train()
-    else:
-        model.eval()
+    model.train() if step.train else model.eval()
     keys = step.prng_key(state.step)
     _reseed(model, keys)
     given: dict[str, Any] = {"model": model, "batch": batch}
@@ -174,10 +150,8 @@ def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, bat
     if "metrics" in names:
         make = getattr(step, "metrics", None)
         if not callable(make):
-            raise TypeError(
-                f"{type(step).__name__}.run takes `metrics`: define "
-                "def metrics(self): return nnx.MultiMetric(...) on the step (a fresh one "
-                "is made for every step).")
+            raise TypeError(f"{type(step).__name__}.run takes `metrics`: define "
+                            "def metrics(self): return nnx.MultiMetric(...) on the step.")
         metrics = given["metrics"] = make()
     if "ema" in names:
         given["ema"] = ema_lib.NnxEma(state, lambda: state.step + (

@@ -1,12 +1,9 @@
 """Sown intermediates: values a model sows (linen or nnx ``self.sow``) become step outputs.
 
-A `Step` given ``sown=('intermediates',)`` records the named collections of every
-``state.apply_fn`` call while `run` is traced (the last call wins) and adds them to its
-outputs as ``'<collection>/<module path>/<name>'`` (scalars only unless
-``sown_scalars_only=False``); `run` needs no change. Values carry no gradient, and cannot
-leave a transformation that traces the model on its own (``jax.vmap``, ``jax.lax.scan``).
-
-Example::
+A `Step` given ``sown=('intermediates',)`` records these collections of every
+``state.apply_fn`` call while `run` is traced (the last call wins) and outputs them as
+``'<collection>/<module path>/<name>'`` (scalars only unless ``sown_scalars_only=False``),
+without gradient; `run` needs no change::
 
     self.sow('intermediates', 'act_mean', h.mean())  # in the model
     step = MyStep(key, Net(), optax.adam(1e-3), train=True, sown=('intermediates',))
@@ -63,8 +60,7 @@ class Recorder:
                 self._values[key] = jax.lax.stop_gradient(leaf)
 
     def outputs(self, outputs: Any) -> dict[str, Any]:
-        """`outputs` (a mapping or None) with the recorded values added; a ValueError for a
-        name clash or a value recorded inside a transformation."""
+        """`outputs` with the recorded values added (ValueError: a clash, or inside a vmap/scan)."""
         merged = dict(outputs or {})
         for key, value in self._values.items():
             if key in merged:
@@ -78,9 +74,7 @@ class Recorder:
                 raise ValueError(
                     f"The sown value {key!r} was recorded inside a transformation that traces "
                     "the model on its own (jax.vmap, jax.lax.scan, jax.checkpoint) and cannot "
-                    "leave it: return it from that function yourself, or call the model "
-                    "outside it"
-                ) from e
+                    "leave it: return it from that function yourself") from e
         return merged
 
 
@@ -94,12 +88,10 @@ def _names(path: tuple) -> list[str]:
 
 def record(state: Any, collections: Sequence[str], scalars_only: bool = True
            ) -> tuple[Any, Recorder]:
-    """`state` with an ``apply_fn`` that records `collections`, and the `Recorder` (a
-    TypeError for a state without ``apply_fn``)."""
+    """`state` with an ``apply_fn`` that records `collections`, and the `Recorder`."""
     if not hasattr(state, "apply_fn") or not hasattr(state, "replace"):
-        raise TypeError(
-            f"Step(sown=...) records the collections of state.apply_fn, but the state "
-            f"({type(state).__name__}) has none")
+        raise TypeError("Step(sown=...) records the collections of state.apply_fn, but the state "
+                        f"({type(state).__name__}) has none")
     recorder = Recorder(collections, scalars_only)
     return state.replace(apply_fn=_RecordingApply(state.apply_fn, recorder)), recorder
 

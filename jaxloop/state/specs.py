@@ -1,7 +1,5 @@
 """Batches from specs such as ``[1, 28, 28, 1]``: built as numpy zeros (`zeros_from_spec`)
-or described as the partitioner would place them (`abstract_batch`).
-
-Example::
+or described as the partitioner would place them (`abstract_batch`)::
 
     zeros_from_spec({'image': [2, 8, 8, 1], 'label': ([2], 'int32')})
     abstract_batch(partitioner, {'image': [256, 28, 28, 1], 'label': ([256], 'int32')})
@@ -31,15 +29,6 @@ def _is_shape(x: Any) -> bool:
         isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in x)
 
 
-def _as_dtype(x: Any) -> np.dtype | None:
-    if isinstance(x, str | np.dtype | type):
-        try:
-            return jnp.dtype(x)
-        except TypeError:
-            return None
-    return None
-
-
 def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
     """Builds a zero batch (numpy arrays) from a batch spec."""
     if isinstance(spec, jax.ShapeDtypeStruct | np.ndarray | jax.Array):
@@ -48,9 +37,10 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
         return np.zeros(tuple(int(d) for d in spec), np.float32)
     is_pair = isinstance(spec, list | tuple) and not hasattr(spec, "_fields") and len(spec) == 2
     if is_pair and _is_shape(spec[0]) and isinstance(spec[1], str | np.dtype | type):
-        dtype = _as_dtype(spec[1])
-        if dtype is None:
-            raise ValueError(f"{path}: {spec[1]!r} is not a dtype; {_SPEC_HELP}")
+        try:
+            dtype = jnp.dtype(spec[1])
+        except TypeError:
+            raise ValueError(f"{path}: {spec[1]!r} is not a dtype; {_SPEC_HELP}") from None
         return np.zeros(tuple(int(d) for d in spec[0]), dtype)
     if isinstance(spec, Mapping):
         return {k: zeros_from_spec(v, f"{path}[{k!r}]") for k, v in spec.items()}
@@ -61,9 +51,8 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
 
 
 def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
-    """The global batch of `spec` as `jax.ShapeDtypeStruct` leaves placed as
-    `Partitioner.shard_batch` places batches. ValueError for a malformed spec or a leading
-    dimension that does not divide by the devices along the data axis."""
+    """The global batch of `spec` as `jax.ShapeDtypeStruct` leaves placed as `shard_batch`
+    places batches (ValueError: a leading dimension not divisible by the data shards)."""
     mesh = partitioner.mesh
     axis = partitioner.data_axis
     shards = partitioner.num_data_shards
@@ -71,11 +60,9 @@ def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
 
     def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
         if x.ndim and x.shape[0] % shards:
-            raise ValueError(
-                f"Batch leaf {annotations.path_str(path)} has shape "
-                f"{tuple(x.shape)}: its leading dimension {x.shape[0]} (the global "
-                f"batch) does not divide by the {shards} devices along mesh axis "
-                f"{axis!r}")
+            raise ValueError(f"Batch leaf {annotations.path_str(path)} has shape {tuple(x.shape)}: "
+                             f"its leading dimension {x.shape[0]} (the global batch) does not "
+                             f"divide by the {shards} devices along mesh axis {axis!r}")
         sharding = partitioner.batch_sharding if x.ndim else replicated
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 

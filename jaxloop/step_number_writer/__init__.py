@@ -1,6 +1,4 @@
-"""Step-number writers: tell an external watcher how far training has got.
-
-Example::
+"""Step-number writers: tell an external watcher how far training has got::
 
     TrainLoop(step, end_actions=[actions.StepNumberAction(
         step_number_writer.LocalFileStepNumberWriter(workdir / 'steps.txt'))])
@@ -10,9 +8,5 @@ from jaxloop.step_number_writer import local_file_step_number_writer, step_numbe
 from jaxloop.step_number_writer.local_file_step_number_writer import LocalFileStepNumberWriter
 from jaxloop.step_number_writer.step_number_writer import StepNumberWriter
 
-__all__ = [
-    "LocalFileStepNumberWriter",
-    "StepNumberWriter",
-    "local_file_step_number_writer",
-    "step_number_writer",
-]
+__all__ = ["LocalFileStepNumberWriter", "StepNumberWriter", "local_file_step_number_writer",
+           "step_number_writer"]

@@ -10,12 +10,8 @@ from jaxloop.step_number_writer import step_number_writer
 
 
 class LocalFileStepNumberWriter(step_number_writer.StepNumberWriter):
-    """Appends ``timestamp_ms:<ms>,step_number:<n>`` lines to a local file.
-
-    Construction creates the file empty (so a restarted job shows as initialising again);
-    each `write` appends one whole line in one call, so a reader never sees half a line.
-
-    Example::
+    """Appends ``timestamp_ms:<ms>,step_number:<n>`` lines to a local file, created empty (a
+    restarted job shows as initialising again); one whole line per `write`::
 
         LocalFileStepNumberWriter('/tmp/run/steps.txt').write(100)
     """
