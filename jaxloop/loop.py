@@ -22,9 +22,10 @@ import jax
 
 from jaxloop import step as step_lib
 from jaxloop import types
-from jaxloop.engine import in_flight, outputs, ownership, staging, step_actions
+from jaxloop.engine import in_flight, outputs, ownership, staging
 from jaxloop.engine import prefetch as prefetch_lib
 from jaxloop.engine.host_count import host_step, remember_step
+from jaxloop.hooks import step_actions
 from jaxloop.launch import preemption
 
 Output = types.Output

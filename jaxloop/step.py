@@ -33,8 +33,9 @@ import optax
 
 from jaxloop import partition as partition_lib
 from jaxloop import types
-from jaxloop.engine import ownership, staging, step_actions
+from jaxloop.engine import ownership, staging
 from jaxloop.engine import program as program_lib
+from jaxloop.hooks import step_actions
 from jaxloop.recipes import precision as precision_lib
 from jaxloop.state import model as model_lib
 from jaxloop.state import model_state, nnx_step, specs, step_state

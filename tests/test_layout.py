@@ -13,8 +13,8 @@ GOOGLE = {"types.py", "step.py", "partition.py", "loop.py", "stat_loop.py", "act
           "train_loop.py", "eval_loop.py", "outer_loop.py", "actions.py", "stop_handler.py",
           "async_action_context.py", "pipeline_loop.py", "constants.py", "trainers",
           "step_number_writer"}
-CONCERNS = {"engine", "state", "data", "checkpointing", "orchestration", "metrics", "recipes",
-            "diagnostics", "launch"}
+CONCERNS = {"engine", "hooks", "state", "data", "checkpointing", "orchestration", "metrics",
+            "recipes", "diagnostics", "launch"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -21,7 +21,7 @@ import jax
 
 from jaxloop import types
 from jaxloop.engine import host_count, metric_values
-from jaxloop.engine.action import Action
+from jaxloop.hooks.action import Action
 
 Output = types.Output
 State = types.TrainState

@@ -25,7 +25,7 @@ import optax
 
 from jaxloop import types
 from jaxloop.engine import metric_values
-from jaxloop.engine.action import Action
+from jaxloop.hooks.action import Action
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "SKIPPED", "FIRST_LEAF", "all_finite"]
 

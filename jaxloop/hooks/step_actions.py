@@ -30,11 +30,8 @@ def fire(actions: Sequence[Any], begin: bool, step_number: int, state: Any,
     for action in actions:
         if action_fires(action, step_number, begin):
             # An action may keep the state: the next step then consumes nothing.
-            if begin:
-                ownership.call(action, state, None, batch=batch,
-                               per_loop_step_number=step_number)
-            else:
-                ownership.call(action, state, outputs, per_loop_step_number=step_number)
+            ownership.call(action, state, None if begin else outputs,
+                           per_loop_step_number=step_number, **({"batch": batch} if begin else {}))
 
 
 def execution_length(begin_actions: Sequence[Any], end_actions: Sequence[Any],
