@@ -200,16 +200,15 @@ class SummaryAction(Action):
                     else metric_values.scalar_values(value))  # None for per-example arrays
             if isinstance(host, list):
                 if first_step is not None and step - first_step == len(host):
-                    for i, number in enumerate(host):
-                        per_step.setdefault(first_step + 1 + i, {})[key] = number
+                    for s, number in enumerate(host, first_step + 1):
+                        per_step.setdefault(s, {})[key] = number
                 else:
                     at_step[key] = metric_values.mean(host, weights)
             elif isinstance(host, dict):  # a clu Collection computes to a dict
                 at_step.update({f"{key}/{k}": v for k, v in host.items()})
-            elif isinstance(host, float):
-                at_step[key] = host
-            elif not isinstance(value, list | tuple):
-                at_step[key] = value  # the reference's bare usage: the writer decides
+            elif isinstance(host, float) or not isinstance(value, list | tuple):
+                # (Not a number: the reference's bare usage, the writer decides.)
+                at_step[key] = value if host is None else host
         for metric_type, values in typed.items():
             getattr(self._summary_writer, self._METHODS[metric_type])(step, values)
         for s in sorted(per_step):
@@ -239,11 +238,10 @@ class EarlyStoppingAction(Action):
         return self._handler
 
     def state_dict(self) -> dict[str, Any]:
-        """The handler's progress, JSON-serialisable (saved with checkpoints)."""
+        """The handler's progress as JSON (saved with checkpoints; `load_state_dict`)."""
         return self._handler.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores progress saved by `state_dict`."""
         self._handler.load_state_dict(state)
 
     def __call__(self, state: State, outputs: Output | None, loop: Any = None,
