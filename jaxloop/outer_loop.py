@@ -130,9 +130,8 @@ class OuterLoop:
         specs = self._evals.check_specs(eval_specs)
         if self._train_loop is None:
             with self._phases():
-                state, outputs = self._evaluate_only(state, specs)
-                self._state = state
-                return state, outputs
+                self._state, outputs = self._evaluate_only(state, specs)
+                return self._state, outputs
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
         if train_steps is not None and train_total_steps is not None:
@@ -246,10 +245,8 @@ class OuterLoop:
         progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress,
                                               history=self.history)
         self._evals.display = progress.evaluating
-        outputs: Output | None = None
-        stop = self.preempted = False
-        self.stopped_state = None
-        self._specs = specs
+        outputs, stop, self._specs = None, False, specs
+        self.preempted, self.stopped_state = False, None
         self._resumer.start_call()
         with (preemption.handling_preemption(),
               train_loop.prefetching(iterator, self._ahead(train_loop)),

@@ -14,11 +14,9 @@ def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
     """Whether a step-level action runs at this step (before it when `begin`, else after):
     where its ``trigger`` (`triggers.Trigger`) or its ``fires_at(per_loop_step_number,
     begin)`` method says, else every ``interval`` steps."""
-    trigger = getattr(action, "trigger", None)
-    if trigger is not None:
+    if (trigger := getattr(action, "trigger", None)) is not None:
         return trigger.fires_within_loop(per_loop_step_number)
-    fires_at = getattr(action, "fires_at", None)
-    if fires_at is not None:
+    if (fires_at := getattr(action, "fires_at", None)) is not None:
         return bool(fires_at(per_loop_step_number, begin))
     return per_loop_step_number % action.interval == 0
 

@@ -21,9 +21,7 @@ __all__ = ["Trigger"]
 
 
 def _positive_int(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise ValueError(f"Trigger `{name}` must be a positive integer, got {value!r}")
     return value
 

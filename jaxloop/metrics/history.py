@@ -85,9 +85,7 @@ class History:
 
     def _settled(self, ready_only: bool = False) -> dict[str, Series]:
         """The series, pending loop outputs read in order (`ready_only`: those computed)."""
-        while self._pending:
-            if ready_only and not is_ready(self._pending[0][2]):
-                break
+        while self._pending and (not ready_only or is_ready(self._pending[0][2])):
             self._read(*self._pending.pop(0))
         return self._series
 
@@ -122,10 +120,9 @@ class History:
         """Appends values at ascending `steps` to `name`, replacing those from ``steps[0]`` on."""
         if len(steps) != len(values):
             raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
-        if not steps:
-            return
-        self._settled()
-        self._append(name, steps, values)
+        if steps:
+            self._settled()
+            self._append(name, steps, values)
 
     def _append(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
         # Not `record`: reading one pending loop must not read (and wait for) the next first.
