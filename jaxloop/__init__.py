@@ -36,7 +36,7 @@ _EXPORTS = {name: module for module, names in (
     "train_loop", "trainers", "types",
     # the concerns beneath them
     "checkpointing", "data", "diagnostics", "engine", "launch", "metrics", "orchestration",
-    "recipes", "sharding", "state",
+    "recipes", "sharding", "state", "hooks",
 )}
 __all__ = sorted(_EXPORTS)
 

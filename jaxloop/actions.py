@@ -1,15 +1,13 @@
 """Actions: host-side work run at loop boundaries (summaries, checkpoints, early stopping).
 
 An action is any callable ``action(state, outputs, **kwargs)`` with a positive ``interval``;
-loops call it every ``interval`` loops with the keywords ``loop``, ``loop_count`` and
-``first_step`` (accept ``**kwargs``). `CheckpointAction`, `BestCheckpointAction` and
-`ProgressAction` are loaded on first use, so importing the loops imports no orbax.
-
-Example, a custom action that logs the learning rate::
+loops call it with the keywords ``loop``, ``loop_count``, ``first_step`` and ``context`` (an
+`ActionContext`). `CheckpointAction`, `BestCheckpointAction` and `ProgressAction` load on
+first use, so importing the loops imports no orbax. Example, logging the learning rate::
 
     class LogLearningRate(actions.Action):
-        def __call__(self, state, outputs, **kwargs):
-            writer.write_scalars(int(state.step), {'lr': schedule(int(state.step))})
+        def __call__(self, state, outputs, context=None, **kwargs):
+            writer.write_scalars(context.step, {'lr': schedule(context.step)})
 """
 
 from __future__ import annotations
@@ -19,15 +17,15 @@ import importlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from jaxloop import stop_handler, types
 from jaxloop.engine import host_count
-from jaxloop.engine.action import Action
-from jaxloop.metrics import metric_values
+from jaxloop.hooks.action import Action, ActionContext
+from jaxloop.metrics import history, metric_values
 
 # Re-exported: users call these as ``actions.scalar_metrics`` etc. (google/jaxloop's names).
 from jaxloop.metrics.metric_values import example_weights, fetch, scalar_metrics, scalar_summary
@@ -50,14 +48,11 @@ StopTrainingError = stop_handler.StopTrainingError
 log = logging.getLogger(__name__)
 
 # Actions in modules of their own, loaded on first use (`__getattr__`).
-_ELSEWHERE = {
-    "CheckpointAction": "jaxloop.checkpointing.checkpoint_actions",
-    "BestCheckpointAction": "jaxloop.checkpointing.checkpoint_actions",
-    "ProgressAction": "jaxloop.metrics.progress",
-}
+_ELSEWHERE = {"ProgressAction": "jaxloop.metrics.progress", **dict.fromkeys(
+    ["CheckpointAction", "BestCheckpointAction"], "jaxloop.checkpointing.checkpoint_actions")}
 
 __all__ = [
-    "Action", "BestCheckpointAction", "CheckpointAction", "EarlyStoppingAction",
+    "Action", "ActionContext", "BestCheckpointAction", "CheckpointAction", "EarlyStoppingAction",
     "MetricMonitoringStopHandler", "MetricType", "MetricWithMetadata", "ProgressAction",
     "StepNumberAction", "StepNumberFileWriter", "StopTrainingError", "SummaryAction",
     "deferred_writes", "example_weights", "fetch", "scalar_metrics", "scalar_summary",
@@ -84,13 +79,11 @@ _open_blocks = 0
 
 @contextlib.contextmanager
 def deferred_writes() -> Iterator[None]:
-    """Lets every `SummaryAction` write a loop's values once the device has produced them,
-    so that a loop end waits for nothing: at the first of its calls that finds them computed
-    (with several processes, at its next call: one loop late, as MaxText logs the previous
-    step's metrics), and all that is left, flushed, when the outermost block ends.
-    `OuterLoop` trains inside one; outside any, a SummaryAction writes at once.
-
-    Example, a hand-written outer loop::
+    """Lets every `SummaryAction` write a loop's values once the device produced them, so a
+    loop end waits for nothing: at its first call that finds them computed (with several
+    processes, one loop late, as MaxText logs the previous step's metrics), the rest when
+    the outermost block ends. `OuterLoop` trains inside one; outside any, a SummaryAction
+    writes at once. A hand-written outer loop::
 
         with actions.deferred_writes():
             for _ in range(10):
@@ -98,43 +91,22 @@ def deferred_writes() -> Iterator[None]:
     """
     global _open_blocks
     _open_blocks += 1
+    failing = True
     try:
         yield
-    except BaseException:
-        _close_block(failing=True)
-        raise
-    _close_block(failing=False)
-
-
-def _close_block(failing: bool) -> None:
-    """Ends a `deferred_writes` block; the outermost writes and flushes what is pending (when
-    an exception ends it, an error in that is logged: the exception is the news)."""
-    global _open_blocks
-    _open_blocks -= 1
-    if _open_blocks:
-        return
-    pending = list(_deferring.values())
-    _deferring.clear()
-    for action in pending:
-        try:
-            action.write_pending()
-            action.summary_writer.flush()
-        except Exception:
-            if not failing:
-                raise
-            log.exception("SummaryAction could not write its last values")
-
-
-class _Stacked(NamedTuple):
-    """A per-step list of device scalars as `metric_values.stack_groups` stacked them."""
-
-    groups: tuple[jax.Array, ...]
-    count: int
-
-
-def _ready(tree: Any) -> bool:
-    """Whether the device has computed every array of `tree` (asked without waiting)."""
-    return all(x.is_ready() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
+        failing = False
+    finally:
+        _open_blocks -= 1
+        pending = [] if _open_blocks else [_deferring.pop(k) for k in list(_deferring)]
+        for action in pending:  # the outermost block writes and flushes what is left
+            try:
+                action.write_pending()
+                action.summary_writer.flush()
+            except Exception:
+                if not failing:
+                    raise
+                # Ended by an exception, which is the news: this error is logged.
+                log.exception("SummaryAction could not write its last values")
 
 
 class SummaryAction(Action):
@@ -143,18 +115,14 @@ class SummaryAction(Action):
     A train loop's per-step scalars are written at their own steps; otherwise (eval loops)
     their mean over examples, like plain scalars and clu metrics, at ``state.step``.
     `MetricWithMetadata` values go to the writer method of their type (audio is a
-    ValueError). Per-step lists of other arrays are skipped. Every process runs it: give
-    the others a writer that drops values. Inside `deferred_writes` (an `OuterLoop` call)
-    values the device has not computed yet are written later, never waited for at a loop end.
-
-    Args:
-      flush_each_call: flush the writer after each write (the file is then readable at once).
+    ValueError); per-step lists of other arrays are skipped. Every process runs it: give
+    the others a writer that drops values. Inside `deferred_writes` values not computed yet
+    are written later. `flush_each_call`: flush the writer after each write.
     """
 
     def __init__(self, summary_writer: Any, interval: int = 1, flush_each_call: bool = False):
         super().__init__(interval)
-        self._summary_writer = summary_writer
-        self._flush_each_call = flush_each_call
+        self._summary_writer, self._flush_each_call = summary_writer, flush_each_call
         # (step, outputs, first_step, example counts) of the calls not written yet.
         self._pending: list[tuple[int, Output, int | None, list[Any] | None]] = []
 
@@ -162,22 +130,9 @@ class SummaryAction(Action):
     def summary_writer(self) -> Any:
         return self._summary_writer
 
-    SUPPORTED_TYPES = (MetricType.SCALAR, MetricType.HISTOGRAM, MetricType.IMAGE,
-                       MetricType.VIDEO, MetricType.TEXT)
-
-    def _write_typed(self, step: int, typed: dict[MetricType, dict[str, Any]]) -> None:
-        writer = self._summary_writer
-        methods = {MetricType.HISTOGRAM: "write_histograms", MetricType.IMAGE: "write_images",
-                   MetricType.VIDEO: "write_videos"}
-        for metric_type, values in typed.items():
-            if metric_type == MetricType.TEXT:
-                texts = {}
-                for key, value in values.items():
-                    text = value.item() if value.size == 1 else value.tolist()
-                    texts[key] = text.decode() if isinstance(text, bytes) else str(text)
-                writer.write_texts(step, texts)
-            else:
-                getattr(writer, methods[metric_type])(step, values)
+    _METHODS = {MetricType.HISTOGRAM: "write_histograms", MetricType.IMAGE: "write_images",
+                MetricType.VIDEO: "write_videos", MetricType.TEXT: "write_texts"}
+    SUPPORTED_TYPES = (MetricType.SCALAR, *_METHODS)
 
     def __call__(self, state: State, outputs: Output | None, first_step: int | None = None,
                  loop: Any = None, **kwargs: Any) -> None:
@@ -185,20 +140,15 @@ class SummaryAction(Action):
             return
         items = {}
         for key, value in outputs.items():
-            if isinstance(value, list | tuple) and value and isinstance(value[-1],
-                                                                        MetricWithMetadata):
+            if isinstance(value, list | tuple) and value and isinstance(
+                    value[-1], MetricWithMetadata):
                 value = value[-1]
             if isinstance(value, MetricWithMetadata) and value.type not in self.SUPPORTED_TYPES:
                 raise ValueError(
                     f"Output {key!r} has metric type {value.type}, which SummaryAction does "
                     f"not write; supported: {[t.name for t in self.SUPPORTED_TYPES]}")
-            if type(value) is list:  # copied (the loop's may grow)
-                # Stacked now, behind the loop's steps, so that reading it later (once
-                # computed) waits for no computation queued after them.
-                groups = (metric_values.stack_groups(value)
-                          if metric_values.all_numbers(value) else None)
-                value = list(value) if groups is None else _Stacked(groups, len(value))
-            items[key] = value
+            # A list copied (the loop's may grow), device scalars stacked now.
+            items[key] = history.stacked(list(value)) if type(value) is list else value
         counts = getattr(loop, "example_counts", None)
         self._pending.append((host_count.host_step(state), items, first_step,
                               list(counts) if counts else None))
@@ -206,10 +156,9 @@ class SummaryAction(Action):
             self.write_pending()
             return
         if jax.process_count() == 1:  # what the device has computed, in order
-            ready = 0
-            while ready < len(self._pending) and _ready(self._pending[ready][1:]):
-                ready += 1
-            self._write_first(ready)
+            pending = self._pending
+            self._write_first(next((i for i, p in enumerate(pending)
+                                    if not history.is_ready(p[1:])), len(pending)))
         else:  # one call late, so that every process reads (maybe a collective) at one call
             self._write_first(len(self._pending) - 1)
         if self._pending:
@@ -241,23 +190,27 @@ class SummaryAction(Action):
             if isinstance(value, MetricWithMetadata) and value.type == MetricType.SCALAR:
                 value = value.value  # written with the plain scalars, as one of them
             if isinstance(value, MetricWithMetadata):
-                typed.setdefault(value.type, {})[key] = np.asarray(fetch(value.value))
+                array = np.asarray(fetch(value.value))
+                if value.type == MetricType.TEXT:
+                    text = array.item() if array.size == 1 else array.tolist()
+                    array = text.decode() if isinstance(text, bytes) else str(text)
+                typed.setdefault(value.type, {})[key] = array
                 continue
-            host = (metric_values.read_groups(*value) if isinstance(value, _Stacked)
+            host = (value.read() if isinstance(value, history.Stacked)
                     else metric_values.scalar_values(value))  # None for per-example arrays
             if isinstance(host, list):
                 if first_step is not None and step - first_step == len(host):
-                    for i, number in enumerate(host):
-                        per_step.setdefault(first_step + 1 + i, {})[key] = number
+                    for s, number in enumerate(host, first_step + 1):
+                        per_step.setdefault(s, {})[key] = number
                 else:
                     at_step[key] = metric_values.mean(host, weights)
             elif isinstance(host, dict):  # a clu Collection computes to a dict
                 at_step.update({f"{key}/{k}": v for k, v in host.items()})
-            elif isinstance(host, float):
-                at_step[key] = host
-            elif not isinstance(value, list | tuple):
-                at_step[key] = value  # the reference's bare usage: the writer decides
-        self._write_typed(step, typed)
+            elif isinstance(host, float) or not isinstance(value, list | tuple):
+                # (Not a number: the reference's bare usage, the writer decides.)
+                at_step[key] = value if host is None else host
+        for metric_type, values in typed.items():
+            getattr(self._summary_writer, self._METHODS[metric_type])(step, values)
         for s in sorted(per_step):
             self._summary_writer.write_scalars(s, per_step[s])
         if at_step:
@@ -268,10 +221,8 @@ class EarlyStoppingAction(Action):
     """Stops training when a monitored metric stops improving (or becomes NaN).
 
     Raises `StopTrainingError`, which `OuterLoop` catches. The metric is any name
-    `scalar_metrics` reports (e.g. ``'metrics/accuracy'`` for a clu Collection
-    ``'metrics'``); its progress is saved with `OuterLoop`'s checkpoints.
-
-    Example::
+    `scalar_metrics` reports (``'metrics/accuracy'`` for a clu Collection ``'metrics'``);
+    its progress is saved with `OuterLoop`'s checkpoints. Example::
 
         handler = MetricMonitoringStopHandler('loss', min_delta=1e-3, patience=2)
         eval_loop = EvalLoop(eval_step, end_actions=[EarlyStoppingAction(handler)])
@@ -287,11 +238,10 @@ class EarlyStoppingAction(Action):
         return self._handler
 
     def state_dict(self) -> dict[str, Any]:
-        """The handler's progress, JSON-serialisable (saved with checkpoints)."""
+        """The handler's progress as JSON (saved with checkpoints; `load_state_dict`)."""
         return self._handler.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores progress saved by `state_dict`."""
         self._handler.load_state_dict(state)
 
     def __call__(self, state: State, outputs: Output | None, loop: Any = None,
@@ -311,25 +261,23 @@ class EarlyStoppingAction(Action):
                 return outputs
             metric = reported[name]
         if metric is None:
-            raise ValueError(
-                f"EarlyStoppingAction monitors {self.monitored_metric!r}, but that output is "
-                "not a scalar (nor a list of per-step scalars)")
-        if math.isnan(metric):
-            log.error("[EarlyStoppingAction] Metric '%s' is NaN at step %d. Stopping training.",
-                      self.monitored_metric, step)
+            raise ValueError(f"EarlyStoppingAction monitors {name!r}, but that output is not "
+                             "a scalar (nor a list of per-step scalars)")
+        nan = math.isnan(metric)
+        if not nan:
+            self._handler.update_state(metric, step)
+        if nan or self._handler.should_stop():
             best, best_step = self._handler.get_best_info()
-            raise StopTrainingError(f"Metric '{self.monitored_metric}' was NaN",
+            if nan:
+                log.error("[EarlyStoppingAction] Metric '%s' is NaN at step %d. Stopping "
+                          "training.", name, step)
+            else:
+                log.info("[EarlyStoppingAction] Stopping training at step %d. Metric '%s' did "
+                         "not improve for %d cycles. Best metric %.4f at step %d.",
+                         step, name, self._handler.wait, best, best_step)
+            raise StopTrainingError(f"Metric '{name}' was NaN" if nan else
+                                    f"Early stopping triggered for metric '{name}'",
                                     best_step=best_step, best_metric=best)
-        self._handler.update_state(metric, step)
-        if self._handler.should_stop():
-            best, best_step = self._handler.get_best_info()
-            log.info(
-                "[EarlyStoppingAction] Stopping training at step %d. Metric '%s' did not "
-                "improve for %d cycles. Best metric %.4f at step %d.",
-                step, self.monitored_metric, self._handler.wait, best, best_step)
-            raise StopTrainingError(
-                f"Early stopping triggered for metric '{self.monitored_metric}'",
-                best_step=best_step, best_metric=best)
         return outputs
 
 

@@ -20,8 +20,9 @@ import jax
 from jaxloop import step as step_lib
 from jaxloop import types
 from jaxloop.data import read_ahead
-from jaxloop.engine import in_flight, outputs, ownership, staging, step_actions
+from jaxloop.engine import in_flight, outputs, ownership, staging
 from jaxloop.engine.host_count import host_step, remember_step
+from jaxloop.hooks import step_actions
 from jaxloop.launch import preemption
 
 Output = types.Output

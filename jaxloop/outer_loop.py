@@ -2,9 +2,7 @@
 
 Training ends at ``train_total_steps``, when the train data runs out, when a loop outputs a
 truthy ``STOP_LOOP`` or when an action raises `StopTrainingError`. Without a train loop it
-evaluates the given state once, or with a `CheckpointSpec` each checkpoint of a directory.
-
-Example::
+evaluates the given state once, or with a `CheckpointSpec` each checkpoint of a directory::
 
     outer = OuterLoop(train_loop=train_loop, eval_loops=[eval_loop])
     state, outputs = outer(state, train_dataset=train_iter, train_total_steps=1000,
@@ -26,23 +24,17 @@ from jaxloop import eval_loop as eval_loop_lib
 from jaxloop import loop as loop_lib
 from jaxloop import step as step_lib
 from jaxloop import train_loop as train_loop_lib
+from jaxloop.checkpointing.checkpoint_actions import savers
 from jaxloop.data import read_ahead
 from jaxloop.diagnostics import debugging as debugging_lib
 from jaxloop.diagnostics import param_table as param_table_lib
 from jaxloop.engine import host_count
 from jaxloop.launch import preemption
 from jaxloop.metrics import history as history_lib
-from jaxloop.orchestration import continuous_eval as continuous_eval_lib
-from jaxloop.orchestration import evaluation, stop_marker
+from jaxloop.orchestration import continuous_eval, evaluation, stop_marker
 from jaxloop.orchestration import resume as resume_lib
 from jaxloop.orchestration.continuous_eval import CheckpointSpec
-from jaxloop.orchestration.evaluation import (
-    STOP_LOOP,
-    EvalContext,
-    EvalSpec,
-    Evaluations,
-    LoopEndEvaluations,
-)
+from jaxloop.orchestration.evaluation import STOP_LOOP, EvalContext, EvalSpec
 
 Loop = loop_lib.Loop
 Output = types.Output
@@ -54,31 +46,30 @@ ShouldEvalFn = Callable[[EvalContext], bool]
 # google/jaxloop's and the docs' names.
 _STOP_FILE_NAME = stop_marker.FILE_NAME
 stop_marker_path = stop_marker.path
-DEFAULT_ITERATE_INTERVAL_SECS = continuous_eval_lib.DEFAULT_ITERATE_INTERVAL_SECS
+DEFAULT_ITERATE_INTERVAL_SECS = continuous_eval.DEFAULT_ITERATE_INTERVAL_SECS
 
 log = logging.getLogger(__name__)
 
 
 class OuterLoop:
     """Runs train loops and eval loops. Train loops end at multiples of
-    ``train_loop_steps``, also in a resumed run.
+    ``train_loop_steps``, also in a resumed run. At a loop's end its own phases run before
+    the loop's end actions (`ActionLoop.phases`): the `history` records, evaluations follow
+    a train loop, whose checkpoints save the resume metadata; the action lists stay as given.
 
     Args:
       eval_loops: one EvalLoop per EvalSpec passed at call time.
       checkpoint_spec: restore from / evaluate the checkpoints in this directory.
       progress: show a progress bar (None: only when interactive).
-      prefetch: batches read ahead in a background thread (`Loop.prefetching`); None:
-        `read_ahead.default_size`.
-      disable_jit / post_mortem: `jaxloop.diagnostics.debugging` switches; None: from
-        ``JAXLOOP_DISABLE_JIT`` / ``JAXLOOP_POST_MORTEM``.
+      prefetch: batches read ahead in a thread (`Loop.prefetching`; None: a default).
+      disable_jit / post_mortem: `diagnostics.debugging` switches (None: from
+        ``JAXLOOP_DISABLE_JIT`` / ``JAXLOOP_POST_MORTEM``).
       resume: resume from the latest checkpoint of `checkpoint_spec`'s directory, else of
-        the train loop's `CheckpointAction`'s, when it is at or after the given state's
-        step (`resume.Resumer`).
+        the train loop's `CheckpointAction`'s, at or after the given state's step.
 
     Ctrl-C, SIGTERM or `preemption.request()` stop training at a step boundary: the run
-    saves with the train loop's checkpoint action, then raises `preemption.Interrupted` or
-    `preemption.Preempted` carrying the live state (also `stopped_state`). A notebook
-    continues with ``outer(outer.state, ...)``, however the previous call ended.
+    saves, then raises `preemption.Interrupted` or `.Preempted` carrying the live state (also
+    `stopped_state`); ``outer(outer.state, ...)`` continues, however the last call ended.
     """
 
     def __init__(self, train_loop: train_loop_lib.TrainLoop | None = None,
@@ -86,33 +77,28 @@ class OuterLoop:
                  checkpoint_spec: CheckpointSpec | None = None, progress: bool | None = None,
                  prefetch: int | None = None, disable_jit: bool | None = None,
                  post_mortem: bool | None = None, resume: bool = True):
-        self._debugging = (disable_jit, post_mortem)
         if not isinstance(resume, bool):
             raise TypeError(f"resume must be True or False, got {resume!r}")
-        self._state: State | None = None
-        # (the step the last training call ended at, whether inside a loop)
-        self._ended: tuple[int, bool] | None = None
         if prefetch is not None and prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        self._train_loop = train_loop
-        self._prefetch = prefetch
-        self.preempted = False
-        self.stopped_state: State | None = None
-        self._eval_loops = list(eval_loops or [])
-        self._checkpoint_spec = checkpoint_spec
-        self._progress = progress
+        self._debugging = (disable_jit, post_mortem)
+        self._train_loop, self._eval_loops = train_loop, list(eval_loops or [])
+        self._checkpoint_spec, self._progress, self._prefetch = checkpoint_spec, progress, prefetch
+        self._state: State | None = None
+        self.preempted, self.stopped_state = False, None
+        self._ended: tuple[int, bool] | None = None  # the last call's step, inside a loop?
         self.history = history_lib.History()
         self._logged_layouts: list[Any] = []
         self._train_source: tuple[Any, Iterator[Any]] | None = None
         # The step whose evaluations an error or a stop cut short, to run first next call.
         self._evals_owed: int | None = None
-        self._evals = Evaluations(self._eval_loops, self._ahead)
+        self._evals = evaluation.Evaluations(self._eval_loops, self._ahead)
+        self._specs: list[EvalSpec] = []
+        self._evals_stop: bool | None = None  # None until the current loop's evals ran
         if train_loop is not None:
-            self._at_loop_end = LoopEndEvaluations(train_loop, self._evals)
-            self._metadata = resume_lib.ResumeMetadata(
-                train_loop, [train_loop, *self._eval_loops], self.history, self._at_loop_end)
-            self._resumer = resume_lib.Resumer(train_loop, self._metadata, resume,
-                                               checkpoint_spec)
+            self._resumer = resume_lib.Resumer(
+                train_loop, [train_loop, *self._eval_loops], self.history,
+                lambda: self._evals_stop is not None, resume, checkpoint_spec)
 
     @property
     def train_loop(self) -> train_loop_lib.TrainLoop | None:
@@ -129,8 +115,7 @@ class OuterLoop:
         return self._eval_loops
 
     def _ahead(self, loop: Any) -> int:
-        return self._prefetch if self._prefetch is not None else read_ahead.default_size(
-            loop.step)
+        return read_ahead.default_size(loop.step) if self._prefetch is None else self._prefetch
 
     def __call__(self, state: State, train_dataset: Iterator[Any] | Iterable[Any] | None = None,
                  train_total_steps: int | None = None, train_loop_steps: int | None = None,
@@ -144,48 +129,75 @@ class OuterLoop:
         more steps from where training goes on (the given state's step, or a resumed one's)."""
         specs = self._evals.check_specs(eval_specs)
         if self._train_loop is None:
-            with (self.history.recording(None, self._eval_loops),
-                  debugging_lib.session(*self._debugging)):
-                state, outputs = self._evaluate_only(state, specs)
-                self._state = state
-                return state, outputs
+            with self._phases():
+                self._state, outputs = self._evaluate_only(state, specs)
+                return self._state, outputs
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
         if train_steps is not None and train_total_steps is not None:
-            raise ValueError("Pass train_total_steps (the step to train to) or train_steps "
-                             f"(how many more), not both: got {train_total_steps} and "
-                             f"{train_steps}")
+            raise ValueError("Pass train_total_steps (the step to train to) or train_steps (how "
+                             f"many more), not both: got {train_total_steps} and {train_steps}")
         for name, value in (("train_total_steps", train_total_steps),
                             ("train_loop_steps", train_loop_steps), ("train_steps", train_steps)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        with (self.history.recording(self._train_loop, self._eval_loops),
-              debugging_lib.session(*self._debugging)):
+        with self._phases():
             return self._train(state, train_dataset, train_total_steps, train_loop_steps, specs,
                                log_train_total_steps, train_steps)
+
+    @contextlib.contextmanager
+    def _phases(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(debugging_lib.session(*self._debugging))
+            for i, loop in enumerate(self._eval_loops):
+                stack.enter_context(loop.phases(
+                    [self.history.recorder(history_lib.eval_prefix(i), per_step=False)]))
+            if self._train_loop is not None:
+                stack.enter_context(self._train_loop.phases(
+                    [self.history.recorder(history_lib.TRAIN, per_step=True),
+                     self._evaluate_at_loop_end], checkpoint_meta=self._resumer.save))
+            yield
+
+    def _evaluate(self, state: State, step: int) -> bool:
+        """Runs the evaluations due after the train loop at `step`; whether to stop."""
+        try:
+            return self._evals.run(state, self._specs,
+                                   EvalContext(False, step, self._train_loop.loop_count))[1]
+        except stop_handler.StopTrainingError as e:
+            log.info("Training stopped by an eval action: %s", e)
+            return True
+
+    def _evaluate_at_loop_end(self, state: State, outputs: Output | None, context: Any) -> None:
+        loop = self._train_loop
+        if (loop.preempted or preemption.requested() or not loop.num_steps_run
+                or (outputs or {}).get(STOP_LOOP)):
+            return  # a stop (the run ends), or no new step to evaluate
+        stop = self._evaluate(state, context.step)
+        if not preemption.requested():  # (cut short by Ctrl-C: pending in the checkpoint)
+            self._evals_stop = stop
 
     def _evaluate_only(self, state: State, specs: list[EvalSpec]) -> tuple[State, Output | None]:
         if not self._eval_loops:
             raise ValueError("OuterLoop has neither a train loop nor eval loops")
         if self._checkpoint_spec is None:
             context = EvalContext(False, host_count.host_step(state), 1)
-            results, _ = self._evals.run(state, specs, context)
-            return state, evaluation.last(results)
-        return continuous_eval_lib.ContinuousEval(self._checkpoint_spec, self._evals)(state, specs)
+            return state, evaluation.last(self._evals.run(state, specs, context)[0])
+        return continuous_eval.ContinuousEval(self._checkpoint_spec, self._evals)(state, specs)
 
     def _iterator(self, train_dataset: Any) -> Iterator[Any]:
-        """`train_dataset` as an iterator; the same one as in the last call when given the
-        same iterator again, so the batches read ahead then are trained on now."""
+        """`train_dataset` as an iterator: the last call's again for the same iterator, so
+        the batches read ahead then are trained on now."""
         from jaxloop import data  # noqa: PLC0415
 
-        last = self._train_source
-        if last is not None and last[0] is train_dataset and isinstance(train_dataset, Iterator):
+        if (last := self._train_source) and last[0] is train_dataset and isinstance(
+                train_dataset, Iterator):
             return last[1]
         iterator = data.as_iterator(train_dataset)
         self._train_source = (train_dataset, iterator)
         return iterator
 
-    def _report_rewind(self, step: int) -> None:
+    def _start(self, state: State, step: int, total_steps: int | None,
+               log_total_steps: bool) -> None:
         later = self.history.steps_after(step)
         if later is not None:
             log.warning(
@@ -193,6 +205,17 @@ class OuterLoop:
                 "holds at steps %d-%d (%s) is replaced by this run's values as they are "
                 "recorded. Copy outer.history.as_dict() first to keep it, or continue from "
                 "outer.state.", step, later[0], later[1], ", ".join(later[2]))
+        layout = jax.tree.structure(state)
+        if layout not in self._logged_layouts:
+            param_table_lib.log_table(state)
+            self._logged_layouts.append(layout)
+        if total_steps is not None and step >= total_steps:
+            log.warning("Nothing to train: the state is at step %d and train_total_steps is "
+                        "%d, the step to train to%s. Pass train_steps=n to train n more "
+                        "steps, or a train_total_steps above %d.", step, total_steps,
+                        "" if step == total_steps else ", not a number of steps", step)
+        elif log_total_steps:
+            log.info("Training from step %d to %s.", step, total_steps)
 
     def _train(self, state: State, train_dataset: Any, total_steps: int | None,
                loop_steps: int | None, specs: list[EvalSpec], log_total_steps: bool,
@@ -209,69 +232,46 @@ class OuterLoop:
         if not align and self._ended == (step, True) and loop_steps and step % loop_steps:
             # The last call was stopped inside a loop: finish that loop, as a resume does.
             align = True
-            train_loop.loop_count = max(train_loop.loop_count - 1, 0)
+            train_loop.resume_count(train_loop.loop_count, cut_short=True)
         if not align and self._evals_owed == step and self._eval_loops:
             evals_pending = True  # cut short in the last call: run them in full first
-        self._evals_owed = None
-        self._ended = None
+        self._evals_owed = self._ended = None
         self._state = state
         self._resumer.check_saves(step)
-        self._report_rewind(step)
-        layout = jax.tree.structure(state)
-        if layout not in self._logged_layouts:
-            param_table_lib.log_table(state)
-            self._logged_layouts.append(layout)
-        # A state restored or built here may be donated without a copy.
-        owned = state is not given
         if more_steps is not None:
             total_steps = step + more_steps
-        if total_steps is not None and step >= total_steps:
-            log.warning("Nothing to train: the state is at step %d and train_total_steps is "
-                        "%d, the step to train to%s. Pass train_steps=n to train n more "
-                        "steps, or a train_total_steps above %d.", step, total_steps,
-                        "" if step == total_steps else ", not a number of steps", step)
-        elif log_total_steps:
-            log.info("Training from step %d to %s.", step, total_steps)
+        self._start(state, step, total_steps, log_total_steps)
+        owned = state is not given  # restored or built here: donated without a copy
         progress = actions_lib.ProgressAction(total_steps=total_steps, enabled=self._progress,
                                               history=self.history)
         self._evals.display = progress.evaluating
-        outputs: Output | None = None
-        stop = self.preempted = False
-        self.stopped_state = None
-        at_end = self._at_loop_end
-        at_end.specs = specs
-        for action in train_loop.end_actions:
-            if isinstance(action, actions_lib.CheckpointAction):
-                action.set_resume_metadata(self._metadata)
-        self._metadata.start_call()
+        outputs, stop, self._specs = None, False, specs
+        self.preempted, self.stopped_state = False, None
+        self._resumer.start_call()
         with (preemption.handling_preemption(),
               train_loop.prefetching(iterator, self._ahead(train_loop)),
-              contextlib.closing(progress), at_end.installed(),
-              actions_lib.deferred_writes()):
+              contextlib.closing(progress), actions_lib.deferred_writes()):
             if evals_pending:
                 # The evaluations after the restored checkpoint are not in it: run them first.
-                stop = at_end.evaluate(state, step)
+                stop = self._evaluate(state, step)
                 if preemption.requested():  # Ctrl-C during them
                     self._stop(state, outputs)
             while not stop and (total_steps is None or step < total_steps):
-                num_steps = loop_steps
+                num_steps = full = loop_steps
                 if align and loop_steps and step % loop_steps:
-                    num_steps = loop_steps - step % loop_steps
+                    num_steps = full = loop_steps - step % loop_steps
                 align = False
-                full = num_steps
                 if total_steps is not None:
                     num_steps = min(num_steps or total_steps, total_steps - step)
-                self._metadata.start_loop(num_steps, full is not None and num_steps < full)
-                at_end.result = None
+                self._resumer.start_loop(num_steps, full is not None and num_steps < full)
+                self._evals_stop = None
                 try:
-                    if owned:
-                        train_loop.adopt(state)
-                    state, new_outputs = train_loop(state, iterator, num_steps=num_steps)
+                    state, new_outputs = train_loop(train_loop.adopt(state) if owned else state,
+                                                    iterator, num_steps=num_steps)
                     owned = True
                 except stop_handler.StopTrainingError as e:
                     log.info("Training stopped by an action: %s", e)
-                    # The one passed in was donated.
-                    if e.state is not None:
+                    if e.state is not None:  # (the one passed in was donated)
                         state = self._state = e.state
                     stop = True
                     self._save_at_stop(state, None)
@@ -280,17 +280,16 @@ class OuterLoop:
                     self._keep_live_state()
                     raise
                 self._state = state
-                # A loop that ran no step keeps the outputs of the last one that trained.
                 new_step = host_count.host_step(state)
-                advanced = new_step != step
                 if train_loop.dataset_exhausted and new_step == 0:
                     raise ValueError(
                         f"The train dataset {train_dataset!r} gave no batch: it was exhausted "
                         "before step 0 (an iterator a cell already used up?). Pass a fresh "
                         "iterator, or a list (repeated for epochs: docs/notebooks.md).")
+                # A loop that ran no step keeps the outputs of the last one that trained.
+                advanced, step = new_step != step, new_step
                 if advanced or outputs is None:
                     outputs = new_outputs
-                step = new_step
                 progress(state, new_outputs, first_step=train_loop.first_step)
                 if train_loop.preempted or preemption.requested():
                     self._stop(state, new_outputs)
@@ -298,11 +297,11 @@ class OuterLoop:
                     stop = True
                     self._save_at_stop(state, new_outputs)
                     break
-                if at_end.result is not None:
-                    stop = at_end.result  # they ran before the loop's checkpoint
+                if self._evals_stop is not None:
+                    stop = self._evals_stop  # they ran before the loop's checkpoint
                 elif advanced:
                     self._evals_owed = step
-                    stop = at_end.evaluate(state, step)
+                    stop = self._evaluate(state, step)
                     self._evals_owed = None
                 if stop:
                     self._save_at_stop(state, new_outputs)
@@ -317,49 +316,43 @@ class OuterLoop:
         return state, None if outputs is None else {**outputs, STOP_LOOP: bool(stop)}
 
     def _keep_live_state(self) -> None:
-        """After an exception in the train loop: the live state it left (`stopped_state`)
-        becomes `state`, the steps it completed join the history, and the next call
-        finishes that loop and the evaluations it owes."""
+        """After an exception in the train loop: its live state becomes `state`, the steps
+        it completed join the history; the next call finishes the loop and its evaluations."""
         train_loop = self._train_loop
-        live = train_loop.stopped_state
-        if live is None:
+        if (live := train_loop.stopped_state) is None:
             return
         self._state = self.stopped_state = live
         step = host_count.host_step(live)
         self._ended = (step, True)
-        first = train_loop.first_step
-        partial = train_loop.partial_outputs
-        if partial and first is not None and step > first:
+        first, partial = train_loop.first_step, train_loop.partial_outputs
+        if first is None or step <= first:
+            return
+        if partial:
             self.history.record_outputs(history_lib.TRAIN, step, partial, first)
-        elif (partial is None and first is not None and step > first
-              and self._at_loop_end.result is None):
+        elif partial is None and self._evals_stop is None:
             self._evals_owed = step  # the loop ended, its evaluations did not
 
     def _save_at_stop(self, state: State, outputs: Output | None) -> None:
-        """An early stop saves the state where it stopped, whatever the order of the train
-        loop's actions (once: a step already saved is not saved again)."""
-        if resume_lib.train_checkpoint_actions(self._train_loop):
+        """An early stop saves where it stopped, once, whatever the actions' order."""
+        if savers(self._train_loop.end_actions):
             self._train_loop.save_checkpoint(state, outputs)
 
-    def _writers_and_managers(self) -> tuple[list[Any], list[Any]]:
-        loops = [self._train_loop, *self._eval_loops]
-        all_actions = [a for lp in loops if lp is not None for a in lp.end_actions]
-        writers = [a.summary_writer for a in all_actions if hasattr(a, "summary_writer")]
-        managers = [a for a in all_actions if isinstance(a, actions_lib.CheckpointAction)]
-        return writers, managers
+    def _flush_writers(self) -> None:
+        for loop in [self._train_loop, *self._eval_loops]:
+            for action in loop.end_actions if loop is not None else ():
+                if hasattr(action, "summary_writer"):
+                    action.summary_writer.flush()
 
     def _stop(self, state: State, outputs: Output | None) -> None:
         """Saves, flushes the writers and raises `preemption.stopped` with the live state."""
         self.preempted = True
         self.stopped_state = self._state = state
         step = host_count.host_step(state)
-        self._ended = (step, self._metadata.loop_partial())
-        if not self._ended[1] and self._at_loop_end.result is None and self._eval_loops:
+        self._ended = (step, self._resumer.loop_partial())
+        if not self._ended[1] and self._evals_stop is None and self._eval_loops:
             self._evals_owed = step  # stopped before or during them: the next call runs them
         saved = self._train_loop.save_checkpoint(state, outputs)
-        writers, _ = self._writers_and_managers()
-        for writer in writers:
-            writer.flush()
+        self._flush_writers()
         log.warning("Stopped at step %d; %s.", step,
                     "a checkpoint was saved" if saved else "nothing was saved",
                     extra=preemption.STOP_NOTICE)
@@ -367,11 +360,11 @@ class OuterLoop:
 
     def _finish(self, step: int) -> None:
         """Waits for checkpoint writes, flushes writers, marks training as finished."""
-        writers, ckpt_actions = self._writers_and_managers()
-        for action in ckpt_actions:
-            action.wait_until_finished()  # a failed save names its step and directory
-        for writer in writers:
-            writer.flush()
+        for loop in [self._train_loop, *self._eval_loops]:
+            for action in loop.end_actions:
+                if isinstance(action, actions_lib.CheckpointAction):
+                    action.wait_until_finished()  # a failed save names its step and directory
+        self._flush_writers()
         async_action_context.get_async_action_context().check_exceptions_and_raise()
         if self._checkpoint_spec is not None and jax.process_index() == 0:
             stop_marker.write(self._checkpoint_spec.checkpoint_dir, step)

@@ -28,8 +28,9 @@ import optax
 from jaxloop import partition as partition_lib
 from jaxloop import types
 from jaxloop.engine import outputs as outputs_lib
-from jaxloop.engine import ownership, staging, step_actions
+from jaxloop.engine import ownership, staging
 from jaxloop.engine import program as program_lib
+from jaxloop.hooks import step_actions
 from jaxloop.state import model as model_lib
 from jaxloop.state import model_state, nnx_step, specs
 from jaxloop.state import sown as sown_lib

@@ -1,6 +1,4 @@
-"""TrainLoop: the loop that updates the model.
-
-Example::
+"""TrainLoop: the loop that updates the model. Example::
 
     train_loop = TrainLoop(train_step, end_actions=[summary_action, ckpt_action])
     state, outputs = train_loop(state, train_iterator, num_steps=100)
@@ -36,16 +34,14 @@ class TrainLoop(action_loop.ActionLoop):
         unless its step is saved, and waits; returns whether this step is saved (False, with
         a warning, without such an action). A stopped run calls it before it ends."""
         # Here: a train loop without checkpoints never imports orbax.
-        from jaxloop.checkpointing import checkpoint_actions  # noqa: PLC0415
+        from jaxloop.checkpointing.checkpoint_actions import savers  # noqa: PLC0415
 
         step = loop.host_step(state)
-        for action in self.end_actions:
-            if (isinstance(action, checkpoint_actions.CheckpointAction)
-                    and not isinstance(action, checkpoint_actions.BestCheckpointAction)):
-                if step not in action.ckpt_manager.all_steps():
-                    action(state, outputs, loop=self, force=True)
-                action.wait_until_finished()
-                return step in action.ckpt_manager.all_steps()
+        for action in savers(self.end_actions)[:1]:
+            if step not in action.ckpt_manager.all_steps():
+                action(state, outputs, loop=self, force=True, context=self.action_context())
+            action.wait_until_finished()
+            return step in action.ckpt_manager.all_steps()
         log.warning("Stopped at step %d, but no CheckpointAction saves the state: nothing "
                     "was saved.", step)
         return False

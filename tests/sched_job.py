@@ -41,7 +41,7 @@ from models import ClassifierStep, LinenMLP, toy_data  # noqa: E402
 from jaxloop import actions, data, partition, train_loop  # noqa: E402
 from jaxloop.checkpointing import checkpoint  # noqa: E402
 from jaxloop.diagnostics import integrity  # noqa: E402
-from jaxloop.engine import triggers  # noqa: E402
+from jaxloop.hooks import triggers  # noqa: E402
 from jaxloop.launch import agreement  # noqa: E402
 
 

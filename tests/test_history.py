@@ -179,7 +179,8 @@ def test_a_checkpoint_does_not_grow_with_the_run(tmp_path):
     """Issue 42.4: the meta item a CheckpointAction writes at step 10,000 is within 1 KB of
     the one at step 100, and the history lives in an append-only file beside the checkpoint
     directory. 100 real steps, then 9,900 more steps' values recorded as a run records
-    them (a real 10,000-step run takes a minute here), saved through the same action."""
+    them (a real 10,000-step run takes a minute here), then one real step more, saved
+    through the same OuterLoop and action."""
     step = ClassifierStep(jax.random.key(0), LinenMLP(hidden=4), optimizer=optax.sgd(0.1),
                           train=True)
     ckpt = tmp_path / "ckpt"
@@ -192,9 +193,9 @@ def test_a_checkpoint_does_not_grow_with_the_run(tmp_path):
     state, _ = outer(step.initialize_model([1, 16]), batches, train_total_steps=100,
                      train_loop_steps=100)
     losses = outer.history["train/loss"].values
-    outer.history.record("train/loss", range(101, 10_001), (losses * 99)[:9_900])
-    assert save(state.replace(step=10_000), None, loop=trainer)
-    manager.wait_until_finished()
+    outer.history.record("train/loss", range(101, 10_000), (losses * 99)[:9_899])
+    outer(state.replace(step=9_999), batches, train_total_steps=10_000, train_loop_steps=100)
+    assert manager.all_steps() == [100, 10_000]
     early, late = _meta_bytes(ckpt / "100"), _meta_bytes(ckpt / "10000")
     print(f"meta item: {early} B at step 100, {late} B at step 10,000")
     assert abs(late - early) < 1024

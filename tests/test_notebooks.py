@@ -153,6 +153,8 @@ def test_03_custom_loop_and_action(kernel_env, tmp_path):
     assert number(r"with eval accuracy ([0-9.]+)", text) >= 0.95
     # The best state the stopping action kept is readable after training went on.
     assert 0 < number(r"best kept state: step (\d+)", text) <= stopped
+    # The action's context counted that step on the host.
+    assert number(r"the context said (\d+)", text) == number(r"best kept state: step (\d+)", text)
     assert number(r"predictions: (\d+)", text) == 359
     assert "tensorflow imported: False" in text
     print(f"03_custom_loop_and_action ran in {seconds:.1f} s")

@@ -1,5 +1,5 @@
-"""OuterLoop's parts used on their own: a checkpoint action saves the resume metadata object
-it is given, continuous evaluation runs without an OuterLoop, and the names users import
+"""OuterLoop's parts used on their own: a checkpoint action saves what the loop's owner gives
+it to save, continuous evaluation runs without an OuterLoop, and the names users import
 from `outer_loop` are the parts' own."""
 
 import jax
@@ -36,17 +36,16 @@ def test_checkpoints_hold_the_resume_metadata_and_continuous_eval_reads_each_onc
     manager = checkpoint.make_manager(tmp_path / "ckpt", max_to_keep=None)
     progress = Progress()
     saver = actions.CheckpointAction(manager)
-    saver.set_resume_metadata(progress)
     loop = train_loop.TrainLoop(step, end_actions=[progress, saver])
     state = step.initialize_model([1, 16])
-    for _ in range(2):
-        state, _ = loop(state, iter(BATCHES), num_steps=2)
+    with loop.phases(checkpoint_meta=progress.save):
+        for _ in range(2):
+            state, _ = loop(state, iter(BATCHES), num_steps=2)
     manager.wait_until_finished()
     # Read at each save, after the actions before it: the value of that checkpoint's loop.
     assert checkpoint.read_meta(tmp_path / "ckpt", 2)["my_progress"] == {"steps": [2]}
     meta = checkpoint.read_meta(tmp_path / "ckpt", 4)
     assert meta["my_progress"] == {"steps": [2, 4]} and meta["loop_count"] == 2
-    saver.set_resume_metadata(None)
     state, _ = loop(state, iter(BATCHES), num_steps=2)
     manager.wait_until_finished()
     assert "my_progress" not in checkpoint.read_meta(tmp_path / "ckpt", 6)

@@ -13,7 +13,7 @@ import pytest
 from models import ClassifierStep, LinenMLP, toy_data
 
 from jaxloop import actions, outer_loop, train_loop
-from jaxloop.engine import triggers
+from jaxloop.hooks import triggers
 
 DATA = toy_data(n=16, din=8)
 BATCH = {"x": DATA["x"][:8], "y": DATA["y"][:8]}

@@ -1,6 +1,6 @@
 """Checkpoint actions: the train state saved at loop ends (`CheckpointAction`), and the best
-k states by an eval metric (`BestCheckpointAction`). Their own module because they are the
-only actions that import orbax; users reach them as ``actions.CheckpointAction``. Example::
+k states by an eval metric (`BestCheckpointAction`), in a module of their own as the only
+actions that import orbax (users write ``actions.CheckpointAction``). Example::
 
     manager = checkpoint.make_manager(workdir / 'ckpt')
     train_loop = TrainLoop(step, end_actions=[actions.CheckpointAction(manager, interval=5)])
@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import orbax.checkpoint as ocp
 
 from jaxloop import types
 from jaxloop.checkpointing import checkpoint
-from jaxloop.engine import host_count, triggers
-from jaxloop.engine.action import Action
+from jaxloop.engine import host_count
+from jaxloop.hooks import triggers
+from jaxloop.hooks.action import Action, ActionContext
 from jaxloop.metrics.metric_values import scalar_metrics
 
 Output = types.Output
@@ -29,10 +30,11 @@ log = logging.getLogger("jaxloop.actions")
 
 
 class CheckpointAction(Action):
-    """Saves the training state, the train iterator's position and the loop count with the
-    user's orbax `CheckpointManager`; scalar outputs are the save's metrics. `meta` adds
-    JSON values (or a function returning them) to each checkpoint's metadata. With
-    `every_secs` it saves only that often, whatever the manager's policy. Example::
+    """Saves the training state with the user's orbax `CheckpointManager`, with the data
+    position, loop count and owner's metadata of the loop's `ActionContext` (none when
+    called without one, as google/jaxloop's loops do); scalar outputs are its metrics.
+    `meta` adds JSON values (or a function returning them). With `every_secs` (a
+    `triggers.Trigger`) it saves only that often, whatever the manager's policy. Example::
 
         CheckpointAction(manager, interval=1, every_secs=600)  # at most every ten minutes
     """
@@ -41,11 +43,10 @@ class CheckpointAction(Action):
                  meta: Mapping[str, Any] | Any = None, every_secs: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
         super().__init__(interval)
-        self._time = None if every_secs is None else triggers.TimeCondition(
-            every_secs, clock, "CheckpointAction")
+        self._time = None if every_secs is None else triggers.Trigger(
+            every_secs=every_secs, clock=clock)
         self._ckpt_manager, self._extra_meta = ckpt_manager, meta
         self._warned_no_position = self._warned_later = False
-        self._resume_metadata: Any = None
         self._saving_step: int | None = None  # the step of a save that may still be running
 
     @property
@@ -73,47 +74,37 @@ class CheckpointAction(Action):
         return self._ckpt_manager.save(
             step, args=ocp.args.PyTreeSave(state), metrics=scalar_metrics(outputs))
 
-    def set_resume_metadata(self, metadata: Any) -> None:
-        """Saves ``metadata.save()`` (JSON) in each checkpoint's metadata (an `OuterLoop`'s
-        `resume.ResumeMetadata`); None stops it."""
-        self._resume_metadata = metadata
-
     def __call__(self, state: State, outputs: Output | None, loop: Any = None,
-                 force: bool = False, **kwargs: Any) -> bool:
+                 force: bool = False, context: ActionContext | None = None,
+                 **kwargs: Any) -> bool:
         """Saves `state` at its step; `force` overrides the manager's policy (preemption)."""
         step = host_count.host_step(state)
         if not self._ckpt_manager.is_saving_in_progress():
             # A finished background save that failed raises here, on the loop's thread.
             self.wait_until_finished()
         if self._time is not None and not force:
-            if (not self._time.due(step, "checkpoint time policy")
+            if (not self._time.fires(step, phase="checkpoint time policy")
                     or step in self._ckpt_manager.all_steps()):
                 return False
             force = True  # the time policy decides, not the manager's step policy
-        if self._time is not None:
+        elif self._time is not None:
             self._time.restart()
-        from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
-        iterator = getattr(loop, "dataset", None)
-        position = getattr(loop, "data_position", None)  # knows about prefetched batches
-        dataset_state = position(iterator) if callable(position) else data.iterator_state(iterator)
-        if dataset_state is None and iterator is not None and not self._warned_no_position:
-            self._warned_no_position = True
-            log.warning(
-                "The train iterator (%s) cannot report its position, so checkpoints hold no "
-                "data position: a resumed run will replay the data from the start. Use a "
-                "grain dataset or data.GlobalBatchDataset to resume the data exactly.",
-                data.describe_iterator(iterator))
+        if context is None and callable(getattr(loop, "action_context", None)):
+            context = loop.action_context()  # called with loop= alone
         extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
-        meta = {**(extra or {}), "loop_count": getattr(loop, "loop_count", None)}
-        if self._resume_metadata is not None and (force or self._ckpt_manager.should_save(step)):
-            meta.update(self._resume_metadata.save())
+        meta = {**(extra or {}), "loop_count": context and context.loop_count}
+        position = context and context.data_position
+        if context is not None:
+            self._warn_no_position(position, context.loop.dataset)
+            if context.checkpoint_meta and (force or self._ckpt_manager.should_save(step)):
+                meta.update(context.checkpoint_meta())
         try:
             if type(self).save is not CheckpointAction.save:
                 saved = self.save(step, state, outputs)  # code written against the reference
             else:
                 saved = checkpoint.save(self._ckpt_manager, step, state, meta=meta,
                                         metrics=scalar_metrics(outputs, loop=loop), force=force,
-                                        dataset_state=dataset_state)
+                                        dataset_state=position)
         except OSError as e:
             # orbax may raise the failure of the save still in progress, before this one.
             _note_failure(e, step if self._saving_step is None else self._saving_step,
@@ -122,7 +113,6 @@ class CheckpointAction(Action):
             raise
         if saved:
             self._saving_step = step
-        if saved:
             log.info("Saving checkpoint for step %d to %s.", step, self._ckpt_manager.directory)
         elif not self._warned_later:
             latest = self._ckpt_manager.latest_step()  # the manager's own record: no listing
@@ -135,10 +125,21 @@ class CheckpointAction(Action):
                     step, self._ckpt_manager.directory, latest)
         return saved
 
+    def _warn_no_position(self, position: Any, iterator: Any) -> None:
+        if position is None and iterator is not None and not self._warned_no_position:
+            from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
+
+            self._warned_no_position = True
+            log.warning(
+                "The train iterator (%s) cannot report its position, so checkpoints hold no "
+                "data position: a resumed run will replay the data from the start. Use a "
+                "grain dataset or data.GlobalBatchDataset to resume the data exactly.",
+                data.describe_iterator(iterator))
+
 
 class BestCheckpointAction(CheckpointAction):
-    """Keeps the best k checkpoints by an eval metric (the manager from
-    `checkpoint.make_best_manager` decides), on an eval loop; no data position is saved. Example::
+    """Keeps the best k checkpoints by an eval metric (`checkpoint.make_best_manager`'s
+    manager decides), on an eval loop; no data position is saved. Example::
 
         best = checkpoint.make_best_manager(workdir / 'best', 'accuracy', mode='max', k=2)
         eval_loop = EvalLoop(eval_step, end_actions=[BestCheckpointAction(best)])
@@ -149,9 +150,15 @@ class BestCheckpointAction(CheckpointAction):
                  force: bool = False, **kwargs: Any) -> bool:
         if host_count.host_step(state) in self._ckpt_manager.all_steps():
             return False  # several evals after one train loop: the first one is offered
-        # Reduced here, where the eval loop's example counts weight the means; the loop is
-        # not passed on (its data position and count are not saved).
+        # Reduced here, weighted by the eval loop's example counts; no context: its data
+        # position and count are not saved.
         return super().__call__(state, scalar_metrics(outputs, loop=loop), force=force)
+
+
+def savers(actions: Iterable[Any]) -> list[CheckpointAction]:
+    """The actions of `actions` that save a state to resume from (not best-k ones)."""
+    return [a for a in actions
+            if isinstance(a, CheckpointAction) and not isinstance(a, BestCheckpointAction)]
 
 
 def _note_failure(error: BaseException, step: int | None, directory: Any) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from jaxloop.engine.action import Action
+from jaxloop.hooks.action import Action
 
 __all__ = ["CATEGORIES", "PEAK_FLOPS", "Recorder", "compile_seconds", "mfu", "peak_flops",
            "resolved_peak"]

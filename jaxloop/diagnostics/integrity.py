@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxloop.engine.action import Action
+from jaxloop.hooks.action import Action
 
 __all__ = ["ReplicaIntegrityAction", "ReplicaMismatchError", "check_replicas"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from jaxloop import types
-from jaxloop.engine.action import Action
+from jaxloop.hooks.action import Action
 
 log = logging.getLogger(__name__)
 

@@ -1,3 +1,3 @@
 """The engine under a step and a loop: the jitted program and its batch staging, the
 bound on executions in flight, the host's step count, loop outputs and their metric
-values, logical-axis annotations, and the `Action` base with its triggers."""
+values, and logical-axis annotations."""

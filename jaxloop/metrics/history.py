@@ -18,16 +18,14 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 from etils import epath
 
 from jaxloop import types
-from jaxloop.engine import host_count
 from jaxloop.engine import outputs as outputs_lib
-from jaxloop.engine.action import Action
 from jaxloop.metrics import metric_values
 
 TRAIN = "train"
@@ -35,8 +33,6 @@ EVAL = "eval"
 _STATS_PREFIX = "jaxloop/"
 _WEIGHTS = _STATS_PREFIX + "example_weights"  # an eval loop's, pending beside its outputs
 FILE_SUFFIX = ".history.jsonl"
-
-log = logging.getLogger(__name__)
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +44,8 @@ class Series(NamedTuple):
     values: list[float]
 
 
-class _Stacked(NamedTuple):
-    """Device scalars stacked by `metric_values.stack_groups`, read in one transfer."""
+class Stacked(NamedTuple):
+    """A per-step list of device scalars stacked on the devices, read in one transfer."""
 
     groups: tuple[jax.Array, ...]
     count: int
@@ -58,10 +54,17 @@ class _Stacked(NamedTuple):
         return metric_values.read_groups(self.groups, self.count)
 
 
-def _stacked(values: list[Any]) -> list[Any] | _Stacked:
-    """`values` stacked on the devices where `metric_values.stack_groups` applies."""
-    groups = metric_values.stack_groups(values)
-    return values if groups is None else _Stacked(groups, len(values))
+def stacked(values: list[Any]) -> list[Any] | Stacked:
+    """`values` stacked now, behind the steps that compute them, where they are device
+    scalars (`metric_values.stack_groups`), so reading them later waits for nothing queued
+    after them; else `values`."""
+    groups = metric_values.stack_groups(values) if metric_values.all_numbers(values) else None
+    return values if groups is None else Stacked(groups, len(values))
+
+
+def is_ready(tree: Any) -> bool:
+    """Whether the device has computed every array of `tree` (asked without waiting)."""
+    return all(x.is_ready() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
 
 
 def eval_prefix(index: int) -> str:
@@ -82,11 +85,7 @@ class History:
 
     def _settled(self, ready_only: bool = False) -> dict[str, Series]:
         """The series, pending loop outputs read in order (`ready_only`: those computed)."""
-        while self._pending:
-            outputs = self._pending[0][2]
-            if ready_only and not all(x.is_ready() for x in jax.tree.leaves(outputs)
-                                      if isinstance(x, jax.Array)):
-                break
+        while self._pending and (not ready_only or is_ready(self._pending[0][2])):
             self._read(*self._pending.pop(0))
         return self._series
 
@@ -121,10 +120,9 @@ class History:
         """Appends values at ascending `steps` to `name`, replacing those from ``steps[0]`` on."""
         if len(steps) != len(values):
             raise ValueError(f"{name}: {len(steps)} steps but {len(values)} values")
-        if not steps:
-            return
-        self._settled()
-        self._append(name, steps, values)
+        if steps:
+            self._settled()
+            self._append(name, steps, values)
 
     def _append(self, name: str, steps: Sequence[int], values: Sequence[float]) -> None:
         # Not `record`: reading one pending loop must not read (and wait for) the next first.
@@ -148,7 +146,7 @@ class History:
         """Records a loop's scalar outputs under ``prefix/<key>`` without waiting for the
         device: a per-step list of ``step - first_step`` values gives one value per step,
         any other scalar output (weighted per step by `weights`) one value at `step`."""
-        scalars = {k: _stacked(list(v)) if type(v) in (list, outputs_lib.StepList) else v
+        scalars = {k: stacked(list(v)) if type(v) in (list, outputs_lib.StepList) else v
                    for k, v in (outputs or {}).items()
                    if not k.startswith(_STATS_PREFIX) and _scalar_like(v)}
         if weights:  # under a name no recorded output has (stats are left out)
@@ -158,7 +156,7 @@ class History:
 
     def _read(self, prefix: str, step: int, outputs: dict[str, Any],
               first_step: int | None) -> None:
-        outputs = {k: v.read() if isinstance(v, _Stacked) else v for k, v in outputs.items()}
+        outputs = {k: v.read() if isinstance(v, Stacked) else v for k, v in outputs.items()}
         weights = metric_values.scalar_values(outputs.pop(_WEIGHTS, None))
         if first_step is not None:
             for key in list(outputs):
@@ -177,7 +175,7 @@ class History:
         for prefix, last, outputs, first in self._pending:  # their steps, read on the host
             for key, value in outputs.items():
                 if key != _WEIGHTS:
-                    count = value.count if isinstance(value, _Stacked) else (
+                    count = value.count if isinstance(value, Stacked) else (
                         len(value) if type(value) is list else None)
                     per_step = first is not None and count == last - first
                     later.setdefault(f"{prefix}/{key}", []).extend(
@@ -259,16 +257,14 @@ class History:
         lines = [json.dumps({"name": name, "steps": s.steps[start:], "values": s.values[start:]})
                  for name, s in series.items()
                  if (start := 0 if unwritten is None else unwritten.get(name, 0)) < len(s.steps)]
-        if unwritten is None:  # a new file: written whole, then renamed into place
-            tmp = path.parent / f"{path.name}.tmp"
-            with tmp.open("w") as f:
+        new = unwritten is None  # a new file: written whole, then renamed into place
+        if new or lines:
+            target = path.parent / f"{path.name}.tmp" if new else path
+            with target.open("w" if new else "a") as f:
                 f.write("".join(line + "\n" for line in lines))
                 _sync(f)
-            tmp.replace(path)
-        elif lines:
-            with path.open("a") as f:
-                f.write("".join(line + "\n" for line in lines))
-                _sync(f)
+            if new:
+                target.replace(path)
         self._unwritten[str(path)] = {name: len(s.steps) for name, s in series.items()}
 
     def load_file(self, path: Any, step: int) -> bool:
@@ -294,21 +290,17 @@ class History:
                 del self._series[name]
         return True
 
-    @contextlib.contextmanager
-    def recording(self, train_loop: Any, eval_loops: Sequence[Any]) -> Iterator[None]:
-        """Records the loops' outputs while inside, first among each loop's end actions (so
-        a checkpoint saved at that loop's end holds its values)."""
-        recorders = [(lp, Recorder(self, eval_prefix(i), per_step=False))
-                     for i, lp in enumerate(eval_loops)]
-        if train_loop is not None:
-            recorders.append((train_loop, Recorder(self, TRAIN, per_step=True)))
-        for loop, recorder in recorders:
-            loop.end_actions.insert(0, recorder)
-        try:
-            yield
-        finally:
-            for loop, recorder in recorders:
-                loop.end_actions.remove(recorder)
+    def recorder(self, prefix: str, per_step: bool) -> Callable[[Any, Any, Any], None]:
+        """A loop-end phase (`ActionLoop.phases`) that records the loop's outputs under
+        `prefix`: per step from the loop's first step (a train loop's), or at its step."""
+
+        def record(state: Any, outputs: types.Output | None, context: Any) -> None:
+            if state is not None and outputs:
+                self.record_outputs(prefix, context.step, outputs,
+                                    context.first_step if per_step else None,
+                                    getattr(context.loop, "example_counts", None))
+
+        return record
 
 
 def file_path(checkpoint_dir: Any) -> epath.Path:
@@ -335,19 +327,3 @@ def _scalar_like(value: Any) -> bool:
     if isinstance(value, Mapping):
         return all(metric_values.is_number(v) for v in value.values())
     return metric_values.is_number(value)
-
-
-class Recorder(Action):
-    """Records one loop's outputs into a `History` at the loop's end."""
-
-    def __init__(self, history: History, prefix: str, per_step: bool):
-        super().__init__(interval=1)
-        self._history, self._prefix, self._per_step = history, prefix, per_step
-
-    def __call__(self, state: Any, outputs: types.Output | None, first_step: int | None = None,
-                 **kwargs: Any) -> None:
-        if state is None or not outputs:
-            return
-        self._history.record_outputs(self._prefix, host_count.host_step(state), outputs,
-                                     first_step if self._per_step else None,
-                                     getattr(kwargs.get("loop"), "example_counts", None))

@@ -18,7 +18,7 @@ import jax
 
 from jaxloop import types
 from jaxloop.engine import host_count
-from jaxloop.engine.action import Action
+from jaxloop.hooks.action import Action
 from jaxloop.metrics import metric_values
 
 Output = types.Output

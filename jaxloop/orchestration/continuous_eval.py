@@ -1,9 +1,8 @@
 """Continuous evaluation: every checkpoint of a directory evaluated once, as training writes them.
 
 Runs until the training job's STOPPED marker (`stop_marker`) or ``iterate_stop_fn()``
-ends it; every decision is process 0's, so every process evaluates the same steps.
-
-Example, an evaluation job (`OuterLoop` delegates to `ContinuousEval`)::
+ends it; every decision is process 0's, so every process evaluates the same steps. An
+evaluation job (`OuterLoop` delegates to `ContinuousEval`)::
 
     outer = OuterLoop(eval_loops=[EvalLoop(eval_step)],
                       checkpoint_spec=CheckpointSpec('/run/checkpoints'))
@@ -60,25 +59,20 @@ class CheckpointSpec:
 
 
 class ContinuousEval:
-    """Evaluates every checkpoint of `spec`'s directory once, in step order.
-
-    A checkpoint deleted before it is read (``max_to_keep``) is skipped with a warning;
-    one that does not restore is a ValueError. The first eval loop's step restores them.
-    """
+    """Evaluates every checkpoint of `spec`'s directory once, in step order, restored by the
+    first eval loop's step: one deleted before it is read (``max_to_keep``) is skipped with a
+    warning, one that does not restore is a ValueError."""
 
     def __init__(self, spec: CheckpointSpec, evaluations: evaluation_lib.Evaluations):
-        self._spec = spec
-        self._evaluations = evaluations
+        self._spec, self._evaluations = spec, evaluations
 
     def __call__(self, state: State, specs: Sequence[evaluation_lib.EvalSpec]
                  ) -> tuple[State, Output | None]:
         """The last checkpoint's state and the last eval loop's outputs (the given state
         and None when no checkpoint was evaluated)."""
-        spec = self._spec
-        directory = epath.Path(spec.checkpoint_dir)
+        spec, directory = self._spec, epath.Path(self._spec.checkpoint_dir)
         seen: set[int] = set()
-        loop_count = 0
-        outputs: Output | None = None
+        loop_count, outputs = 0, None
         while True:
             # The marker is read before listing: a checkpoint finished before the marker
             # was written is then always in the listing.

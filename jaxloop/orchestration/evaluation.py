@@ -1,10 +1,8 @@
 """Evaluations: what to evaluate (`EvalSpec`), one round of them, and when in training.
 
 `Evaluations` runs a round on a state (each spec decides from an `EvalContext` whether it
-is due); `LoopEndEvaluations` runs one at each train loop's end, before its checkpoint,
-so the checkpoint holds that evaluation and a resumed run neither repeats nor loses it.
-
-Example::
+is due). `OuterLoop` runs one at each train loop's end, before its checkpoint, so the
+checkpoint holds that evaluation and a resumed run neither repeats nor loses it. Example::
 
     evals = Evaluations([eval_loop], ahead=lambda loop: 0)
     results, stop = evals.run(state, [EvalSpec(dataset=eval_ds, num_steps=50)],
@@ -19,8 +17,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from jaxloop import stop_handler, types
-from jaxloop.engine.action import Action
+from jaxloop import types
 from jaxloop.launch import preemption
 from jaxloop.metrics import history as history_lib
 
@@ -51,8 +48,7 @@ class EvalSpec:
       dataset_iterator: alternatively, one iterator that successive evaluations continue.
       eval_loop_interval: evaluate after every this many train loops (default: every one);
         continuous evaluation ignores it.
-      should_eval_fn: evaluates only where it also says so, as google/jaxloop: both must
-        agree.
+      should_eval_fn: evaluates only where it also says so (google/jaxloop's: both agree).
     """
 
     dataset: Iterable[Any] | None = None
@@ -89,12 +85,6 @@ class EvalSpec:
 EVAL_STEPS_BOUND = 10_000
 
 
-@contextlib.contextmanager
-def _undisplayed(label: str, spec: EvalSpec, batches: Iterator[Any], step: int
-                 ) -> Iterator[Iterator[Any]]:
-    yield batches
-
-
 def last(results: Sequence[Output | None]) -> Output | None:
     """The outputs of the last eval loop that ran."""
     ran = [r for r in results if r is not None]
@@ -106,11 +96,10 @@ class Evaluations:
     ``ahead(loop)`` says how many batches a loop reads ahead (`Loop.prefetching`)."""
 
     def __init__(self, loops: list[Any], ahead: Callable[[Any], int]):
-        self.loops = loops
-        self._ahead = ahead
+        self.loops, self._ahead = loops, ahead
         # (label, spec, batches, step) -> a context giving the batches to read, shown as
         # read (`ProgressAction.evaluating`, set by OuterLoop while its bar is up).
-        self.display: Callable[..., Any] = _undisplayed
+        self.display: Callable[..., Any] = lambda *args: contextlib.nullcontext(args[2])
         # Per spec index: whether an evaluation that read no batch was reported.
         self._warned_empty: set[int] = set()
 
@@ -160,76 +149,12 @@ class Evaluations:
         if index in self._warned_empty:
             return
         self._warned_empty.add(index)
-        if spec.dataset_iterator is not None:
-            cause = "its dataset_iterator is exhausted"
-        elif isinstance(spec.dataset, Iterator):
-            cause = (f"its dataset is an iterator ({type(spec.dataset).__name__}), which an "
-                     "earlier evaluation used up")
-        else:
-            cause = "its dataset is empty"
+        cause = ("its dataset_iterator is exhausted" if spec.dataset_iterator is not None else
+                 f"its dataset is an iterator ({type(spec.dataset).__name__}), which an "
+                 "earlier evaluation used up" if isinstance(spec.dataset, Iterator) else
+                 "its dataset is empty")
         log.warning(
             "eval_specs[%d]: the evaluation at step %d read no batch: %s, so this and later "
             "evaluations have no results (the progress bar keeps the last ones). Pass an "
             "iterable that every evaluation reads afresh as EvalSpec(dataset=...): a list, "
             "a tf.data or grain dataset.", index, step, cause)
-
-
-class LoopEndEvaluations:
-    """The evaluations after each train loop, run first among its end actions.
-
-    `result` is None until the evaluations of the current train loop ran, then whether
-    they asked to stop (reset it at each loop's start).
-    """
-
-    def __init__(self, train_loop: Any, evaluations: Evaluations):
-        self._train_loop = train_loop
-        self._evaluations = evaluations
-        self.specs: list[EvalSpec] = []
-        self.result: bool | None = None
-
-    def evaluate(self, state: State, step: int) -> bool:
-        """Runs the evaluations due after the train loop at `step`; whether to stop."""
-        try:
-            _, stop = self._evaluations.run(
-                state, self.specs, EvalContext(False, step, self._train_loop.loop_count))
-        except stop_handler.StopTrainingError as e:
-            log.info("Training stopped by an eval action: %s", e)
-            stop = True
-        return stop
-
-    def at_loop_end(self, state: State, outputs: Output | None, first_step: int | None) -> None:
-        """The evaluations of the train loop that is ending."""
-        loop = self._train_loop
-        if (loop.preempted or preemption.requested() or not loop.num_steps_run
-                or (outputs or {}).get(STOP_LOOP)):
-            return  # a stop (the outer loop ends the run), or no new step to evaluate
-        step = (first_step or 0) + loop.num_steps_run
-        stop = self.evaluate(state, step)
-        if not preemption.requested():  # (cut short by Ctrl-C: pending in the checkpoint)
-            self.result = stop
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        """Puts the evaluations first among the train loop's end actions (after the
-        history's recorder), so the checkpoint holds them and no user action encloses them."""
-        end_actions = self._train_loop.end_actions
-        runner = _EvalsAtLoopEnd(self)
-        first = next((i for i, a in enumerate(end_actions)
-                      if not isinstance(a, history_lib.Recorder)), len(end_actions))
-        end_actions.insert(first, runner)
-        try:
-            yield
-        finally:
-            end_actions.remove(runner)
-
-
-class _EvalsAtLoopEnd(Action):
-    """Runs a `LoopEndEvaluations` as one of the train loop's end actions."""
-
-    def __init__(self, evaluations: LoopEndEvaluations):
-        super().__init__(interval=1)
-        self._evaluations = evaluations
-
-    def __call__(self, state: State, outputs: Output | None, first_step: int | None = None,
-                 **kwargs: Any) -> None:
-        self._evaluations.at_loop_end(state, outputs, first_step)

@@ -1,17 +1,13 @@
-"""Resuming training: what a checkpoint holds beside the state, and where a run resumes from.
-
-`ResumeMetadata` is what an `OuterLoop`'s checkpoints save beside the state: the
-early-stopping progress, whether the checkpoint's loop ended before its boundary, whether its
-loop's evaluations are still to run, and where the history is (process 0 appends it to a file
-beside the checkpoint directory, so a checkpoint's size does not grow with the run).
-`Resumer` restores the latest checkpoint and refuses a run whose checkpoint action could
-save nothing.
-"""
+"""Resuming training: `Resumer` gives an `OuterLoop`'s checkpoints what they save beside the
+state (the early-stopping progress, whether the checkpoint's loop ended before its boundary,
+whether its evaluations are still to run, and where the history is: process 0 appends it to
+a file beside the checkpoint directory, so a checkpoint does not grow with the run), restores
+the latest checkpoint and refuses a run whose checkpoint action could save nothing."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -19,10 +15,10 @@ import jax
 from jaxloop import actions as actions_lib
 from jaxloop import types
 from jaxloop.checkpointing import checkpoint
+from jaxloop.checkpointing.checkpoint_actions import savers
 from jaxloop.engine import host_count
 from jaxloop.launch import agreement
 from jaxloop.metrics import history as history_lib
-from jaxloop.orchestration import evaluation as evaluation_lib
 from jaxloop.state import model_state
 
 if TYPE_CHECKING:
@@ -58,17 +54,25 @@ def resumed_loop_count(meta: dict[str, Any], step: int,
     return (max(count - 1, 0) if partial else count), bool(partial)
 
 
-class ResumeMetadata:
-    """What a checkpoint of an `OuterLoop`'s train loop saves beside the state, with the
-    progress of the `EarlyStoppingAction`s of `loops`. The outer loop says where the train
-    loop stands (`start_call`, `start_loop`); checkpoint actions call `save`."""
+def latest_step(directory: Any) -> int | None:
+    """The latest checkpoint's step in `directory` (None: none), as process 0 lists it."""
+    steps = agreement.agreed(lambda: checkpoint.all_steps(directory),
+                             phase=f"listing of the checkpoints in {directory}")
+    return max(steps) if steps else None
+
+
+class Resumer:
+    """What a train loop's checkpoints save beside the state (`save`, with the progress of
+    the `EarlyStoppingAction`s of `loops`; `evals_ran`: whether the current train loop's
+    evaluations ran), where the run resumes from (`checkpoint_spec`'s directory, else the
+    checkpoint action's; `resume=False`: nowhere), and the check that it saves. The outer
+    loop says where the train loop stands (`start_call`, `start_loop`)."""
 
     def __init__(self, train_loop: Any, loops: Sequence[Any], history: history_lib.History,
-                 evaluations: evaluation_lib.LoopEndEvaluations):
-        self._train_loop = train_loop
-        self._loops = loops
-        self._history = history
-        self._evaluations = evaluations
+                 evals_ran: Callable[[], bool], resume: bool,
+                 checkpoint_spec: CheckpointSpec | None):
+        self._train_loop, self._loops, self._history = train_loop, loops, history
+        self._evals_ran, self._resume, self._spec = evals_ran, resume, checkpoint_spec
         self._planned_steps: int | None = None
         self._cut_by_total = False
 
@@ -84,10 +88,9 @@ class ResumeMetadata:
     def loop_partial(self) -> bool:
         """Whether the train loop that just ran ended before its boundary (a preemption,
         or ``train_total_steps``)."""
-        loop = self._train_loop
-        planned = self._planned_steps
-        short = bool(loop.preempted) if planned is None else loop.num_steps_run < planned
-        return self._cut_by_total or short
+        loop, planned = self._train_loop, self._planned_steps
+        return self._cut_by_total or (
+            bool(loop.preempted) if planned is None else loop.num_steps_run < planned)
 
     def early_stopping_actions(self) -> list[actions_lib.EarlyStoppingAction]:
         return [a for lp in self._loops if lp is not None for a in lp.end_actions
@@ -98,7 +101,7 @@ class ResumeMetadata:
         process 0 brings the history file beside each checkpoint directory up to date."""
         partial = self.loop_partial()
         paths = [history_lib.file_path(a.ckpt_manager.directory)
-                 for a in train_checkpoint_actions(self._train_loop)]
+                 for a in savers(self._train_loop.end_actions)]
         if jax.process_index() == 0:
             for path in paths:
                 self._history.save_file(path)
@@ -107,17 +110,17 @@ class ResumeMetadata:
             HISTORY_META: {HISTORY_FILE: paths[0].name if paths else None},
             LOOP_PARTIAL_META: partial,
             # Pending only for a save at a loop's end before its evaluations ran.
-            EVALS_PENDING_META: not partial and self._evaluations.result is None,
+            EVALS_PENDING_META: not partial and not self._evals_ran(),
         }
 
-    def restore(self, meta: dict[str, Any], step: int, loop_steps: int | None,
-                directory: Any) -> bool:
+    def _take_back(self, meta: dict[str, Any], step: int, loop_steps: int | None,
+                   directory: Any) -> bool:
         """Takes back the loop count, early-stopping progress and history of the
         checkpoint at `step` in `directory`; whether the evaluations after it are still
         to run."""
         loop_count, partial = resumed_loop_count(meta, step, loop_steps)
         if loop_count is not None:
-            self._train_loop.loop_count = loop_count
+            self._train_loop.resume_count(loop_count)
         saved = meta.get(EARLY_STOPPING_META) or []
         for action, progress in zip(self.early_stopping_actions(), saved, strict=False):
             action.load_state_dict(progress)
@@ -133,49 +136,14 @@ class ResumeMetadata:
         # A checkpoint inside a loop has no evaluations after it.
         return bool(meta.get(EVALS_PENDING_META)) and not partial
 
-
-def train_checkpoint_actions(train_loop: Any) -> list[actions_lib.CheckpointAction]:
-    """The train loop's actions that save the state to resume from (not best-k ones)."""
-    return [a for a in train_loop.end_actions
-            if isinstance(a, actions_lib.CheckpointAction)
-            and not isinstance(a, actions_lib.BestCheckpointAction)]
-
-
-def latest_step(directory: Any) -> int | None:
-    """The latest checkpoint's step in `directory` (None: none), as process 0 lists it."""
-    steps = agreement.agreed(lambda: checkpoint.all_steps(directory),
-                             phase=f"listing of the checkpoints in {directory}")
-    return max(steps) if steps else None
-
-
-class Resumer:
-    """Where a train loop's run resumes from, the restore, and the check that it saves.
-
-    Args:
-      resume: False: train from the given state.
-      checkpoint_spec: resume from its directory, with its transforms (None: from the
-        directory the train loop's checkpoint action saves to).
-    """
-
-    def __init__(self, train_loop: Any, metadata: ResumeMetadata, resume: bool,
-                 checkpoint_spec: CheckpointSpec | None):
-        self._train_loop = train_loop
-        self._metadata = metadata
-        self._resume = resume
-        self._spec = checkpoint_spec
-
     def directory(self) -> Any:
         """Where training resumes from: the CheckpointSpec's directory, else the train
         loop's checkpoint action's (None: nowhere, or `resume=False`)."""
-        if not self._resume:
-            return None
-        if self._spec is not None:
-            return self._spec.checkpoint_dir
-        for action in train_checkpoint_actions(self._train_loop):
-            directory = getattr(action.ckpt_manager, "directory", None)
-            if directory is not None:
-                return directory
-        return None
+        if not self._resume or self._spec is not None:
+            return self._spec.checkpoint_dir if self._resume else None
+        directories = (getattr(a.ckpt_manager, "directory", None)
+                       for a in savers(self._train_loop.end_actions))
+        return next((d for d in directories if d is not None), None)
 
     def restore(self, state: State, iterator: Iterator[Any], loop_steps: int | None
                 ) -> tuple[State, bool, int, bool]:
@@ -183,7 +151,7 @@ class Resumer:
         whether the evaluations after that checkpoint are still to run. A given state
         ahead of the latest checkpoint is kept."""
         step = self._train_loop.step
-        for action in train_checkpoint_actions(self._train_loop):
+        for action in savers(self._train_loop.end_actions):
             action.wait_until_finished()
         # An abstract state has no step: it is restored into place, or initialised.
         given = None if model_state.is_abstract(state) else host_count.host_step(state)
@@ -193,23 +161,21 @@ class Resumer:
             if directory is not None:
                 log.info("Training from the given state (step %d), ahead of the latest "
                          "checkpoint in %s (step %d).", given, directory, latest)
-            state = step.materialize(state)
-            return state, False, host_count.host_step(state) if given is None else given, False
-        restored, meta = checkpoint.restore(
-            state, directory, step=latest, partitioner=step.partitioner,
-            skip_optimizer=not step.train,
-            transforms=self._spec.transforms if self._spec else None, dataset=iterator)
-        restored = step.materialize(restored)
+            latest = None
+        else:
+            state, meta = checkpoint.restore(
+                state, directory, step=latest, partitioner=step.partitioner,
+                skip_optimizer=not step.train,
+                transforms=self._spec.transforms if self._spec else None, dataset=iterator)
+        state = step.materialize(state)
         if latest is None:
-            return (restored, False,
-                    host_count.host_step(restored) if given is None else given, False)
-        evals_pending = self._metadata.restore(meta, latest, loop_steps, directory)
-        return restored, True, latest, evals_pending
+            return state, False, host_count.host_step(state) if given is None else given, False
+        return state, True, latest, self._take_back(meta, latest, loop_steps, directory)
 
     def check_saves(self, step: int) -> None:
         """A ValueError before training where the train loop's checkpoint action would save
         nothing: its directory holds a checkpoint after `step`."""
-        for action in train_checkpoint_actions(self._train_loop):
+        for action in savers(self._train_loop.end_actions):
             directory = getattr(action.ckpt_manager, "directory", None)
             latest = None if directory is None else latest_step(directory)
             if latest is not None and latest > step:

@@ -1,9 +1,7 @@
 """The STOPPED marker: how a training job tells its continuous evaluators it is done.
 
 A finished run writes ``<dir>.STOPPED`` naming its last step (google/jaxloop's
-``<dir>/STOPPED`` is read too); a starting run removes a stale one. Only process 0 writes.
-
-Example::
+``<dir>/STOPPED`` is read too); a starting run removes a stale one. Only process 0 writes::
 
     stop_marker.write('/run/checkpoints', 1000)        # /run/checkpoints.STOPPED
     stop_marker.step('/run/checkpoints')               # 1000
@@ -35,7 +33,7 @@ def path(checkpoint_dir: Any) -> epath.Path:
 
 
 def _places(checkpoint_dir: Any) -> list[epath.Path]:
-    """The marker's place, then its place inside the directory (google/jaxloop's)."""
+    # Its place, then google/jaxloop's, inside the directory.
     return list(dict.fromkeys([path(checkpoint_dir), epath.Path(checkpoint_dir) / FILE_NAME]))
 
 

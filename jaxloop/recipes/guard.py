@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 from jaxloop import types
-from jaxloop.engine.action import Action
+from jaxloop.hooks.action import Action
 from jaxloop.metrics import metric_values
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "SKIPPED", "FIRST_LEAF", "all_finite"]

@@ -1,8 +1,8 @@
 """Triggers: when an action fires, in global train steps (``state.step``) or in seconds.
 
 A loop's end action looks at the steps the loop ran, a begin action at the step it starts
-from, a Step's own action at each step (global in a train loop, else counted from 1). A
-time condition (`TimeCondition`, also `CheckpointAction(every_secs=...)`'s) is decided at
+from, a Step's own action at each step (global in a train loop, else counted from 1). The
+time condition (``every_secs``, also `CheckpointAction(every_secs=...)`'s) is decided at
 most once per loop: one host exchange (`agreement.agreed`) in a multi-process job. Example::
 
     trigger = triggers.Trigger(at_steps=(1000, 5000), every_n_steps=10_000, every_secs=600)
@@ -17,13 +17,11 @@ from typing import Any
 
 from jaxloop.launch import agreement
 
-__all__ = ["TimeCondition", "Trigger"]
+__all__ = ["Trigger"]
 
 
 def _positive_int(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise ValueError(f"Trigger `{name}` must be a positive integer, got {value!r}")
     return value
 
@@ -50,21 +48,33 @@ class Trigger:
         if bad:
             raise ValueError(f"Trigger `at_steps` must be non-negative integers, got {bad}")
         self._at = frozenset(steps)
-        self._time = None if every_secs is None else TimeCondition(every_secs, clock, "Trigger")
-        if (self._every_n, self._first_n, self._first_process_n, every_secs) == (
-                None, None, None, None) and not self._at:
+        if every_secs is not None and (isinstance(every_secs, bool) or not isinstance(
+                every_secs, int | float) or not every_secs > 0):
+            raise ValueError(f"Trigger `every_secs` must be positive seconds, got {every_secs!r}")
+        if not callable(clock):
+            raise TypeError(f"Trigger `clock` must be a callable returning seconds, got {clock!r}")
+        self._every_secs, self._clock, self._last_time = every_secs, clock, clock()
+        if not self._at and (self._every_n, self._first_n, self._first_process_n,
+                             every_secs) == (None,) * 4:
             raise ValueError("A Trigger needs a condition: every_n_steps, at_steps, "
                              "first_n_steps, first_n_process_steps or every_secs")
         self._process_start: int | None = None
-        # A Step's own action: (the step its loop decided the time at, whether due).
-        self._loop_time: tuple[int, bool] | None = None
+        self._loop_time: tuple[int, bool] | None = None  # a Step's own: (step decided, due)
         self._step_offset = 0
 
     def __repr__(self) -> str:
         parts = {"every_n_steps": self._every_n, "at_steps": tuple(sorted(self._at)) or None,
                  "first_n_steps": self._first_n, "first_n_process_steps": self._first_process_n,
-                 "every_secs": self._time and self._time.every_secs}
+                 "every_secs": self._every_secs}
         return "Trigger(" + ", ".join(f"{k}={v!r}" for k, v in parts.items() if v) + ")"
+
+    @property
+    def every_secs(self) -> float | None:
+        return self._every_secs
+
+    def restart(self) -> None:
+        """Counts `every_secs` from now (e.g. after a save made for another reason)."""
+        self._last_time = self._clock()
 
     def _step_matches(self, step: int) -> bool:
         if self._every_n is not None and step % self._every_n == 0:
@@ -76,33 +86,33 @@ class Trigger:
             return True
         return step in self._at
 
-    def _time_due(self, step: int) -> bool:
-        due = self._time.due(step, "time trigger")
+    def _time_due(self, step: int, phase: str) -> bool:
+        # One host exchange: every process takes process 0's answer.
+        due = bool(agreement.agreed(lambda: self._clock() - self._last_time >= self._every_secs,
+                                    phase=phase, step=step))
         if due:
-            self._time.restart()
+            self.restart()
         return due
 
-    def fires(self, first: int, last: int | None = None) -> bool:
+    def fires(self, first: int, last: int | None = None, phase: str = "time trigger") -> bool:
         """Whether any step of ``first .. last`` (default: `first` alone) matches, or the
-        time condition is due (asked now). The first step ever asked about is where this
-        process started (for ``first_n_process_steps``)."""
+        time condition is due (asked now; `phase` names that decision if the processes
+        part). The first step ever asked about is where this process started (for
+        ``first_n_process_steps``)."""
         last = first if last is None else last
         return self._steps_fire(first, last) or (
-            self._time is not None and self._time_due(last))
+            self._every_secs is not None and self._time_due(last, phase))
 
     def _steps_fire(self, first: int, last: int) -> bool:
         if self._process_start is None:
             self._process_start = first
         if self._every_n is not None and last // self._every_n > (first - 1) // self._every_n:
             return True
-        return any(self._step_matches(s) for s in self._candidates(first, last))
-
-    def _candidates(self, first: int, last: int) -> Iterable[int]:
         # The few steps where a condition other than every_n can first hold in the range.
-        points = {first} | {s for s in self._at if first <= s <= last}
-        if self._process_start is not None and first <= self._process_start <= last:
+        points = {first, *(s for s in self._at if first <= s <= last)}
+        if first <= self._process_start <= last:
             points.add(self._process_start)
-        return points
+        return any(self._step_matches(s) for s in points)
 
     def start_loop(self, step_offset: int) -> None:
         """A loop starts: a Step's own actions number its steps from ``step_offset + 1``."""
@@ -116,49 +126,8 @@ class Trigger:
         step = self._step_offset + per_loop_step_number
         if self._steps_fire(step, step):
             return True
-        if self._time is None:
+        if self._every_secs is None:
             return False
         if self._loop_time is None:
-            self._loop_time = (step, self._time_due(step))
+            self._loop_time = (step, self._time_due(step, "time trigger"))
         return self._loop_time == (step, True)
-
-
-def _check_every_secs(every_secs: Any, owner: str) -> float:
-    if isinstance(every_secs, bool) or not isinstance(every_secs, int | float) or not (
-            every_secs > 0):
-        raise ValueError(f"{owner} `every_secs` must be positive seconds, got {every_secs!r}")
-    return every_secs
-
-
-class TimeCondition:
-    """Due when `every_secs` seconds of process 0's `clock` have passed since the last
-    `restart` (or since it was made): `Trigger(every_secs=...)` and
-    `CheckpointAction(every_secs=...)`. Each `due` is one host exchange with several
-    processes, so every process takes process 0's answer. Example::
-
-        condition = TimeCondition(600)
-        if condition.due(step, 'upload'):
-            upload(); condition.restart()
-    """
-
-    def __init__(self, every_secs: float, clock: Callable[[], float] = time.monotonic,
-                 owner: str = "TimeCondition"):
-        self._every_secs = _check_every_secs(every_secs, owner)
-        if not callable(clock):
-            raise TypeError(f"{owner} `clock` must be a callable returning seconds, got {clock!r}")
-        self._clock = clock
-        self._last = clock()
-
-    @property
-    def every_secs(self) -> float:
-        return self._every_secs
-
-    def due(self, step: int | None, phase: str) -> bool:
-        """Whether the time has passed, by process 0's clock, on every process; `phase`
-        and `step` name this decision if the processes part."""
-        return bool(agreement.agreed(lambda: self._clock() - self._last >= self._every_secs,
-                                     phase=phase, step=step))
-
-    def restart(self) -> None:
-        """Counts the time from now."""
-        self._last = self._clock()

@@ -14,11 +14,9 @@ def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
     """Whether a step-level action runs at this step (before it when `begin`, else after):
     where its ``trigger`` (`triggers.Trigger`) or its ``fires_at(per_loop_step_number,
     begin)`` method says, else every ``interval`` steps."""
-    trigger = getattr(action, "trigger", None)
-    if trigger is not None:
+    if (trigger := getattr(action, "trigger", None)) is not None:
         return trigger.fires_within_loop(per_loop_step_number)
-    fires_at = getattr(action, "fires_at", None)
-    if fires_at is not None:
+    if (fires_at := getattr(action, "fires_at", None)) is not None:
         return bool(fires_at(per_loop_step_number, begin))
     return per_loop_step_number % action.interval == 0
 
@@ -30,11 +28,8 @@ def fire(actions: Sequence[Any], begin: bool, step_number: int, state: Any,
     for action in actions:
         if action_fires(action, step_number, begin):
             # An action may keep the state: the next step then consumes nothing.
-            if begin:
-                ownership.call(action, state, None, batch=batch,
-                               per_loop_step_number=step_number)
-            else:
-                ownership.call(action, state, outputs, per_loop_step_number=step_number)
+            ownership.call(action, state, None if begin else outputs,
+                           per_loop_step_number=step_number, **({"batch": batch} if begin else {}))
 
 
 def execution_length(begin_actions: Sequence[Any], end_actions: Sequence[Any],
