@@ -141,8 +141,7 @@ class Loop:
     def _unread_from(self, dataset: Any) -> list[tuple[Any, Any]]:
         return self._unread[1] if self._unread and self._unread[0] is dataset else []
 
-    def _keep_unread(self, dataset: Any, batches: list[tuple[Any, Any]],
-                     first: bool = False) -> None:
+    def _keep_unread(self, dataset: Any, batches: list[tuple[Any, Any]], first=False) -> None:
         if batches:
             kept = self._unread_from(dataset)
             self._unread = (dataset, [*batches, *kept] if first else [*kept, *batches])

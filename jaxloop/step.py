@@ -235,9 +235,8 @@ class Step:
 
     def _hook(self, hook: Any, state: State, other: Any) -> tuple[State, Any]:
         # A user's `begin` or `end` is watched for a state it keeps.
-        if getattr(hook, "__func__", None) in (Step.begin, Step.end):
-            return hook(state, other)
-        return ownership.call(hook, state, other)
+        mine = getattr(hook, "__func__", None) in (Step.begin, Step.end)
+        return hook(state, other) if mine else ownership.call(hook, state, other)
 
     @property
     def last_token(self) -> jax.Array | None:
