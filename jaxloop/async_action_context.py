@@ -126,14 +126,9 @@ class AsyncActionContext:
         raise error
 
 
-_context: AsyncActionContext | None = None
-_context_lock = threading.Lock()
+_context = AsyncActionContext()
 
 
 def get_async_action_context() -> AsyncActionContext:
     """The process-wide `AsyncActionContext` that loop boundaries check."""
-    global _context
-    with _context_lock:
-        if _context is None:
-            _context = AsyncActionContext()
-        return _context
+    return _context

@@ -261,24 +261,15 @@ class FSDPPartitioner(Partitioner):
         super().__init__(mesh, data_axis)
         if min_weight_size < 0:
             raise ValueError(f"min_weight_size must be >= 0, got {min_weight_size}")
-        self._min_weight_size = min_weight_size
+        self.min_weight_size = min_weight_size
         fsdp_axis = _checked_axes(mesh, fsdp_axis, "fsdp_axis")
-        self._fsdp_axis = self._data_axis if fsdp_axis is None else fsdp_axis
-
-    @property
-    def min_weight_size(self) -> int:
-        return self._min_weight_size
-
-    @property
-    def fsdp_axis(self) -> Axes | None:
-        """The mesh axis (or axes) large state leaves are split over."""
-        return self._fsdp_axis
+        self.fsdp_axis = self._data_axis if fsdp_axis is None else fsdp_axis
 
     def leaf_spec(self, shape: tuple[int, ...]) -> P:
         """The spec of one state leaf of this shape: split on its largest divisible dim."""
         return annotations.spec(annotations.fsdp_axes(
-            shape, [None] * len(shape), self._fsdp_axis,
-            axes_size(self._mesh, self._fsdp_axis), self._min_weight_size))
+            shape, [None] * len(shape), self.fsdp_axis,
+            axes_size(self._mesh, self.fsdp_axis), self.min_weight_size))
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         return jax.tree.map(lambda x: self.leaf_spec(np.shape(x)),
@@ -303,39 +294,34 @@ class SPMDPartitioner(Partitioner):
                  fsdp_min_weight_size: int | None = None,
                  fsdp_axis: str | Sequence[str] | None = None):
         super().__init__(mesh, data_axis)
-        rules = annotations.checked_rules(logical_axis_rules, mesh)
+        self.logical_axis_rules = annotations.checked_rules(logical_axis_rules, mesh)
         if fsdp_min_weight_size is not None and fsdp_min_weight_size < 0:
             raise ValueError(f"fsdp_min_weight_size must be >= 0, got {fsdp_min_weight_size}")
-        self._rules = rules
         self._fsdp_min_weight_size = fsdp_min_weight_size
         fsdp_axis = _checked_axes(mesh, fsdp_axis, "fsdp_axis")
-        self._fsdp_axis = self._data_axis if fsdp_axis is None else fsdp_axis
+        self.fsdp_axis = self._data_axis if fsdp_axis is None else fsdp_axis
 
-    @property
-    def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
-        return self._rules
+    def _with_rules(self, context: contextlib.AbstractContextManager
+                    ) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(context)
+        if self.logical_axis_rules:  # else keep any rules the user set with nn.logical_axis_rules
+            stack.enter_context(core_spmd.logical_axis_rules(self.logical_axis_rules))
+        return stack
 
     def _mesh_context(self) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        stack.enter_context(super()._mesh_context())
-        if self._rules:  # else keep any rules the user set with nn.logical_axis_rules
-            stack.enter_context(core_spmd.logical_axis_rules(self._rules))
-        return stack
+        return self._with_rules(super()._mesh_context())
 
     def trace_context(self) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        stack.enter_context(super().trace_context())
-        if self._rules:
-            stack.enter_context(core_spmd.logical_axis_rules(self._rules))
-        return stack
+        return self._with_rules(super().trace_context())
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         def spec(path: tuple, x: Any) -> P:
-            axes = annotations.leaf_axes(x, path, self._mesh, self._rules)
-            if self._fsdp_min_weight_size is not None and self._fsdp_axis is not None:
+            axes = annotations.leaf_axes(x, path, self._mesh, self.logical_axis_rules)
+            if self._fsdp_min_weight_size is not None and self.fsdp_axis is not None:
                 shape = np.shape(x.value if annotations.is_box(x) else x)
-                axes = annotations.fsdp_axes(shape, axes, self._fsdp_axis,
-                                             axes_size(self._mesh, self._fsdp_axis),
+                axes = annotations.fsdp_axes(shape, axes, self.fsdp_axis,
+                                             axes_size(self._mesh, self.fsdp_axis),
                                              self._fsdp_min_weight_size)
             return annotations.spec(axes)
 

@@ -68,16 +68,12 @@ class PipelineLoop(eval_loop.EvalLoop):
             raise TypeError("pipeline must be an ml_metrics.chainable.Pipeline, got "
                             f"{type(pipeline).__name__}.")
         super().__init__(step, **kwargs)
-        self._pipeline = pipeline
-
-    @property
-    def pipeline(self) -> chainable.Pipeline | None:
-        return self._pipeline
+        self.pipeline = pipeline
 
     def make_pipeline(self, state: State) -> chainable.Pipeline | None:
         """The pipeline for a loop over `state`; override to build one from the state."""
         del state
-        return self._pipeline
+        return self.pipeline
 
     def run(self, state: State, dataset: Iterator[Any], num_steps: int | None = None,
             **kwargs: Any) -> tuple[State, Output | None]:

@@ -129,12 +129,11 @@ class Recorder:
     @contextlib.contextmanager
     def measure(self, category: str) -> Iterator[None]:
         """Times a block as `category`, less any compilation inside it."""
-        start, compiled = time.perf_counter(), compile_seconds()
+        self.start(category)
         try:
             yield
         finally:
-            elapsed = time.perf_counter() - start
-            self.add(category, max(0.0, elapsed - (compile_seconds() - compiled)))
+            self.stop(category)
 
     def start(self, category: str) -> None:
         """Opens a timed span, closed by `stop`."""

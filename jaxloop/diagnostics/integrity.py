@@ -117,13 +117,9 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
         prints = np.asarray(jax.device_get(_fingerprints(
             mesh, tuple(leaf.sharding.spec for _, leaf, _ in leaves),
         )(*[leaf for _, leaf, _ in leaves]))).reshape(*mesh.devices.shape, len(leaves))
-        suspects = []
-        for i, (name, leaf, axes) in enumerate(leaves):
-            if _differs(prints[..., i], mesh, axes):
-                suspects.append((name, leaf, axes))
-            else:
-                found[name] = 0.0
-        leaves = suspects
+        differ = [_differs(prints[..., i], mesh, axes) for i, (_, _, axes) in enumerate(leaves)]
+        found.update({name: 0.0 for (name, _, _), d in zip(leaves, differ, strict=True) if not d})
+        leaves = [leaf for leaf, d in zip(leaves, differ, strict=True) if d]
         if not leaves:
             continue
         fn = _deviation(mesh, tuple(leaf.sharding.spec for _, leaf, _ in leaves),

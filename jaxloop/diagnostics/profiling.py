@@ -29,29 +29,19 @@ class ProfileAction(Action):
 
     def __init__(self, logdir: str | os.PathLike[str], start_step: int = 2, num_steps: int = 5):
         super().__init__(interval=1)
-        if not isinstance(start_step, int) or start_step < 1:
-            raise ValueError(f"start_step must be a positive integer, got {start_step!r}")
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
-        self._logdir = os.fspath(logdir)
+        for name, value in (("start_step", start_step), ("num_steps", num_steps)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.logdir = os.fspath(logdir)
         self._start = start_step
         self._stop = start_step + num_steps - 1
         self._tracing = False
-        self._done = False
-
-    @property
-    def logdir(self) -> str:
-        return self._logdir
-
-    @property
-    def done(self) -> bool:
-        """Whether the trace has been captured."""
-        return self._done
+        self.done = False  # whether the trace has been captured
 
     def fires_at(self, per_loop_step_number: int, begin: bool) -> bool:
         """Before `start_step` and after the last traced step (while tracing, also before a
         new loop's early steps: a trace the previous loop left running stops)."""
-        if self._done:
+        if self.done:
             return False
         if begin:
             return per_loop_step_number == self._start or (
@@ -65,7 +55,7 @@ class ProfileAction(Action):
         begin = "batch" in kwargs
         if begin and not self._tracing:
             jax.block_until_ready(state)  # earlier steps' device work stays out of the trace
-            jax.profiler.start_trace(self._logdir)
+            jax.profiler.start_trace(self.logdir)
             self._tracing = True
         elif self._tracing:
             jax.block_until_ready((state, outputs))
@@ -76,5 +66,5 @@ class ProfileAction(Action):
         if self._tracing:
             jax.profiler.stop_trace()
             self._tracing = False
-            self._done = True
-            log.info("Wrote a profile to %s", self._logdir)
+            self.done = True
+            log.info("Wrote a profile to %s", self.logdir)

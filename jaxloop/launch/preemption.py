@@ -111,10 +111,6 @@ def requested() -> bool:
 
 def request() -> None:
     """Asks the running loops to stop at the next step boundary (as SIGTERM does)."""
-    _notice()
-
-
-def _notice() -> None:
     first = not _requested.is_set()
     _requested.set()
     if first and _multiprocess_sync():
@@ -178,4 +174,4 @@ def _on_signal(signum: int, frame: Any) -> None:
         log.warning("Interrupted: stopping at the next step boundary.", extra=STOP_NOTICE)
     else:
         log.warning("Received signal %d: stopping at the next step boundary.", signum)
-    _notice()
+    request()

@@ -48,16 +48,10 @@ class _FallbackHandler(logging.StreamHandler):
             self.handleError(record)
 
 
-class _NotInACell(logging.Filter):
+def _not_in_a_cell(record: logging.LogRecord) -> bool:
     """Drops the routine lines and a Stop's notices (a filter on their loggers)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "jaxloop_stop_notice", False):
-            return False
-        return (record.name, record.msg) not in ROUTINE
-
-
-_FILTER = _NotInACell()
+    return (not getattr(record, "jaxloop_stop_notice", False)
+            and (record.name, record.msg) not in ROUTINE)
 
 
 def _filtered_loggers() -> list[logging.Logger]:
@@ -92,8 +86,7 @@ def show_info_if_unconfigured() -> bool:
         if quiet.level == logging.NOTSET:  # a level the user set stays
             quiet.setLevel(logging.WARNING)
     for filtered in _filtered_loggers():
-        if _FILTER not in filtered.filters:
-            filtered.addFilter(_FILTER)
+        filtered.addFilter(_not_in_a_cell)  # once: addFilter skips a filter already there
     if not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
         logger.addHandler(_FallbackHandler())
     return True
@@ -104,7 +97,4 @@ def show_routine(show: bool = True) -> None:
     a `LoggingWriter` (the parameter table is logged at DEBUG, by its own logger)."""
     logging.getLogger(WRITERS).setLevel(logging.INFO if show else logging.WARNING)
     for filtered in _filtered_loggers():
-        if show:
-            filtered.removeFilter(_FILTER)
-        elif _FILTER not in filtered.filters:
-            filtered.addFilter(_FILTER)
+        (filtered.removeFilter if show else filtered.addFilter)(_not_in_a_cell)

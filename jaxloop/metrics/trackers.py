@@ -51,13 +51,14 @@ class MlflowWriter(values.Closing):
     """Writes metrics to an MLflow run (scalars as metrics, hparams as params, texts as
     artifacts, histograms as their mean/min/max; videos and audio are skipped with a warning):
     `run_id` continues a run, None starts one in `experiment` (created when missing). MLflow 3
-    needs ``MLFLOW_ALLOW_FILE_STORE=true`` for a ``file:///`` store."""
+    needs ``MLFLOW_ALLOW_FILE_STORE=true`` for a ``file:///`` store. ``run_id`` is the run's id
+    (None on processes other than 0 when none was given)."""
 
     def __init__(self, experiment: str = "jaxloop", run_id: str | None = None,
                  run_name: str | None = None, tracking_uri: str | None = None,
                  tags: Mapping[str, str] | None = None):
         self._active = distributed.is_main_process()
-        self._run_id, self._closed = run_id, False
+        self.run_id, self._closed = run_id, False
         if not self._active:
             return
         _import("mlflow", "mlflow")
@@ -69,15 +70,10 @@ class MlflowWriter(values.Closing):
             exp = self._client.get_experiment_by_name(experiment)
             exp_id = exp.experiment_id if exp else self._client.create_experiment(experiment)
             run = self._client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
-            self._run_id = run.info.run_id
+            self.run_id = run.info.run_id
         else:
             self._client.get_run(run_id)  # raises clearly if the run does not exist
             self._client.update_run(run_id, status="RUNNING")
-
-    @property
-    def run_id(self) -> str | None:
-        """The MLflow run id (None on processes other than 0 when none was given)."""
-        return self._run_id
 
     def write_scalars(self, step: int, scalars: values.Arrays) -> None:
         if not self._active or not scalars:
@@ -86,7 +82,7 @@ class MlflowWriter(values.Closing):
         now = int(time.time() * 1000)
         metrics = [self._entities.Metric(key, value, now, step)
                    for key, value in values.prepare_scalars(scalars).items()]
-        self._client.log_batch(self._run_id, metrics=metrics)
+        self._client.log_batch(self.run_id, metrics=metrics)
 
     def write_images(self, step: int, images: values.Arrays) -> None:
         if not self._active:
@@ -94,7 +90,7 @@ class MlflowWriter(values.Closing):
         step = values.as_step(step)
         for key, value in images.items():
             for i, image in enumerate(values.pixels("Image", key, value)):
-                self._client.log_image(self._run_id, image, key=f"{key}/{i}" if i else key,
+                self._client.log_image(self.run_id, image, key=f"{key}/{i}" if i else key,
                                        step=step)
 
     def write_videos(self, step: int, videos: values.Arrays) -> None:
@@ -110,7 +106,7 @@ class MlflowWriter(values.Closing):
             return
         step = values.as_step(step)
         for key, text in texts.items():
-            self._client.log_text(self._run_id, str(text), f"texts/{key}/step_{step}.txt")
+            self._client.log_text(self.run_id, str(text), f"texts/{key}/step_{step}.txt")
 
     def write_histograms(self, step: int, arrays: values.Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
@@ -125,15 +121,15 @@ class MlflowWriter(values.Closing):
             return
         params = [self._entities.Param(key, str(values.hparam_value(v))[:6000])
                   for key, v in values.flatten_hparams(hparams).items()]
-        existing = self._client.get_run(self._run_id).data.params
+        existing = self._client.get_run(self.run_id).data.params
         # MLflow params are immutable: a resumed run logs only the new ones.
         new = [p for p in params if p.key not in existing]
         changed = sorted(p.key for p in params if p.key in existing and existing[p.key] != p.value)
         if changed:
-            log.warning("MLflow run %s keeps its earlier values of params %s", self._run_id,
+            log.warning("MLflow run %s keeps its earlier values of params %s", self.run_id,
                         changed)
         for i in range(0, len(new), 100):  # MLflow's batch limit is 100 params
-            self._client.log_batch(self._run_id, params=new[i : i + 100])
+            self._client.log_batch(self.run_id, params=new[i : i + 100])
 
     def flush(self) -> None:
         """Nothing to do: every call is written when made."""
@@ -142,47 +138,38 @@ class MlflowWriter(values.Closing):
         """Marks the run finished."""
         if self._active and not self._closed:
             self._closed = True
-            self._client.set_terminated(self._run_id)
+            self._client.set_terminated(self.run_id)
 
 
 class WandbWriter(values.Closing):
     """Writes metrics to a Weights & Biases run: `run_id` continues a run, None starts one;
     `init_kwargs` go to ``wandb.init``. W&B drops values at a step earlier than one already
-    written (as after restoring an older checkpoint)."""
+    written (as after restoring an older checkpoint). ``run`` is the ``wandb`` Run (None on
+    processes other than 0), ``run_id`` its id."""
 
     def __init__(self, project: str | None = None, run_id: str | None = None,
                  name: str | None = None, mode: str | None = None,
                  dir: str | os.PathLike[str] | None = None,  # noqa: A002 (wandb's name)
                  config: Mapping[str, Any] | None = None, **init_kwargs: Any):
         self._active = distributed.is_main_process()
-        self._closed, self._run = False, None
+        self._closed, self.run = False, None
         if not self._active:
-            self._run_id = run_id
+            self.run_id = run_id
             return
         self._wandb = _import("wandb", "wandb")
         if dir is not None:
             os.makedirs(dir, exist_ok=True)
         init_kwargs.setdefault("settings", self._wandb.Settings(silent=True, console="off"))
-        self._run = self._wandb.init(
+        self.run = self._wandb.init(
             project=project, id=run_id, name=name, mode=mode,
             dir=os.fspath(dir) if dir is not None else None,
             config=dict(config) if config is not None else None,
             resume="allow", reinit="create_new", **init_kwargs)
-        self._run_id = self._run.id
-
-    @property
-    def run_id(self) -> str | None:
-        """The W&B run id."""
-        return self._run_id
-
-    @property
-    def run(self) -> Any:
-        """The ``wandb`` Run object (None on processes other than 0)."""
-        return self._run
+        self.run_id = self.run.id
 
     def _log(self, step: int, logged: Mapping[str, Any]) -> None:
         if self._active and logged:
-            self._run.log(dict(logged), step=values.as_step(step))
+            self.run.log(dict(logged), step=values.as_step(step))
 
     def write_scalars(self, step: int, scalars: values.Arrays) -> None:
         self._log(step, values.prepare_scalars(scalars) if self._active else {})
@@ -226,7 +213,7 @@ class WandbWriter(values.Closing):
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         if self._active:
             flat = {k: values.hparam_value(v) for k, v in values.flatten_hparams(hparams).items()}
-            self._run.config.update(flat, allow_val_change=True)
+            self.run.config.update(flat, allow_val_change=True)
 
     def flush(self) -> None:
         """Nothing to do: W&B's own service writes in the background."""
@@ -235,4 +222,4 @@ class WandbWriter(values.Closing):
         """Finishes the run (``wandb.teardown()`` waits for W&B's service to write its files)."""
         if self._active and not self._closed:
             self._closed = True
-            self._run.finish()
+            self.run.finish()

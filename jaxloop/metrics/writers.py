@@ -70,25 +70,23 @@ class SummaryWriter(Closing):
 
     def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 120.0,
                  video_fps: float = 4.0) -> None:
-        self._logdir = os.fspath(logdir)
+        self.logdir = os.fspath(logdir)
         self._flush_secs, self._video_fps = flush_secs, video_fps
         self._lock, self._closed = threading.Lock(), False
-        self._events = _events_file(self._logdir)
+        self._events = _events_file(self.logdir)
         # Closes the file once: at `close`, or when the writer is collected or Python exits.
         self._close_events = weakref.finalize(self, self._events.close)
         self._flushed_at = time.monotonic()
 
-    @property
-    def logdir(self) -> str:
-        return self._logdir
-
     def _add(self, encode: str, step: int | None, values: Mapping[str, Any], **kwargs: Any) -> None:
         import tensorboardX.summary
         encoder = getattr(tensorboardX.summary, encode)
-        summaries = [encoder(tag, value, **kwargs) for tag, value in values.items()]
+        self._append([encoder(tag, value, **kwargs) for tag, value in values.items()], step)
+
+    def _append(self, summaries: Sequence[Any], step: int | None) -> None:
         with self._lock:
             if self._closed:
-                raise RuntimeError(f"SummaryWriter for {self._logdir!r} is closed.")
+                raise RuntimeError(f"SummaryWriter for {self.logdir!r} is closed.")
             _write(self._events, summaries, step)
             if time.monotonic() - self._flushed_at >= self._flush_secs:
                 self._flush()
@@ -143,10 +141,7 @@ class SummaryWriter(Closing):
         tensorboardX's add_hparams does), which a resumed run appends to."""
         import tensorboardX.summary
         flat = {key: hparam_value(v) for key, v in flatten_hparams(hparams).items()}
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"SummaryWriter for {self._logdir!r} is closed.")
-            _write(self._events, tensorboardX.summary.hparams(flat, {}), None)
+        self._append(tensorboardX.summary.hparams(flat, {}), None)
 
     def _flush(self) -> None:
         self._events.flush()
@@ -266,15 +261,11 @@ class MultiWriter(_Forwarder):
     any writer is called; the first writer's error is raised after all were called."""
 
     def __init__(self, writers: Sequence[MetricWriter]) -> None:
-        self._writers = tuple(writers)
-
-    @property
-    def writers(self) -> tuple[MetricWriter, ...]:
-        return self._writers
+        self.writers = tuple(writers)
 
     def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
         errors = []
-        for writer in self._writers:
+        for writer in self.writers:
             try:
                 getattr(writer, method)(*args, **kwargs)
             except Exception as e:
@@ -314,7 +305,7 @@ class AsyncWriter(_Forwarder):
     _to_host = staticmethod(snapshot)
 
     def __init__(self, writer: MetricWriter, *, max_queue: int = 128) -> None:
-        self._writer, self._closed = writer, False
+        self.writer, self._closed = writer, False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxloop-AsyncWriter")
         self._room = threading.Semaphore(max_queue)
         self._failed: list[Future] = []
@@ -323,13 +314,9 @@ class AsyncWriter(_Forwarder):
         # Holds the pool and the writer, never self, so an abandoned writer is collected.
         self._abandoned = weakref.finalize(self, _close_abandoned, self._pool, writer.close)
 
-    @property
-    def writer(self) -> MetricWriter:
-        return self._writer
-
     def _submit(self, method: str, *args: Any, **kwargs: Any) -> Future:
         self._room.acquire()
-        return self._pool.submit(_call, self._writer, method, args, kwargs, self._failed,
+        return self._pool.submit(_call, self.writer, method, args, kwargs, self._failed,
                                  self._room)
 
     def _raise_pending(self) -> None:

@@ -61,11 +61,8 @@ def train_metrics(state: types.TrainState, grads: Any, new_state: types.TrainSta
     if new_state is not None:
         delta = optax.tree.sub(_float32(new_state.params), _float32(state.params))
         out[UPDATE_NORM] = optax.tree.norm(delta)
-    if callable(learning_rate):
-        lr = learning_rate(state.step)
-    elif learning_rate is not None:
-        lr = learning_rate
-    else:
+    lr = learning_rate(state.step) if callable(learning_rate) else learning_rate
+    if lr is None:
         lr = injected_hyperparam(after.opt_state)
     if lr is not None:
         out[LEARNING_RATE] = jnp.asarray(lr, jnp.float32)

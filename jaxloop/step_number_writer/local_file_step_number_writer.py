@@ -17,16 +17,12 @@ class LocalFileStepNumberWriter(step_number_writer.StepNumberWriter):
     """
 
     def __init__(self, file_path: str | os.PathLike[str]):
-        self._file_path = os.fspath(file_path)
-        parent = os.path.dirname(self._file_path)
+        self.file_path = os.fspath(file_path)
+        parent = os.path.dirname(self.file_path)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        with open(self._file_path, "w"):
+        with open(self.file_path, "w"):
             pass
-
-    @property
-    def file_path(self) -> str:
-        return self._file_path
 
     def write(self, step_number: int) -> None:
         try:
@@ -34,5 +30,5 @@ class LocalFileStepNumberWriter(step_number_writer.StepNumberWriter):
         except TypeError:
             raise TypeError(f"step_number must be an integer, got {step_number!r}") from None
         timestamp_ms = time.time_ns() // 1_000_000
-        with open(self._file_path, "a") as f:
+        with open(self.file_path, "a") as f:
             f.write(f"timestamp_ms:{timestamp_ms},step_number:{step_number}\n")
