@@ -1,7 +1,5 @@
 """Small models and steps shared by the tests."""
 
-import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -10,22 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache
 
 from jaxloop import step as step_lib
-
-
-@contextlib.contextmanager
-def compiling_anew() -> Iterator[None]:
-    """Every program XLA needs in the block is compiled, none loaded from the suite's
-    persistent compilation cache (tests/conftest.py): for tests that count compilations."""
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        compilation_cache.reset_cache()
 
 
 class LinenMLP(nn.Module):

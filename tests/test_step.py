@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from models import XY, ClassifierStep, LinenMLP, NnxMLP, compiling_anew, toy_data
+from models import XY, ClassifierStep, LinenMLP, NnxMLP, toy_data
 
 from jaxloop import partition
 from jaxloop import step as step_lib
@@ -248,10 +248,8 @@ class _CompileCounter:
 
     def __init__(self):
         self.count = 0
-        self._anew = compiling_anew()
 
     def __enter__(self):
-        self._anew.__enter__()
         if not _CompileCounter.registered:
             jax.monitoring.register_event_duration_secs_listener(_CompileCounter._listen)
             _CompileCounter.registered = True
@@ -260,7 +258,6 @@ class _CompileCounter:
 
     def __exit__(self, *exc):
         _CompileCounter.active = None
-        self._anew.__exit__(*exc)
 
     @staticmethod
     def _listen(event, duration, **kwargs):
