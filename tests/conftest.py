@@ -39,6 +39,27 @@ def _jobs_share_a_compilation_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _programs_compile_once_per_worker(tmp_path_factory):
+    """JAX's persistent compilation cache for this worker and the scripts and kernels it
+    starts (through the environment), in a directory of its own: the tests build the same
+    small steps again and again (each a new jit, so jit's in-memory cache misses) and XLA
+    would compile the same programs anew (test_nothing_lost: 25 -> 11 s of CPU). A cached
+    program is the one XLA compiled, so no result changes, and the tests that count
+    compilations still see each: JAX's backend-compile event wraps a load from the cache too."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = str(tmp_path_factory.mktemp("compilation-cache"))
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=path,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _tensorflow_stays_unimported():
     """Fails the TF-free tier (in every xdist worker) if anything imported TensorFlow."""
     yield

@@ -34,7 +34,10 @@ def run_child(cache_dir, tests_dir):
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(cache_dir), str(tests_dir)],
         capture_output=True, text=True, timeout=240,
-        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+        # Without the suite's own cache (tests/conftest.py): this child counts on a new one.
+        env={**{k: v for k, v in __import__("os").environ.items()
+                if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))},
+             "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -223,7 +223,7 @@ nbclient = pytest.importorskip("nbclient")
 from test_notebooks import kernel_env  # noqa: E402, F401 (the fixture: a kernel on this Python)
 
 SETUP = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
     sys.path.insert(0, {tests!r})
     import jax, optax
     from models import ClassifierStep, LinenMLP, toy_data
@@ -237,9 +237,32 @@ SETUP = textwrap.dedent("""
         while True:
             yield from batches
 
+    presses = [0]
+
     class Ready(actions.Action):
+        # Says a loop ended, and counts the Stop presses on their way to jaxloop's handler
+        # (an action runs in the main thread, where signal handlers are set).
         def __call__(self, state, outputs, **kwargs):
+            handler = signal.getsignal(signal.SIGINT)
+            if not hasattr(handler, "counts"):
+                def counting(signum, frame):
+                    handler(signum, frame)
+                    presses[0] += 1
+                    open(f"PRESS-{{presses[0]}}", "w").close()
+
+                counting.counts = True
+                signal.signal(signal.SIGINT, counting)
             open("READY", "w").close()
+
+    def held(n):
+        # Eight batches, then none until `n` Stop presses were taken: each press lands while
+        # training waits for its data, never after the cell ended, whatever the machine's speed.
+        yield from batches[:8]
+        presses[0] = 0
+        open("HELD", "w").close()
+        while presses[0] < n:
+            time.sleep(0.01)
+        yield from forever()
 
     read_at = [0.0]
 
@@ -261,16 +284,11 @@ SETUP = textwrap.dedent("""
     untrained = step.initialize_model([1, 16])
 """)
 
-TRAIN = ("state, outputs = outer(untrained, train_dataset=forever(), train_total_steps=10**9, "
+TRAIN = ("state, outputs = outer(untrained, train_dataset={train}, train_total_steps=10**9, "
          "train_loop_steps=5, eval_specs=[outer_loop.EvalSpec(dataset={eval})])")
 
 AFTER = textwrap.dedent("""
-    from jaxloop.launch import preemption
     stop = sys.last_value
-    # A second Stop that lands while the first one's exception is on its way out raises a
-    # plain KeyboardInterrupt there, with the Interrupted as its context.
-    while stop is not None and not isinstance(stop, preemption.Interrupted):
-        stop = stop.__context__
     live = outer.stopped_state
     print("raised:", type(stop).__name__, isinstance(stop, KeyboardInterrupt))
     print("stopped at:", int(live.step), stop.step, "saved:", stop.saved,
@@ -278,12 +296,18 @@ AFTER = textwrap.dedent("""
     more, _ = train_loop.TrainLoop(step)(live, forever(), num_steps=3)
     print("continued to:", int(more.step), "untrained at:", int(untrained.step))
     print("last eval batch read at:", read_at[0])
+    print("presses since held:", presses[0])
 """)
 
-# (what the evaluation reads, the file that says the cell is where it should be interrupted,
-# how many interrupts)
-SCENARIOS = {"training": ("batches", "READY", 1), "double": ("batches", "READY", 2),
-             "evaluation": ("SlowEval()", "EVALUATING", 1)}
+# (what training reads, what the evaluation reads, the files that say the cell is where it
+# should be interrupted, how many interrupts). No scenario's cell can end before its last
+# press: training reads forever, the double press's data waits for both presses, and the
+# evaluation lasts 40 s, then training goes on forever.
+SCENARIOS = {"training": ("forever()", "batches", ("READY",), 1),
+             "double": ("held(2)", "batches", ("READY", "HELD"), 2),
+             "evaluation": ("forever()", "SlowEval()", ("EVALUATING",), 1)}
+WAIT = 120  # seconds for a cell to reach the point where it is interrupted, or for a press
+CELL_TIMEOUT = 240  # caps a cell that never answers
 
 
 def interrupt_kernel(workdir):
@@ -291,35 +315,39 @@ def interrupt_kernel(workdir):
     kernel once the scenario's file exists, and runs AFTER. Returns, by scenario, (the
     training cell's outputs, AFTER's stdout, the wall-clock time of the first interrupt)."""
     cells = [nbformat.v4.new_code_cell(SETUP.format(tests=str(Path(__file__).parent)))]
-    for source, _, _ in SCENARIOS.values():
-        cells += [nbformat.v4.new_code_cell(TRAIN.format(eval=source)),
+    for train, evaluate, _, _ in SCENARIOS.values():
+        cells += [nbformat.v4.new_code_cell(TRAIN.format(train=train, eval=evaluate)),
                   nbformat.v4.new_code_cell(AFTER)]
     nb = nbformat.v4.new_notebook(cells=cells)
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
+                                     allow_errors=True,
                                      resources={"metadata": {"path": str(workdir)}})
+
+    async def until(training, cell, *files):
+        deadline = time.monotonic() + WAIT
+        while not all((workdir / f).exists() for f in files):
+            assert not training.done(), cell.outputs
+            assert time.monotonic() < deadline, f"no {files} after {WAIT} s"
+            await asyncio.sleep(0.05)
 
     async def run():
         times = []
         async with client.async_setup_kernel():
             await client.async_execute_cell(nb.cells[0], 0)
-            for i, (_, wait_for, interrupts) in enumerate(SCENARIOS.values()):
+            for i, (_, _, wait_for, interrupts) in enumerate(SCENARIOS.values()):
                 train_at = 1 + 2 * i
-                (workdir / wait_for).unlink(missing_ok=True)
+                for name in [*wait_for, *(p.name for p in workdir.glob("PRESS-*"))]:
+                    (workdir / name).unlink(missing_ok=True)
                 training = asyncio.ensure_future(
                     client.async_execute_cell(nb.cells[train_at], train_at))
-                deadline = time.monotonic() + 300
-                while not (workdir / wait_for).exists():
-                    assert not training.done(), nb.cells[train_at].outputs
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.05)
+                await until(training, nb.cells[train_at], *wait_for)
                 times.append(time.time())
-                for _ in range(interrupts):
+                for press in range(1, interrupts + 1):
                     # A press after the cell ended would land in the kernel's own reply
-                    # code, which then never answers: only press while the cell runs.
-                    if training.done():
-                        break
+                    # code, which then never answers: the scenarios keep the cell running.
                     await client.km.interrupt_kernel()
-                    await asyncio.sleep(0.05)
+                    if press < interrupts:  # the next press once this one was taken
+                        await until(training, nb.cells[train_at], f"PRESS-{press}")
                 await training
                 await client.async_execute_cell(nb.cells[train_at + 1], train_at + 1)
         return times
@@ -338,13 +366,9 @@ def interrupt_kernel(workdir):
 
 def _check_stopped(name, train_outputs, after):
     errors = [o.ename for o in train_outputs if o.output_type == "error"]
-    if name == "double":
-        # The second press may land after the stop, while the kernel shows the first one's
-        # traceback: a plain KeyboardInterrupt then replaces (or cuts short) that display.
-        # That the cell raised Interrupted is read from sys.last_value below.
-        assert set(errors) <= {"Interrupted", "KeyboardInterrupt"}, (name, train_outputs)
-    else:
-        assert errors == ["Interrupted"], (name, train_outputs)
+    assert errors == ["Interrupted"], (name, train_outputs)
+    if name == "double":  # both presses reached jaxloop's handler while training ran
+        assert "presses since held: 2" in after, after
     assert "raised: Interrupted True" in after, (name, after)
     stopped = [int(x) for x in after.split("stopped at: ")[1].split()[:2]]
     assert stopped[0] == stopped[1] > 0, (name, after)
