@@ -31,14 +31,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _jobs_share_a_compilation_cache(tmp_path_factory):
-    """A persistent compilation cache for the jobs started by `test_multiprocess.process_env`
-    (read there): those jobs compile the same few dozen programs each time, up to a fifth of
-    a short job's time. This worker's own jax was configured at import and does not use it."""
-    os.environ["JAXLOOP_TEST_JOB_CACHE"] = str(tmp_path_factory.mktemp("job-compilation-cache"))
-
-
-@pytest.fixture(autouse=True, scope="session")
 def _programs_compile_once_per_worker(tmp_path_factory):
     """JAX's persistent compilation cache for this worker and the scripts and kernels it
     starts (through the environment), in a directory of its own: the tests build the same

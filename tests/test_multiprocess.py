@@ -60,10 +60,6 @@ def process_env(devices: int, optimized: bool = False, **extra: str) -> dict[str
         JAXLOOP_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT),
         JAXLOOP_SHUTDOWN_TIMEOUT=str(SHUTDOWN_TIMEOUT),
     )
-    if "JAXLOOP_TEST_JOB_CACHE" in os.environ:  # see tests/conftest.py
-        env.update(JAX_COMPILATION_CACHE_DIR=os.environ["JAXLOOP_TEST_JOB_CACHE"],
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     env.update(extra)
     return env
 
