@@ -119,8 +119,8 @@ class ActionLoop(stat_loop.StatLoop):
             phase(state, outputs, context)
         for action in actions:
             trigger = getattr(action, "trigger", None)
-            if trigger is None and self._loop_count % action.interval == 0 or (
-                    trigger is not None and _triggered(trigger, context, begin)):
+            if (self._loop_count % action.interval == 0 if trigger is None
+                    else _triggered(trigger, context, begin)):
                 try:
                     # An action may keep the state: the next step then consumes nothing.
                     ownership.call(action, state, outputs, loop=self, context=context,
@@ -132,8 +132,7 @@ class ActionLoop(stat_loop.StatLoop):
     def begin(self, state: State, dataset: Iterator[Any]) -> tuple[State, Iterator[Any]]:
         self._loop_count += not self._continues
         self._continues = False
-        self._first_step = (host_count.host_step(state) if state is not None
-                            and hasattr(state, "step") else None)
+        self._first_step = host_count.host_step(state) if hasattr(state, "step") else None
         # A train step's triggered actions count global steps from where this loop starts.
         step = self._step
         offset = (self._first_step or 0) if getattr(step, "train", False) else 0

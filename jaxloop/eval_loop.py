@@ -37,11 +37,6 @@ def _example_count(batch: Any, mask_key: str) -> Any:
     return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
 
 
-def _is_local(batch: Any) -> bool:
-    # A host (numpy) batch holds this process's rows only; a placed batch is global.
-    return not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
-
-
 class EvalLoop(action_loop.ActionLoop):
     """An ActionLoop that keeps the state fixed across its steps.
 
@@ -78,7 +73,8 @@ class EvalLoop(action_loop.ActionLoop):
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
         batch = super()._get_next_batch(dataset)
         self._counts.append(_example_count(batch, self._mask_key))
-        self._local.append(_is_local(batch))
+        # A host (numpy) batch holds this process's rows only; a placed batch is global.
+        self._local.append(not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)))
         return batch
 
     state_moves: int = 0
@@ -127,5 +123,5 @@ class EvalLoop(action_loop.ActionLoop):
         evaluated = self._placed(evaluated)
         _, outputs = super().run(evaluated, dataset, num_steps, log_num_flops=log_num_flops,
                                  **kwargs)
-        self._example_counts = self._global_counts() if self._counts else []
+        self._example_counts = self._global_counts()
         return state, outputs

@@ -290,15 +290,14 @@ class Loop:
             made = getattr(self._step, "last_state", None) if train and _deleted(state) else None
             self.stopped_state = made if made is not None and not _deleted(made) else state
             self.partial_outputs = dict(loop_outputs)
-            self.num_steps_run = done
             raise
         finally:
+            self.num_steps_run = done
             if self._pending is not None:  # held back at a layout change: not trained on
                 self._keep_unread(dataset, [self._pending], first=True)
                 self._pending = None
         if counted:
             remember_step(state, first_step + done)
-        self.num_steps_run = done
         return state, dict(loop_outputs)
 
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
@@ -317,10 +316,7 @@ class Loop:
             try:
                 state, dataset = self.begin(state, dataset)
                 state, outputs = self.run(state, dataset, num_steps, **kwargs)
-                if type(self).end.__module__.startswith("jaxloop."):
-                    state, outputs = self.end(state, outputs)
-                else:  # a user's `end` may keep the state
-                    state, outputs = ownership.call(self.end, state, outputs)
+                state, outputs = ownership.call(self.end, state, outputs)  # a user's may keep it
             except BaseException:
                 if self.stopped_state is None:  # (`run` sets it when it fails)
                     self.stopped_state = state

@@ -135,13 +135,10 @@ class StatLoop(loop_lib.Loop):
                  STAT_INIT_TIME: self._init_time, STAT_BEGIN_TIME: self._begin_time}
         if self._global_batch_size is not None:
             stats[STAT_EXAMPLES_PER_SEC] = steps_per_sec * self._global_batch_size
-        # A plain callable step has neither.
-        num_params = getattr(self.step, "num_params", None)
-        num_flops = getattr(self.step, "num_flops", None)
-        if num_params is not None:
-            stats[STAT_NUM_PARAMS] = float(num_params)
-        if num_flops is not None:
-            stats[STAT_NUM_FLOPS] = float(num_flops)
+        for name, attribute in ((STAT_NUM_PARAMS, "num_params"), (STAT_NUM_FLOPS, "num_flops")):
+            value = getattr(self.step, attribute, None)  # a plain callable step has neither
+            if value is not None:
+                stats[name] = float(value)
         stats.update(self._throughput.stats(self.step, elapsed, steps_per_sec,
                                             self.compile_secs))
         return stats

@@ -85,7 +85,6 @@ class Step:
         self._programs: dict[Any, program_lib.Program] = {}
         self._last_program: program_lib.Program | None = None
         self._last_state: weakref.ref | None = None
-        self._placing: tuple[bool, bool] | None = None
         self._num_params: int | None = None
         self._num_flops: float | None = None
         self._abstract_spec: types.BatchSpec | None = None  # what `materialize` initialises
@@ -217,11 +216,8 @@ class Step:
                   and not {"donate_argnums", "donate_argnames"} & set(self._jit_kwargs))
         key = (size, carry_state, unroll, separate, donate)
         if key not in self._programs:
-            def run(state: State, batch: Batch, *args: Any, **kw: Any) -> Any:
-                return self._run_in_mode(state, batch, *args, **kw)
-
             # `run`'s own name and signature: jit flags name its arguments, profiles its name.
-            functools.update_wrapper(run, self.run)
+            run = functools.update_wrapper(functools.partial(self._run_in_mode), self.run)
             self._programs[key] = program_lib.Program(
                 run, self._partitioner, steps=size, carry_state=carry_state, unroll=unroll,
                 separate=separate, **self._jit_kwargs, **{"donate_argnums": (0,)} if donate else {})
@@ -232,11 +228,6 @@ class Step:
         """The state the last call returned, while held: after an error in an end hook or
         action, the live one (the one given was consumed)."""
         return None if self._last_state is None else self._last_state()
-
-    def _hook(self, hook: Any, state: State, other: Any) -> tuple[State, Any]:
-        # A user's `begin` or `end` is watched for a state it keeps.
-        mine = getattr(hook, "__func__", None) in (Step.begin, Step.end)
-        return hook(state, other) if mine else ownership.call(hook, state, other)
 
     @property
     def last_token(self) -> jax.Array | None:
@@ -250,36 +241,30 @@ class Step:
     def prepare_batch(self, batch: Batch) -> staging.PreparedBatch:
         """`preprocess_batch` then `shard_batch` (a prefetcher's thread runs it): the step does
         neither again for ``step(state, prepared)``."""
-        return staging.PreparedBatch(self._placed(self.preprocess_batch(batch), always=True))
+        return staging.PreparedBatch(self._ready(batch, self._should_shard_batch))
 
     def shard_batch(self, batch: Batch) -> Batch:
         """Places a preprocessed batch on the mesh (`Partitioner.shard_batch`)."""
         return self._partitioner.shard_batch(batch)
 
-    def _placing_policy(self) -> tuple[bool, bool]:
+    @functools.cached_property
+    def _placing(self) -> tuple[bool, bool]:
         """(place a host batch before the program, not in jit's dispatch: with several
         processes, a custom `shard_batch` or `begin`; the user's `shard_batch` places it)."""
-        if self._placing is None:
-            partitioner = self._partitioner
-            custom = (type(self).shard_batch is not Step.shard_batch
-                      or type(partitioner).shard_batch is not partition_lib.Partitioner.shard_batch
-                      or "shard_batch" in vars(partitioner))
-            first = (custom or jax.process_count() > 1 or type(self).begin is not Step.begin)
-            self._placing = (self._should_shard_batch and first,
-                             self._should_shard_batch and custom)
-        return self._placing
+        partitioner = self._partitioner
+        custom = (type(self).shard_batch is not Step.shard_batch
+                  or type(partitioner).shard_batch is not partition_lib.Partitioner.shard_batch
+                  or "shard_batch" in vars(partitioner))
+        first = custom or jax.process_count() > 1 or type(self).begin is not Step.begin
+        return self._should_shard_batch and first, self._should_shard_batch and custom
 
-    def _placed(self, batch: Batch, always: bool = False) -> Batch:
-        """A preprocessed batch on the devices (`always`: even if its leaves are placed)."""
-        placed = not always and all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
-        return batch if placed or not self._should_shard_batch else self.shard_batch(batch)
-
-    def _ready(self, batch: Batch | staging.PreparedBatch, preprocessed: bool = False) -> Batch:
-        """The batch as the single step's program takes it (see `_placing_policy`)."""
+    def _ready(self, batch: Batch | staging.PreparedBatch, place: bool,
+               preprocessed: bool = False) -> Batch:
+        """The batch as a program takes it, preprocessed and, if `place`, placed."""
         if isinstance(batch, staging.PreparedBatch):
             return batch.batch
         batch = batch if preprocessed else self.preprocess_batch(batch)
-        return self.shard_batch(batch) if self._placing_policy()[0] else batch
+        return self.shard_batch(batch) if place else batch
 
     def begin(self, state: State, batch: Batch) -> tuple[State, Batch]:
         """Runs on the host before each compiled call, on its placed batch (for fused steps,
@@ -312,7 +297,7 @@ class Step:
                  log_num_flops: bool = False, **kwargs: Any) -> tuple[State, Output | None]:
         """Runs one batch with its actions; ``batch_preprocessed=True`` (passed to `run` with
         the other kwargs) skips `preprocess_batch`."""
-        batch = self._ready(batch, kwargs.get("batch_preprocessed", False))
+        batch = self._ready(batch, self._placing[0], kwargs.get("batch_preprocessed", False))
         return self._execute(state, batch, batch, per_loop_step_number, per_loop_step_number,
                              log_num_flops, kwargs)
 
@@ -331,13 +316,10 @@ class Step:
         size = count if size is None else size
         first, last = per_loop_step_number, per_loop_step_number + count - 1
         step_actions.check_none_inside(self._begin_actions, self._end_actions, first, last)
-        place_first, custom = self._placing_policy()
+        place_first, custom = self._placing
         # Without a user `begin` (which sees them stacked) the program stacks the k batches.
         separate = type(self).begin is Step.begin
-        ready = [b.batch if isinstance(b, staging.PreparedBatch)
-                 else self.shard_batch(self.preprocess_batch(b))
-                 if custom or (separate and place_first)
-                 else self.preprocess_batch(b) for b in batches]
+        ready = [self._ready(b, custom or (separate and place_first)) for b in batches]
         stacked = (staging.padded(ready, size, moved_once=True) if separate else
                    staging.stack(ready, size, self._partitioner, place_it=place_first))
         return self._execute(state, stacked, ready[0], first, last, log_num_flops, kwargs,
@@ -349,11 +331,12 @@ class Step:
                  separate: bool = False) -> tuple[State, Output | None]:
         """Begin actions (on the placed batch `one`), `begin`, the compiled call (one step,
         or `count` of a `size`-step program), `end` and end actions, for steps first-last."""
-        if self._begin_actions and any(step_actions.action_fires(a, first, True)
-                                       for a in self._begin_actions):
+        if any(step_actions.action_fires(a, first, True) for a in self._begin_actions):
             # A placed copy for the actions only: the program keeps one batch form (no retrace).
-            step_actions.fire(self._begin_actions, True, first, state, batch=self._placed(one))
-        state, batch = self._hook(self.begin, state, batch)
+            placed = (one if all(isinstance(x, jax.Array) for x in jax.tree.leaves(one))
+                      or not self._should_shard_batch else self.shard_batch(one))
+            step_actions.fire(self._begin_actions, True, first, state, batch=placed)
+        state, batch = ownership.call(self.begin, state, batch)  # a user's may keep it
         if log_num_flops:  # of one step
             self.compute_num_flops(state, batch if count is None else one, **kwargs)
         program = self._last_program = self._program(size, carry_state, unroll, separate,
@@ -365,7 +348,7 @@ class Step:
                 self._last_state = weakref.ref(new_state)
             except TypeError:  # a plain container: the caller has it
                 self._last_state = None
-        state, outputs = self._hook(self.end, new_state if carry_state else state, outputs)
+        state, outputs = ownership.call(self.end, new_state if carry_state else state, outputs)
         if self._end_actions:
             step_actions.fire(self._end_actions, False, last, state,
                               outputs if count is None else outputs_lib.entry(outputs, count - 1))

@@ -1,9 +1,6 @@
 """The train step of a state as the host counts it, so that loops, actions and the history
 never wait on the device to read ``state.step`` at a loop boundary.
 
-A training loop records each state it returns (`remember_step`); `host_step` gives that
-count back, or reads the device for a state no loop returned.
-
 Example::
 
     state, _ = train_loop(state, batches, num_steps=10)

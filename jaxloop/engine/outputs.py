@@ -1,7 +1,6 @@
-"""A loop's outputs: one list per key, one entry per step; `clu.metrics` values go to a
-`MetricList`, whose `compute()` merges them over the loop. A fused execution's outputs are
-kept as it stacked them (`extend_stacked`): a step's entry is sliced off when read (`entry`,
-`unstack`).
+"""A loop's outputs: one list per key, one entry per step (a fused execution's kept stacked
+until read: `StepList`); `clu.metrics` values go to a `MetricList`, whose `compute()` merges
+them over the loop.
 
 Example::
 
@@ -75,10 +74,7 @@ class StepList(list):
         if not self._stacked or not isinstance(index, int):
             self._settle()
             return list.__getitem__(self, index)
-        size = len(self)
-        if not -size <= index < size:
-            raise IndexError("list index out of range")
-        index %= size
+        index = range(len(self))[index]  # a negative index, or IndexError, as a list's
         own = list.__len__(self)
         if index < own:
             return list.__getitem__(self, index)

@@ -11,12 +11,7 @@ runs without donating it: its result is new buffers, and what was kept stays usa
 The library's own actions are not watched: they keep nothing (a checkpoint's background
 commit holds the arrays it already copied to the host and never reads them again). A
 reference taken by another thread while user code runs counts as kept (a cost, not an
-error).
-
-Cost where something is kept: that step's execution allocates a new state beside the kept
-one (the memory of what the user keeps), and a second compiled program (the same step
-without donation), compiled the first time it is needed. Where nothing is kept: a walk over
-the state's nodes where user code saw it, and every step donates.
+error). What keeping costs: docs/features.md.
 
 Example::
 
@@ -97,9 +92,7 @@ def _edges_from_new(result: Any, known: dict[int, int]) -> dict[int, int]:
 
 
 def _library(fn: Any) -> bool:
-    """Whether `fn` is this library's own code (its actions and hooks), which keeps no state
-    it is handed. (A checkpoint's background commit may still hold the arrays it copied to
-    the host from, but never reads them again: counting it would cost a donation.)"""
+    """Whether `fn` is this library's own code, which keeps no state (see above)."""
     code = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
     module = getattr(code, "__module__", None) or ""
     return module.startswith("jaxloop.") and not module.startswith("jaxloop.examples.")

@@ -1,7 +1,6 @@
-"""The compiled program of a step: ``jax.jit(fn, in_shardings=(state, batch, ...),
-out_shardings=(state, ...), donate_argnums=...)``, made by the partitioner's `partition`
-once per state and batch structure, then called directly every step (jit places a host
-batch). Jit flags use the positions and names of `fn`'s own signature.
+"""The compiled program of a step (`Program`), made once per state and batch structure, then
+called directly every step (jit places a host batch). Jit flags use the positions and names
+of `fn`'s own signature.
 
 Example::
 
@@ -122,14 +121,13 @@ class Program:
         found |= {1 + num_args + i for i, name in enumerate(kw_names) if name in names}
         return tuple(sorted(found))
 
-    def _batch_shardings(self, batch: PyTree) -> PyTree:
-        """The partitioner's shardings for `batch`, a placed leaf keeping its own."""
-        if self._separate:
-            return tuple(self._batch_shardings_of(b, False) for b in batch)
-        return self._batch_shardings_of(batch, self._steps is not None)
-
-    def _batch_shardings_of(self, batch: PyTree, stacked: bool) -> PyTree:
-        # An uncommitted array (a plain `jax.device_put`) goes where the rule says.
+    def _batch_shardings(self, batch: PyTree, stacked: bool | None = None) -> PyTree:
+        """The partitioner's shardings for `batch`, a placed leaf keeping its own (an
+        uncommitted array, a plain `jax.device_put`, goes where the rule says)."""
+        if stacked is None:
+            if self._separate:
+                return tuple(self._batch_shardings(b, False) for b in batch)
+            stacked = self._steps is not None
         return jax.tree.map(
             lambda x, s: x.sharding if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
             and getattr(x, "committed", True)
