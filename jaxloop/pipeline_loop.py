@@ -54,8 +54,7 @@ def _per_step(outputs: Mapping[str, Any], counts: list[Any]) -> list[dict[str, A
             f"Every step must return the same output keys; per-step lengths were {lengths}.")
     # Fetched whole: an array that spans other processes is gathered (a collective).
     columns = jax.tree.map(lambda x: np.asarray(metric_values.fetch(x)), columns)
-    rows = zip(*columns.values(), strict=True)
-    return [dict(zip(columns, values, strict=True)) for values in rows]
+    return [dict(zip(columns, row, strict=True)) for row in zip(*columns.values(), strict=True)]
 
 
 class PipelineLoop(eval_loop.EvalLoop):

@@ -86,7 +86,6 @@ class StatLoop(loop_lib.Loop):
         if global_batch_size is not None and global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
         self._stat_names = stat_names
-        self._global_batch_size = global_batch_size
         self._throughput = throughput.Throughput(
             global_batch_size, model_flops_per_example, model_flops_per_token, tokens_key,
             peak_flops_per_device, recorder)
@@ -133,8 +132,8 @@ class StatLoop(loop_lib.Loop):
                  STAT_COMPILE_SECS: self.compile_secs, STAT_NUM_STEPS: float(num_steps),
                  STAT_LIFE_TIME_SECS: time.perf_counter() - self._created,
                  STAT_INIT_TIME: self._init_time, STAT_BEGIN_TIME: self._begin_time}
-        if self._global_batch_size is not None:
-            stats[STAT_EXAMPLES_PER_SEC] = steps_per_sec * self._global_batch_size
+        if self._throughput.global_batch_size is not None:
+            stats[STAT_EXAMPLES_PER_SEC] = steps_per_sec * self._throughput.global_batch_size
         for name, attribute in ((STAT_NUM_PARAMS, "num_params"), (STAT_NUM_FLOPS, "num_flops")):
             value = getattr(self.step, attribute, None)  # a plain callable step has neither
             if value is not None:

@@ -144,12 +144,9 @@ def extend_stacked(loop_outputs: dict[str, list[Any]], stacked: Mapping[str, Any
     """Appends the first `count` steps of an execution's stacked outputs to the per-key
     lists of `loop_outputs`, kept stacked (`StepList`) until read."""
     for key, value in stacked.items():
-        values = loop_outputs.get(key)
-        if values is None:
-            values = loop_outputs[key] = (
-                MetricList() if isinstance(value, _METRIC_TYPES) else StepList())
-        if isinstance(values, StepList):
-            values.extend_stacked(value, count)
-        else:
-            values.extend(unstack(value)[:count])
+        values = loop_outputs.get(key, [])
+        if not isinstance(values, StepList):  # new, or single steps' list before
+            kind = MetricList if isinstance(value, _METRIC_TYPES) else StepList
+            values = loop_outputs[key] = kind(values)
+        values.extend_stacked(value, count)
     return loop_outputs

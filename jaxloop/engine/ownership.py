@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import inspect
 import sys
 import weakref
@@ -70,10 +71,10 @@ def is_held(state: Any) -> bool:
     return ref is not None and ref() is state
 
 
-def _edges_from_new(result: Any, known: dict[int, int]) -> dict[int, int]:
+def _edges_from_new(result: Any, known: set[int]) -> collections.Counter:
     """How many references containers of `result` that are not nodes of the watched state
-    hold to that state's nodes (`known`: id -> index): holders the caller asked for."""
-    edges: dict[int, int] = {}
+    hold to that state's nodes (`known`: their ids): holders the caller asked for."""
+    edges: collections.Counter = collections.Counter()
     stack, seen = [result], set()
     while stack:
         node = stack.pop()
@@ -83,11 +84,8 @@ def _edges_from_new(result: Any, known: dict[int, int]) -> dict[int, int]:
         children = _children(node)
         if len(children) == 1 and children[0] is node:
             continue  # a leaf
-        for child in children:
-            if id(child) in known:
-                edges[id(child)] = edges.get(id(child), 0) + 1
-            else:
-                stack.append(child)
+        edges.update(id(child) for child in children if id(child) in known)
+        stack.extend(children)  # (the state's own nodes are skipped above)
     return edges
 
 
@@ -114,8 +112,8 @@ def call(fn: Callable[..., T], state: Any, *args: Any, **kwargs: Any) -> T:
     before = [sys.getrefcount(node) for node in nodes]
     result = fn(state, *args, **kwargs)
     after = [sys.getrefcount(node) for node in nodes]
-    edges = _edges_from_new(result, {id(node): i for i, node in enumerate(nodes)})
-    if any(a > b + edges.get(id(node), 0)
+    edges = _edges_from_new(result, {id(node) for node in nodes})
+    if any(a > b + edges[id(node)]
            for node, b, a in zip(nodes, before, after, strict=True)):
         mark_held(state)
     return result

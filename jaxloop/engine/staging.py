@@ -76,8 +76,6 @@ def stack(batches: Sequence[Batch], size: int, partitioner: Any, place_it: bool 
             stacked = jax.tree.map(lambda *xs: np.stack(xs), *full)
             return partitioner.shard_stacked_batch(stacked) if place_it else stacked
     full = padded(batches, size, moved_once=True)
-    treedef = jax.tree.structure(full[0])
-    rule = jax.tree.leaves(batches_lib.batch_shardings(partitioner, jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)), x.dtype), full[0]),
-        stacked=True))
+    rule, treedef = jax.tree.flatten(batches_lib.batch_shardings(partitioner, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)), x.dtype), full[0]), stacked=True))
     return _device_stacker(treedef, tuple(rule))(list(full))
