@@ -247,11 +247,10 @@ class Loop:
         self.dataset_exhausted = self.preempted = False
         # Against the host's step count: the check never waits for the device. An evaluation
         # may stop at any batch on Ctrl-C; a training loop at the agreed step boundary.
-        check_preemption = preemption.active() and train
-        check_interrupt = preemption.active() and not train
+        watch = preemption.active()
         # A plain callable may advance `state.step` otherwise (or not at all).
         counted = train and getattr(self._step, "train", False) and hasattr(state, "step")
-        first_step = host_step(state) if counted or check_preemption else None
+        first_step = host_step(state) if counted or (watch and train) else None
         done, size = 0, self._steps_per_execution
         if train:
             adopted, self._adopted = self._adopted, None
@@ -278,10 +277,10 @@ class Loop:
                         break
                     done += ran
                     # The agreed sync step may fall inside an execution: stop at its end.
-                    self.preempted = (check_preemption and any(
+                    self.preempted = watch and (any(
                         preemption.reached_sync_point(first_step + n)
-                        for n in range(done - ran + 1, done + 1))) or (
-                        check_interrupt and preemption.interrupted())
+                        for n in range(done - ran + 1, done + 1)) if train
+                        else preemption.interrupted())
                     if self.preempted or self.dataset_exhausted:
                         break
         except BaseException:
