@@ -229,6 +229,11 @@ class Step:
         action, the live one (the one given was consumed)."""
         return None if self._last_state is None else self._last_state()
 
+    def _hook(self, hook: Any, state: State, other: Any) -> tuple[State, Any]:
+        # A user's `begin` or `end` is watched for a state it keeps.
+        mine = getattr(hook, "__func__", None) in (Step.begin, Step.end)
+        return hook(state, other) if mine else ownership.call(hook, state, other)
+
     @property
     def last_token(self) -> jax.Array | None:
         """A scalar of the last compiled call, ready when it has finished (`in_flight`)."""
@@ -331,12 +336,13 @@ class Step:
                  separate: bool = False) -> tuple[State, Output | None]:
         """Begin actions (on the placed batch `one`), `begin`, the compiled call (one step,
         or `count` of a `size`-step program), `end` and end actions, for steps first-last."""
-        if any(step_actions.action_fires(a, first, True) for a in self._begin_actions):
+        if self._begin_actions and any(step_actions.action_fires(a, first, True)
+                                       for a in self._begin_actions):
             # A placed copy for the actions only: the program keeps one batch form (no retrace).
             placed = (one if all(isinstance(x, jax.Array) for x in jax.tree.leaves(one))
                       or not self._should_shard_batch else self.shard_batch(one))
             step_actions.fire(self._begin_actions, True, first, state, batch=placed)
-        state, batch = ownership.call(self.begin, state, batch)  # a user's may keep it
+        state, batch = self._hook(self.begin, state, batch)
         if log_num_flops:  # of one step
             self.compute_num_flops(state, batch if count is None else one, **kwargs)
         program = self._last_program = self._program(size, carry_state, unroll, separate,
@@ -348,7 +354,7 @@ class Step:
                 self._last_state = weakref.ref(new_state)
             except TypeError:  # a plain container: the caller has it
                 self._last_state = None
-        state, outputs = ownership.call(self.end, new_state if carry_state else state, outputs)
+        state, outputs = self._hook(self.end, new_state if carry_state else state, outputs)
         if self._end_actions:
             step_actions.fire(self._end_actions, False, last, state,
                               outputs if count is None else outputs_lib.entry(outputs, count - 1))

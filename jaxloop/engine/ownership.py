@@ -113,7 +113,6 @@ def call(fn: Callable[..., T], state: Any, *args: Any, **kwargs: Any) -> T:
     result = fn(state, *args, **kwargs)
     after = [sys.getrefcount(node) for node in nodes]
     edges = _edges_from_new(result, {id(node) for node in nodes})
-    if any(a > b + edges[id(node)]
-           for node, b, a in zip(nodes, before, after, strict=True)):
+    if any(a > b + edges[id(node)] for node, b, a in zip(nodes, before, after, strict=True)):
         mark_held(state)
     return result
