@@ -1,8 +1,5 @@
-"""EvalLoop: the loop that measures the model without changing it.
-
-Every step sees the same state, and the loop runs until `num_steps` or the data ends.
-
-Example::
+"""EvalLoop: the loop that measures the model without changing it (every step sees the same
+state; it runs until `num_steps` or the data ends). Example::
 
     eval_loop = EvalLoop(eval_step, end_actions=[summary_action], steps_per_execution=8)
     _, outputs = eval_loop(state, eval_batches)
