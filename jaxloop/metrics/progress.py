@@ -19,7 +19,7 @@ import jax
 from jaxloop import types
 from jaxloop.engine import host_count
 from jaxloop.hooks.action import Action
-from jaxloop.metrics import metric_values
+from jaxloop.metrics import history, metric_values
 
 Output = types.Output
 State = types.TrainState
@@ -104,8 +104,7 @@ class ProgressAction(Action):
         values = (outputs or {}).get(self._metric)
         if isinstance(values, list) and values:
             self._unread = values[-1]
-        if self._unread is None or not (wait or all(
-                x.is_ready() for x in jax.tree.leaves(self._unread) if isinstance(x, jax.Array))):
+        if self._unread is None or not (wait or history.is_ready(self._unread)):
             return {}
         # The last step's value; a clu metric is computed first.
         value, self._unread = self._unread, None
@@ -167,18 +166,29 @@ class ProgressAction(Action):
             return
         totals = [n for n in (getattr(spec, "num_steps", None),
                               _length(getattr(spec, "dataset", None))) if n is not None]
+        total, label = min(totals, default=None), f"evaluating {label}"
         bar = self._ensure_bar(step)
+        self._evaluating(label, 0, total)
         try:
-            yield _Counted(self, batches, f"evaluating {label}", min(totals, default=None))
+            yield self._counted(batches, label, total)
         finally:
             # Training reached `step`: the bar shows it beside that evaluation's results.
             self._status = None
             bar.update(max(step - bar.n, 0))
             self._show()
 
-    def _evaluating(self, status: str) -> None:
-        self._status = status
+    def _evaluating(self, label: str, count: int, total: int | None) -> None:
+        self._status = f"{label}: {count}" + ("" if total is None else f"/{total}")
         self._draw()
+
+    def _counted(self, batches: Iterator[Any], label: str, total: int | None) -> Iterator[Any]:
+        """An evaluation's batches, counted on the bar as read (at most ten redraws a second)."""
+        drawn = 0.0
+        for count, batch in enumerate(batches, 1):
+            if time.monotonic() - drawn >= 0.1 or count == total:
+                drawn = time.monotonic()
+                self._evaluating(label, count, total)
+            yield batch
 
     def close(self) -> None:
         """Closes the bar, showing the last evaluation's results first."""
@@ -193,34 +203,7 @@ class ProgressAction(Action):
 def _length(dataset: Any) -> int | None:
     """The number of batches of a finite dataset that says it (a list, a grain dataset)."""
     if isinstance(dataset, Sized) and not isinstance(dataset, Iterator):
-        try:
+        with contextlib.suppress(TypeError):  # an infinite grain dataset
             return len(dataset)
-        except TypeError:  # an infinite grain dataset
-            return None
     return None
 
-
-class _Counted:
-    """An evaluation's batches, counted on the bar as read (at most ten redraws a second)."""
-
-    def __init__(self, progress: ProgressAction, batches: Iterator[Any], label: str,
-                 total: int | None):
-        self._progress, self._batches = progress, batches
-        self._label, self._total, self._count, self._drawn = label, total, 0, 0.0
-        progress._evaluating(self._text())
-
-    def _text(self) -> str:
-        return f"{self._label}: {self._count}" + (
-            "" if self._total is None else f"/{self._total}")
-
-    def __iter__(self) -> _Counted:
-        return self
-
-    def __next__(self) -> Any:
-        batch = next(self._batches)
-        self._count += 1
-        now = time.monotonic()
-        if now - self._drawn >= 0.1 or self._count == self._total:
-            self._drawn = now
-            self._progress._evaluating(self._text())
-        return batch
