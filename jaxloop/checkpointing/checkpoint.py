@@ -171,13 +171,12 @@ def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> A
     arrays = {k: v for k, v in state_arrays(state).items() if k not in skip}
     if partitioner is not None:
         shardings = state_arrays(partitioner.state_shardings(state))
-        shardings = {k: v for k, v in shardings.items() if k not in skip}
     else:
         default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda x: getattr(x, "sharding", None) or default, arrays)
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype), sharding=s),
-        arrays, shardings)
+        arrays, {k: shardings[k] for k in arrays})
 
 
 def _step_paths(directory: epath.Path) -> dict[int, epath.Path]:
@@ -366,8 +365,6 @@ PARAMS_KEY = "params"
 
 def _renamer(rename: Any) -> Any:
     """A function checkpoint name -> target name (None: not loaded)."""
-    if rename is None:
-        return lambda name: name
     if callable(rename):
         return rename
     if not isinstance(rename, dict):
@@ -404,7 +401,7 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
     if found is None:
         raise ValueError(f"Warm start: no checkpoint in {directory}")
     step, path = found
-    rename_fn = _renamer(rename)
+    rename_fn = _renamer(rename or {})
     arrays = state_arrays(state)
     if PARAMS_KEY not in arrays:
         raise ValueError(f"Warm start: the state has no {PARAMS_KEY!r}; it has {sorted(arrays)}")
