@@ -282,12 +282,8 @@ class History:
                 if i == len(lines) - 1:
                     break  # the process was killed while writing it
                 raise ValueError(f"{path}, line {i + 1}, is not a history record") from None
-            self.record(entry["name"], entry["steps"], entry["values"])
-        for name, series in list(self._series.items()):
-            keep = bisect.bisect_right(series.steps, step)
-            del series.steps[keep:], series.values[keep:]
-            if not series.steps:
-                del self._series[name]
+            keep = bisect.bisect_right(entry["steps"], step)
+            self.record(entry["name"], entry["steps"][:keep], entry["values"][:keep])
         return True
 
     def recorder(self, prefix: str, per_step: bool) -> Callable[[Any, Any, Any], None]:
