@@ -110,12 +110,6 @@ def save(manager: ocp.CheckpointManager, step: int, state: State,
     return saved
 
 
-def _looks_process_independent(position: Any) -> bool:
-    # A GlobalBatchDataset position, or one that says so.
-    return isinstance(position, Mapping) and (bool(position.get("process_independent")) or
-                                              {"next_batch", "global_batch_size"} <= set(position))
-
-
 def dataset_state_for_process(meta: Mapping[str, Any], process_index: int | None = None,
                               process_count: int | None = None) -> Any:
     """This process's data position from a checkpoint's metadata (None if none saved)."""
@@ -127,8 +121,11 @@ def dataset_state_for_process(meta: Mapping[str, Any], process_index: int | None
         return None
     if saved_count == process_count and len(positions) == process_count:
         return positions[process_index]
-    if all(p == positions[0] for p in positions) and _looks_process_independent(positions[0]):
-        return positions[0]
+    first = positions[0]
+    # A GlobalBatchDataset position, or one that says so.
+    if all(p == first for p in positions) and isinstance(first, Mapping) and (
+            first.get("process_independent") or {"next_batch", "global_batch_size"} <= set(first)):
+        return first
     raise ValueError(
         f"The checkpoint holds the data positions of {saved_count} process(es), but this job "
         f"has {process_count}: a per-process pipeline cannot resume on another process count. "

@@ -220,8 +220,7 @@ class History:
         rows = math.ceil(len(panels) / columns)
         subplots_kwargs.setdefault("figsize", (4.5 * columns, 3.5 * rows))
         fig, axes = plt.subplots(rows, columns, squeeze=False, **subplots_kwargs)
-        flat = list(axes.flat)
-        for ax, (metric, members) in zip(flat, panels.items(), strict=False):
+        for ax, (metric, members) in zip(axes.flat, panels.items(), strict=False):
             for name in members:
                 series, prefix = self._series[name], name.partition("/")[0]
                 ax.plot(series.steps, series.values, "-" if prefix == TRAIN else "o-",
@@ -229,7 +228,7 @@ class History:
             ax.set(title=metric, xlabel="step", ylabel=metric)
             ax.grid(alpha=0.3)
             ax.legend()
-        for ax in flat[len(panels):]:
+        for ax in axes.flat[len(panels):]:
             ax.set_visible(False)
         fig.tight_layout()
         return fig
@@ -262,7 +261,11 @@ class History:
             target = path.parent / f"{path.name}.tmp" if new else path
             with target.open("w" if new else "a") as f:
                 f.write("".join(line + "\n" for line in lines))
-                _sync(f)
+                # On disk where it is a local file: a checkpoint saved after this must never
+                # be found without the history up to its step.
+                f.flush()
+                with contextlib.suppress(AttributeError, OSError, ValueError):
+                    os.fsync(f.fileno())
             if new:
                 target.replace(path)
         self._unwritten[str(path)] = {name: len(s.steps) for name, s in series.items()}
@@ -304,14 +307,6 @@ def file_path(checkpoint_dir: Any) -> epath.Path:
     (which holds step folders only), e.g. ``runs/a/checkpoints.history.jsonl``."""
     directory = epath.Path(checkpoint_dir)
     return directory.parent / f"{directory.name}{FILE_SUFFIX}"
-
-
-def _sync(f: Any) -> None:
-    """Flushes `f` to the disk where it is a local file (a checkpoint saved after this
-    must never be found without the history up to its step)."""
-    f.flush()
-    with contextlib.suppress(AttributeError, OSError, ValueError):
-        os.fsync(f.fileno())
 
 
 def _scalar_like(value: Any) -> bool:

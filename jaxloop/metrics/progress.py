@@ -7,6 +7,7 @@ shows one when the output is interactive; tqdm is imported only then)::
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import sys
 import time
@@ -65,18 +66,6 @@ class ProgressAction(Action):
         if self._enabled is None:
             self._enabled = self._in_kernel() or sys.stderr.isatty()
         return self._enabled
-
-    @classmethod
-    def _bar_class(cls) -> Any:
-        """tqdm's widget bar where a notebook has ipywidgets, else its text bar (`tqdm.auto`
-        would warn in every cell)."""
-        import importlib.util  # noqa: PLC0415
-
-        if cls._in_kernel() and importlib.util.find_spec("ipywidgets") is not None:
-            from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
-        else:
-            from tqdm.std import tqdm  # noqa: PLC0415
-        return tqdm
 
     def _latest_eval(self, series: Mapping[str, Any]) -> dict[str, str]:
         """The latest evaluation's results, keyed by the text the bar shows them under."""
@@ -140,8 +129,13 @@ class ProgressAction(Action):
 
     def _ensure_bar(self, initial: int) -> Any:
         if self._bar is None:
-            bar_class = self._bar_class()
-            self._bar = bar_class(
+            # tqdm's widget bar where a notebook has ipywidgets (`tqdm.auto` would warn in
+            # every cell without them), else its text bar.
+            if self._in_kernel() and importlib.util.find_spec("ipywidgets") is not None:
+                from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
+            else:
+                from tqdm.std import tqdm  # noqa: PLC0415
+            self._bar = tqdm(
                 total=self._total, initial=initial, desc=self._desc, unit="step",
                 dynamic_ncols=True,
                 bar_format=self._COUNTER_FORMAT if self._total is None else self._BAR_FORMAT)
@@ -153,7 +147,7 @@ class ProgressAction(Action):
                     warnings.simplefilter("ignore")  # warn in a kernel without ipywidgets
                     from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
 
-                self._redirect.enter_context(logging_redirect_tqdm([root], bar_class))
+                self._redirect.enter_context(logging_redirect_tqdm([root], tqdm))
         return self._bar
 
     @contextlib.contextmanager
