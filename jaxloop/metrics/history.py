@@ -181,11 +181,9 @@ class History:
                     later.setdefault(f"{prefix}/{key}", []).extend(
                         s for s in (range(first + 1, last + 1) if per_step else [last])
                         if s > step)
-        later = {name: steps for name, steps in later.items() if steps}
-        if not later:
-            return None
-        return (min(min(s) for s in later.values()), max(max(s) for s in later.values()),
-                sorted(later))
+        names = sorted(name for name, steps in later.items() if steps)
+        steps = [s for name in names for s in later[name]]
+        return (min(steps), max(steps), names) if names else None
 
     def latest(self, prefix: str) -> dict[str, float]:
         """The last value of each metric under `prefix` (``train``, ``eval``), by key."""

@@ -117,10 +117,7 @@ def mean(numbers: Sequence[float], weights: Sequence[float] | None = None) -> fl
 
 def example_weights(loop: Any = None) -> list[float] | None:
     """`loop.example_counts` (its last run's, per step) as floats, or None if it keeps none."""
-    counts = getattr(loop, "example_counts", None)
-    if not counts:
-        return None
-    weights = scalar_values(list(counts))
+    weights = scalar_values(list(getattr(loop, "example_counts", None) or []))
     return weights if isinstance(weights, list) else None
 
 
