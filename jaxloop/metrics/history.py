@@ -259,8 +259,7 @@ class History:
             target = path.parent / f"{path.name}.tmp" if new else path
             with target.open("w" if new else "a") as f:
                 f.write("".join(line + "\n" for line in lines))
-                # On disk where it is a local file: a checkpoint saved after this must never
-                # be found without the history up to its step.
+                # A checkpoint saved after this is never found without the history to its step.
                 f.flush()
                 with contextlib.suppress(AttributeError, OSError, ValueError):
                     os.fsync(f.fileno())

@@ -129,8 +129,7 @@ class ProgressAction(Action):
 
     def _ensure_bar(self, initial: int) -> Any:
         if self._bar is None:
-            # tqdm's widget bar where a notebook has ipywidgets (`tqdm.auto` would warn in
-            # every cell without them), else its text bar.
+            # Without ipywidgets, `tqdm.auto` would warn in every cell.
             if self._in_kernel() and importlib.util.find_spec("ipywidgets") is not None:
                 from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
             else:
