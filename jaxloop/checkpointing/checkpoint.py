@@ -398,7 +398,7 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
     if found is None:
         raise ValueError(f"Warm start: no checkpoint in {directory}")
     step, path = found
-    rename_fn = _renamer(rename or {})
+    rename_fn = _renamer({} if rename is None else rename)
     arrays = state_arrays(state)
     if PARAMS_KEY not in arrays:
         raise ValueError(f"Warm start: the state has no {PARAMS_KEY!r}; it has {sorted(arrays)}")
