@@ -110,12 +110,6 @@ def save(manager: ocp.CheckpointManager, step: int, state: State,
     return saved
 
 
-def _looks_process_independent(position: Any) -> bool:
-    # A GlobalBatchDataset position, or one that says so.
-    return isinstance(position, Mapping) and (bool(position.get("process_independent")) or
-                                              {"next_batch", "global_batch_size"} <= set(position))
-
-
 def dataset_state_for_process(meta: Mapping[str, Any], process_index: int | None = None,
                               process_count: int | None = None) -> Any:
     """This process's data position from a checkpoint's metadata (None if none saved)."""
@@ -127,8 +121,11 @@ def dataset_state_for_process(meta: Mapping[str, Any], process_index: int | None
         return None
     if saved_count == process_count and len(positions) == process_count:
         return positions[process_index]
-    if all(p == positions[0] for p in positions) and _looks_process_independent(positions[0]):
-        return positions[0]
+    first = positions[0]
+    # A GlobalBatchDataset position, or one that says so.
+    if all(p == first for p in positions) and isinstance(first, Mapping) and (
+            first.get("process_independent") or {"next_batch", "global_batch_size"} <= set(first)):
+        return first
     raise ValueError(
         f"The checkpoint holds the data positions of {saved_count} process(es), but this job "
         f"has {process_count}: a per-process pipeline cannot resume on another process count. "
@@ -171,13 +168,12 @@ def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> A
     arrays = {k: v for k, v in state_arrays(state).items() if k not in skip}
     if partitioner is not None:
         shardings = state_arrays(partitioner.state_shardings(state))
-        shardings = {k: v for k, v in shardings.items() if k not in skip}
     else:
         default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda x: getattr(x, "sharding", None) or default, arrays)
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype), sharding=s),
-        arrays, shardings)
+        arrays, {k: shardings[k] for k in arrays})
 
 
 def _step_paths(directory: epath.Path) -> dict[int, epath.Path]:
@@ -366,8 +362,6 @@ PARAMS_KEY = "params"
 
 def _renamer(rename: Any) -> Any:
     """A function checkpoint name -> target name (None: not loaded)."""
-    if rename is None:
-        return lambda name: name
     if callable(rename):
         return rename
     if not isinstance(rename, dict):
@@ -404,7 +398,7 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
     if found is None:
         raise ValueError(f"Warm start: no checkpoint in {directory}")
     step, path = found
-    rename_fn = _renamer(rename)
+    rename_fn = _renamer({} if rename is None else rename)
     arrays = state_arrays(state)
     if PARAMS_KEY not in arrays:
         raise ValueError(f"Warm start: the state has no {PARAMS_KEY!r}; it has {sorted(arrays)}")

@@ -82,20 +82,29 @@ class CheckpointAction(Action):
         if not self._ckpt_manager.is_saving_in_progress():
             # A finished background save that failed raises here, on the loop's thread.
             self.wait_until_finished()
-        if self._time is not None and not force:
-            if (not self._time.fires(step, phase="checkpoint time policy")
+        if self._time is not None:
+            if force:
+                self._time.restart()
+            elif (not self._time.fires(step, phase="checkpoint time policy")
                     or step in self._ckpt_manager.all_steps()):
                 return False
             force = True  # the time policy decides, not the manager's step policy
-        elif self._time is not None:
-            self._time.restart()
         if context is None and callable(getattr(loop, "action_context", None)):
             context = loop.action_context()  # called with loop= alone
         extra = self._extra_meta() if callable(self._extra_meta) else self._extra_meta
         meta = {**(extra or {}), "loop_count": context and context.loop_count}
         position = context and context.data_position
         if context is not None:
-            self._warn_no_position(position, context.loop.dataset)
+            iterator = context.loop.dataset
+            if position is None and iterator is not None and not self._warned_no_position:
+                from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
+
+                self._warned_no_position = True
+                log.warning(
+                    "The train iterator (%s) cannot report its position, so checkpoints hold no "
+                    "data position: a resumed run will replay the data from the start. Use a "
+                    "grain dataset or data.GlobalBatchDataset to resume the data exactly.",
+                    data.describe_iterator(iterator))
             if context.checkpoint_meta and (force or self._ckpt_manager.should_save(step)):
                 meta.update(context.checkpoint_meta())
         try:
@@ -124,17 +133,6 @@ class CheckpointAction(Action):
                     "new directory, or resume from it (OuterLoop's checkpoint_spec).",
                     step, self._ckpt_manager.directory, latest)
         return saved
-
-    def _warn_no_position(self, position: Any, iterator: Any) -> None:
-        if position is None and iterator is not None and not self._warned_no_position:
-            from jaxloop import data  # noqa: PLC0415 (grain loads only when checkpointing)
-
-            self._warned_no_position = True
-            log.warning(
-                "The train iterator (%s) cannot report its position, so checkpoints hold no "
-                "data position: a resumed run will replay the data from the start. Use a "
-                "grain dataset or data.GlobalBatchDataset to resume the data exactly.",
-                data.describe_iterator(iterator))
 
 
 class BestCheckpointAction(CheckpointAction):

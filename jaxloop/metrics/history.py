@@ -181,11 +181,9 @@ class History:
                     later.setdefault(f"{prefix}/{key}", []).extend(
                         s for s in (range(first + 1, last + 1) if per_step else [last])
                         if s > step)
-        later = {name: steps for name, steps in later.items() if steps}
-        if not later:
-            return None
-        return (min(min(s) for s in later.values()), max(max(s) for s in later.values()),
-                sorted(later))
+        names = sorted(name for name, steps in later.items() if steps)
+        steps = [s for name in names for s in later[name]]
+        return (min(steps), max(steps), names) if names else None
 
     def latest(self, prefix: str) -> dict[str, float]:
         """The last value of each metric under `prefix` (``train``, ``eval``), by key."""
@@ -220,8 +218,7 @@ class History:
         rows = math.ceil(len(panels) / columns)
         subplots_kwargs.setdefault("figsize", (4.5 * columns, 3.5 * rows))
         fig, axes = plt.subplots(rows, columns, squeeze=False, **subplots_kwargs)
-        flat = list(axes.flat)
-        for ax, (metric, members) in zip(flat, panels.items(), strict=False):
+        for ax, (metric, members) in zip(axes.flat, panels.items(), strict=False):
             for name in members:
                 series, prefix = self._series[name], name.partition("/")[0]
                 ax.plot(series.steps, series.values, "-" if prefix == TRAIN else "o-",
@@ -229,7 +226,7 @@ class History:
             ax.set(title=metric, xlabel="step", ylabel=metric)
             ax.grid(alpha=0.3)
             ax.legend()
-        for ax in flat[len(panels):]:
+        for ax in axes.flat[len(panels):]:
             ax.set_visible(False)
         fig.tight_layout()
         return fig
@@ -262,7 +259,10 @@ class History:
             target = path.parent / f"{path.name}.tmp" if new else path
             with target.open("w" if new else "a") as f:
                 f.write("".join(line + "\n" for line in lines))
-                _sync(f)
+                # A checkpoint saved after this is never found without the history to its step.
+                f.flush()
+                with contextlib.suppress(AttributeError, OSError, ValueError):
+                    os.fsync(f.fileno())
             if new:
                 target.replace(path)
         self._unwritten[str(path)] = {name: len(s.steps) for name, s in series.items()}
@@ -282,12 +282,8 @@ class History:
                 if i == len(lines) - 1:
                     break  # the process was killed while writing it
                 raise ValueError(f"{path}, line {i + 1}, is not a history record") from None
-            self.record(entry["name"], entry["steps"], entry["values"])
-        for name, series in list(self._series.items()):
-            keep = bisect.bisect_right(series.steps, step)
-            del series.steps[keep:], series.values[keep:]
-            if not series.steps:
-                del self._series[name]
+            keep = bisect.bisect_right(entry["steps"], step)
+            self.record(entry["name"], entry["steps"][:keep], entry["values"][:keep])
         return True
 
     def recorder(self, prefix: str, per_step: bool) -> Callable[[Any, Any, Any], None]:
@@ -308,14 +304,6 @@ def file_path(checkpoint_dir: Any) -> epath.Path:
     (which holds step folders only), e.g. ``runs/a/checkpoints.history.jsonl``."""
     directory = epath.Path(checkpoint_dir)
     return directory.parent / f"{directory.name}{FILE_SUFFIX}"
-
-
-def _sync(f: Any) -> None:
-    """Flushes `f` to the disk where it is a local file (a checkpoint saved after this
-    must never be found without the history up to its step)."""
-    f.flush()
-    with contextlib.suppress(AttributeError, OSError, ValueError):
-        os.fsync(f.fileno())
 
 
 def _scalar_like(value: Any) -> bool:

@@ -111,17 +111,13 @@ def scalar_values(value: Any) -> float | list[float] | dict[str, float] | None:
 
 def mean(numbers: Sequence[float], weights: Sequence[float] | None = None) -> float:
     """The mean of `numbers`, weighted by `weights` if there is one per number (sum > 0)."""
-    if weights is not None and len(weights) == len(numbers) and sum(weights) > 0:
-        return float(np.average(np.asarray(numbers, np.float64), weights=weights))
-    return float(np.mean(np.asarray(numbers, np.float64)))
+    usable = weights is not None and len(weights) == len(numbers) and sum(weights) > 0
+    return float(np.average(np.asarray(numbers, np.float64), weights=weights if usable else None))
 
 
 def example_weights(loop: Any = None) -> list[float] | None:
     """`loop.example_counts` (its last run's, per step) as floats, or None if it keeps none."""
-    counts = getattr(loop, "example_counts", None)
-    if not counts:
-        return None
-    weights = scalar_values(list(counts))
+    weights = scalar_values(list(getattr(loop, "example_counts", None) or []))
     return weights if isinstance(weights, list) else None
 
 

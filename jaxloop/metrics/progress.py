@@ -7,6 +7,7 @@ shows one when the output is interactive; tqdm is imported only then)::
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import sys
 import time
@@ -19,7 +20,7 @@ import jax
 from jaxloop import types
 from jaxloop.engine import host_count
 from jaxloop.hooks.action import Action
-from jaxloop.metrics import metric_values
+from jaxloop.metrics import history, metric_values
 
 Output = types.Output
 State = types.TrainState
@@ -66,18 +67,6 @@ class ProgressAction(Action):
             self._enabled = self._in_kernel() or sys.stderr.isatty()
         return self._enabled
 
-    @classmethod
-    def _bar_class(cls) -> Any:
-        """tqdm's widget bar where a notebook has ipywidgets, else its text bar (`tqdm.auto`
-        would warn in every cell)."""
-        import importlib.util  # noqa: PLC0415
-
-        if cls._in_kernel() and importlib.util.find_spec("ipywidgets") is not None:
-            from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
-        else:
-            from tqdm.std import tqdm  # noqa: PLC0415
-        return tqdm
-
     def _latest_eval(self, series: Mapping[str, Any]) -> dict[str, str]:
         """The latest evaluation's results, keyed by the text the bar shows them under."""
         evals = {n.removeprefix("eval/"): s for n, s in series.items()
@@ -104,8 +93,7 @@ class ProgressAction(Action):
         values = (outputs or {}).get(self._metric)
         if isinstance(values, list) and values:
             self._unread = values[-1]
-        if self._unread is None or not (wait or all(
-                x.is_ready() for x in jax.tree.leaves(self._unread) if isinstance(x, jax.Array))):
+        if self._unread is None or not (wait or history.is_ready(self._unread)):
             return {}
         # The last step's value; a clu metric is computed first.
         value, self._unread = self._unread, None
@@ -141,8 +129,12 @@ class ProgressAction(Action):
 
     def _ensure_bar(self, initial: int) -> Any:
         if self._bar is None:
-            bar_class = self._bar_class()
-            self._bar = bar_class(
+            # Without ipywidgets, `tqdm.auto` would warn in every cell.
+            if self._in_kernel() and importlib.util.find_spec("ipywidgets") is not None:
+                from tqdm.auto import tqdm  # noqa: PLC0415 (only when a bar is shown)
+            else:
+                from tqdm.std import tqdm  # noqa: PLC0415
+            self._bar = tqdm(
                 total=self._total, initial=initial, desc=self._desc, unit="step",
                 dynamic_ncols=True,
                 bar_format=self._COUNTER_FORMAT if self._total is None else self._BAR_FORMAT)
@@ -154,7 +146,7 @@ class ProgressAction(Action):
                     warnings.simplefilter("ignore")  # warn in a kernel without ipywidgets
                     from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
 
-                self._redirect.enter_context(logging_redirect_tqdm([root], bar_class))
+                self._redirect.enter_context(logging_redirect_tqdm([root], tqdm))
         return self._bar
 
     @contextlib.contextmanager
@@ -167,18 +159,29 @@ class ProgressAction(Action):
             return
         totals = [n for n in (getattr(spec, "num_steps", None),
                               _length(getattr(spec, "dataset", None))) if n is not None]
+        total, label = min(totals, default=None), f"evaluating {label}"
         bar = self._ensure_bar(step)
+        self._evaluating(label, 0, total)
         try:
-            yield _Counted(self, batches, f"evaluating {label}", min(totals, default=None))
+            yield self._counted(batches, label, total)
         finally:
             # Training reached `step`: the bar shows it beside that evaluation's results.
             self._status = None
             bar.update(max(step - bar.n, 0))
             self._show()
 
-    def _evaluating(self, status: str) -> None:
-        self._status = status
+    def _evaluating(self, label: str, count: int, total: int | None) -> None:
+        self._status = f"{label}: {count}" + ("" if total is None else f"/{total}")
         self._draw()
+
+    def _counted(self, batches: Iterator[Any], label: str, total: int | None) -> Iterator[Any]:
+        """An evaluation's batches, counted on the bar as read (at most ten redraws a second)."""
+        drawn = 0.0
+        for count, batch in enumerate(batches, 1):
+            if time.monotonic() - drawn >= 0.1 or count == total:
+                drawn = time.monotonic()
+                self._evaluating(label, count, total)
+            yield batch
 
     def close(self) -> None:
         """Closes the bar, showing the last evaluation's results first."""
@@ -193,34 +196,7 @@ class ProgressAction(Action):
 def _length(dataset: Any) -> int | None:
     """The number of batches of a finite dataset that says it (a list, a grain dataset)."""
     if isinstance(dataset, Sized) and not isinstance(dataset, Iterator):
-        try:
+        with contextlib.suppress(TypeError):  # an infinite grain dataset
             return len(dataset)
-        except TypeError:  # an infinite grain dataset
-            return None
     return None
 
-
-class _Counted:
-    """An evaluation's batches, counted on the bar as read (at most ten redraws a second)."""
-
-    def __init__(self, progress: ProgressAction, batches: Iterator[Any], label: str,
-                 total: int | None):
-        self._progress, self._batches = progress, batches
-        self._label, self._total, self._count, self._drawn = label, total, 0, 0.0
-        progress._evaluating(self._text())
-
-    def _text(self) -> str:
-        return f"{self._label}: {self._count}" + (
-            "" if self._total is None else f"/{self._total}")
-
-    def __iter__(self) -> _Counted:
-        return self
-
-    def __next__(self) -> Any:
-        batch = next(self._batches)
-        self._count += 1
-        now = time.monotonic()
-        if now - self._drawn >= 0.1 or self._count == self._total:
-            self._drawn = now
-            self._progress._evaluating(self._text())
-        return batch

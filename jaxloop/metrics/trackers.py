@@ -110,11 +110,8 @@ class MlflowWriter(values.Closing):
 
     def write_histograms(self, step: int, arrays: values.Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
-        summary = {}
-        for key, value in arrays.items():
-            value = np.asarray(value, np.float64)
-            summary.update({f"{key}/{f}": getattr(value, f)() for f in ("mean", "min", "max")})
-        self.write_scalars(step, summary)
+        self.write_scalars(step, {f"{key}/{f}": getattr(np.asarray(value, np.float64), f)()
+                                  for key, value in arrays.items() for f in ("mean", "min", "max")})
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         if not self._active:

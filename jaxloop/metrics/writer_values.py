@@ -24,11 +24,8 @@ Arrays = Mapping[str, ArrayLike]
 _LOGGER = logging.getLogger("jaxloop.metrics.writers")  # where a writer's user looks
 
 
-class Closing:
+class Closing(contextlib.AbstractContextManager):
     """Closes the writer at the end of a ``with`` block."""
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, exc_type, exc_value, traceback) -> None:
         self.close()

@@ -21,20 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from jaxloop import async_action_context
-from jaxloop.metrics.writer_values import (
-    Arrays,
-    Closing,
-    as_step,
-    audios_ntc,
-    flatten_hparams,
-    has_moviepy,
-    hparam_value,
-    is_array,
-    pixels,
-    prepare_scalars,
-    snapshot,
-    snapshot_tree,
-)
+from jaxloop.metrics import writer_values as values
 
 __all__ = ["AsyncWriter", "LoggingWriter", "MetricWriter", "MultiWriter", "SummaryWriter",
            "create_default_writer"]
@@ -48,12 +35,12 @@ DEFAULT_HISTOGRAM_BUCKETS = 30  # tf.summary.histogram's default
 class MetricWriter(Protocol):
     """clu's ``MetricWriter`` methods, which jaxloop's and clu's writers have."""
 
-    def write_scalars(self, step: int, scalars: Arrays) -> None: ...
-    def write_images(self, step: int, images: Arrays) -> None: ...
-    def write_videos(self, step: int, videos: Arrays) -> None: ...
-    def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None: ...
+    def write_scalars(self, step: int, scalars: values.Arrays) -> None: ...
+    def write_images(self, step: int, images: values.Arrays) -> None: ...
+    def write_videos(self, step: int, videos: values.Arrays) -> None: ...
+    def write_audios(self, step: int, audios: values.Arrays, *, sample_rate: int) -> None: ...
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None: ...
-    def write_histograms(self, step: int, arrays: Arrays,
+    def write_histograms(self, step: int, arrays: values.Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None: ...
     def write_hparams(self, hparams: Mapping[str, Any]) -> None: ...
     def flush(self) -> None: ...
@@ -63,7 +50,7 @@ class MetricWriter(Protocol):
 _EVENT_FILES = itertools.count()
 
 
-class SummaryWriter(Closing):
+class SummaryWriter(values.Closing):
     """Writes TensorBoard event files into ``logdir`` (a path or a ``gs://`` URL) on the
     calling thread (see `AsyncWriter`); N images or videos of a key are tiled into one PNG
     or GIF (videos need moviepy). A write `flush_secs` after the last flush flushes."""
@@ -73,58 +60,65 @@ class SummaryWriter(Closing):
         self.logdir = os.fspath(logdir)
         self._flush_secs, self._video_fps = flush_secs, video_fps
         self._lock, self._closed = threading.Lock(), False
-        self._events = _events_file(self.logdir)
+        from tensorboardX.event_file_writer import EventsWriter
+        if "://" not in self.logdir:  # buckets have no directories
+            os.makedirs(self.logdir, exist_ok=True)
+        # Files are named by the second; the pid and a counter keep two of one second apart.
+        suffix = f".{os.getpid()}.{next(_EVENT_FILES):06d}"
+        self._events = EventsWriter(os.path.join(self.logdir, "events"), suffix)
         # Closes the file once: at `close`, or when the writer is collected or Python exits.
         self._close_events = weakref.finalize(self, self._events.close)
         self._flushed_at = time.monotonic()
 
-    def _add(self, encode: str, step: int | None, values: Mapping[str, Any], **kwargs: Any) -> None:
+    def _add(self, encode: str, step: int, tagged: Mapping[str, Any], **kwargs: Any) -> None:
         import tensorboardX.summary
         encoder = getattr(tensorboardX.summary, encode)
-        self._append([encoder(tag, value, **kwargs) for tag, value in values.items()], step)
+        self._append([encoder(tag, value, **kwargs) for tag, value in tagged.items()], step)
 
-    def _append(self, summaries: Sequence[Any], step: int | None) -> None:
+    def _append(self, summaries: Sequence[Any], step: int) -> None:
+        from tensorboardX.proto.event_pb2 import Event
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"SummaryWriter for {self.logdir!r} is closed.")
-            _write(self._events, summaries, step)
+            for summary in summaries:
+                self._events.write_event(Event(summary=summary, wall_time=time.time(), step=step))
             if time.monotonic() - self._flushed_at >= self._flush_secs:
                 self._flush()
 
-    def write_scalars(self, step: int, scalars: Arrays) -> None:
-        self._add("scalar", as_step(step), prepare_scalars(scalars))
+    def write_scalars(self, step: int, scalars: values.Arrays) -> None:
+        self._add("scalar", values.as_step(step), values.prepare_scalars(scalars))
 
-    def write_images(self, step: int, images: Arrays) -> None:
+    def write_images(self, step: int, images: values.Arrays) -> None:
         """Images of shape [H, W], [H, W, C] or [N, H, W, C], C in 1/3/4."""
-        self._add("image", as_step(step), {key: pixels("Image", key, value)
+        self._add("image", values.as_step(step), {key: values.pixels("Image", key, value)
                                             for key, value in images.items()}, dataformats="NHWC")
 
-    def write_videos(self, step: int, videos: Arrays) -> None:
+    def write_videos(self, step: int, videos: values.Arrays) -> None:
         """Videos of shape [T, H, W, C] or [N, T, H, W, C], as animated GIFs."""
-        step = as_step(step)
-        batches = {key: pixels("Video", key, value)[..., :3] for key, value in videos.items()}
-        if batches and has_moviepy(self):
+        step = values.as_step(step)
+        batches = {k: values.pixels("Video", k, v)[..., :3] for k, v in videos.items()}
+        if batches and values.has_moviepy(self):
             self._add("video", step, batches, fps=self._video_fps, dataformats="NTHWC")
 
-    def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None:
+    def write_audios(self, step: int, audios: values.Arrays, *, sample_rate: int) -> None:
         """Clips of shape [N, T, C], [N, T] or [T], as 16-bit WAV: floats in [-1, 1] or int16."""
-        step, sample_rate = as_step(step), operator.index(sample_rate)
+        step, sample_rate = values.as_step(step), operator.index(sample_rate)
         if sample_rate <= 0:
             raise ValueError(f"sample_rate must be positive, got {sample_rate}.")
         clips = {}
         for key, value in audios.items():
-            batch = audios_ntc(key, value)
+            batch = values.audios_ntc(key, value)
             clips.update({key if len(batch) == 1 else f"{key}/{i}": c for i, c in enumerate(batch)})
         self._add("audio", step, clips, sample_rate=sample_rate)
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         """Strings, shown as Markdown in the Text tab."""
-        self._add("text", as_step(step), {key: str(text) for key, text in texts.items()})
+        self._add("text", values.as_step(step), {key: str(text) for key, text in texts.items()})
 
-    def write_histograms(self, step: int, arrays: Arrays,
+    def write_histograms(self, step: int, arrays: values.Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
         """``num_buckets[key]`` buckets; non-finite values are left out with a warning."""
-        step, buckets = as_step(step), num_buckets or {}
+        step, buckets = values.as_step(step), num_buckets or {}
         for key, value in arrays.items():
             flat = np.asarray(value, np.float64).reshape(-1)
             finite = flat[np.isfinite(flat)]
@@ -140,8 +134,9 @@ class SummaryWriter(Closing):
         and strings their ``str()``; into this writer's run (not a sub-run per call, as
         tensorboardX's add_hparams does), which a resumed run appends to."""
         import tensorboardX.summary
-        flat = {key: hparam_value(v) for key, v in flatten_hparams(hparams).items()}
-        self._append(tensorboardX.summary.hparams(flat, {}), None)
+        flat = {key: values.hparam_value(v) for key, v in values.flatten_hparams(hparams).items()}
+        # Step 0 is no step: proto3 does not write a zero.
+        self._append(tensorboardX.summary.hparams(flat, {}), 0)
 
     def _flush(self) -> None:
         self._events.flush()
@@ -159,57 +154,38 @@ class SummaryWriter(Closing):
             self._closed = True
 
 
-def _events_file(logdir: str) -> Any:
-    """A new event file in `logdir` (created if missing), written synchronously."""
-    from tensorboardX.event_file_writer import EventsWriter
-    if "://" not in logdir:  # buckets have no directories
-        os.makedirs(logdir, exist_ok=True)
-    # Files are named by the second; the pid and a counter keep two of one second apart.
-    suffix = f".{os.getpid()}.{next(_EVENT_FILES):06d}"
-    return EventsWriter(os.path.join(logdir, "events"), suffix)
-
-
-def _write(events: Any, summaries: Sequence[Any], step: int | None) -> None:
-    """Appends `summaries` to `events`, as tensorboardX's FileWriter.add_summary does."""
-    from tensorboardX.proto.event_pb2 import Event
-    for summary in summaries:
-        event = Event(summary=summary, wall_time=time.time())
-        if step is not None:
-            event.step = step
-        events.write_event(event)
-
-
-class _Forwarder(Closing):
+class _Forwarder(values.Closing):
     """Checks and converts a call's arguments once, then hands the call to `_forward`."""
 
     _to_host: Any = staticmethod(np.asarray)  # what array values are passed on as
     _forward: Any  # (method name, *args, **kwargs) -> None
 
-    def _arrays(self, arrays: Arrays) -> dict[str, Any]:
+    def _arrays(self, arrays: values.Arrays) -> dict[str, Any]:
         return {key: self._to_host(value) for key, value in arrays.items()}
 
-    def write_scalars(self, step: int, scalars: Arrays) -> None:
-        self._forward("write_scalars", as_step(step), prepare_scalars(scalars))
+    def write_scalars(self, step: int, scalars: values.Arrays) -> None:
+        self._forward("write_scalars", values.as_step(step), values.prepare_scalars(scalars))
 
-    def write_images(self, step: int, images: Arrays) -> None:
-        self._forward("write_images", as_step(step), self._arrays(images))
+    def write_images(self, step: int, images: values.Arrays) -> None:
+        self._forward("write_images", values.as_step(step), self._arrays(images))
 
-    def write_videos(self, step: int, videos: Arrays) -> None:
-        self._forward("write_videos", as_step(step), self._arrays(videos))
+    def write_videos(self, step: int, videos: values.Arrays) -> None:
+        self._forward("write_videos", values.as_step(step), self._arrays(videos))
 
-    def write_audios(self, step: int, audios: Arrays, *, sample_rate: int) -> None:
-        self._forward("write_audios", as_step(step), self._arrays(audios), sample_rate=sample_rate)
+    def write_audios(self, step: int, audios: values.Arrays, *, sample_rate: int) -> None:
+        self._forward("write_audios", values.as_step(step), self._arrays(audios),
+                      sample_rate=sample_rate)
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
-        self._forward("write_texts", as_step(step), dict(texts))
+        self._forward("write_texts", values.as_step(step), dict(texts))
 
-    def write_histograms(self, step: int, arrays: Arrays,
+    def write_histograms(self, step: int, arrays: values.Arrays,
                          num_buckets: Mapping[str, int] | None = None) -> None:
         buckets = dict(num_buckets) if num_buckets is not None else None
-        self._forward("write_histograms", as_step(step), self._arrays(arrays), buckets)
+        self._forward("write_histograms", values.as_step(step), self._arrays(arrays), buckets)
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-        self._forward("write_hparams", snapshot_tree(hparams))
+        self._forward("write_hparams", values.snapshot_tree(hparams))
 
     def flush(self) -> None:
         self._forward("flush")
@@ -238,21 +214,21 @@ class LoggingWriter(_Forwarder):
 
     def _forward(self, method: str, *args: Any, **kwargs: Any) -> None:
         if method == "write_hparams":
-            plain = {k: np.asarray(v).item() if is_array(v) and np.ndim(v) == 0 else v
-                     for k, v in flatten_hparams(args[0]).items()}
+            plain = {k: np.asarray(v).item() if values.is_array(v) and np.ndim(v) == 0 else v
+                     for k, v in values.flatten_hparams(args[0]).items()}
             self._log("hparams: " + ", ".join(f"{k}={v!r}" for k, v in plain.items()))
         elif method == "write_texts":
             for key, text in args[1].items():
                 self._log(f"{args[0]} | text {key}: {text}")
         elif method == "write_scalars" and args[1]:
-            step, values = args
-            self._log(f"{step} | " + ", ".join(f"{k}={v:.6g}" for k, v in values.items()))
+            step, scalars = args
+            self._log(f"{step} | " + ", ".join(f"{k}={v:.6g}" for k, v in scalars.items()))
         elif method not in ("write_scalars", "flush", "close") and args[1]:
-            step, values = args[:2]
+            step, arrays = args[:2]
             kind = method.removeprefix("write_")
             if "sample_rate" in kwargs:
                 kind += f" at {kwargs['sample_rate']} Hz"
-            shapes = ", ".join(f"{key} shape={np.shape(value)}" for key, value in values.items())
+            shapes = ", ".join(f"{key} shape={np.shape(value)}" for key, value in arrays.items())
             self._log(f"{step} | {kind}: {shapes}")
 
 
@@ -302,7 +278,7 @@ class AsyncWriter(_Forwarder):
     call returns once its arguments are host copies (it blocks while ``max_queue`` wait), and
     the writer's error is raised by the next call or at the next loop boundary."""
 
-    _to_host = staticmethod(snapshot)
+    _to_host = staticmethod(values.snapshot)
 
     def __init__(self, writer: MetricWriter, *, max_queue: int = 128) -> None:
         self.writer, self._closed = writer, False
