@@ -49,22 +49,18 @@ def _leaf_shardings(mesh: jax.sharding.Mesh, axis: str | None, treedef: Any,
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * dim, axis))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     shards = _local_shards(mesh, axis)
-    for path, shape in zip(_paths(treedef), shapes, strict=True):
+    for i, shape in enumerate(shapes):
         if len(shape) > dim and shape[dim] % shards:
+            dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+            path = jax.tree_util.tree_flatten_with_path(dummy)[0][i][0]
             raise ValueError(
-                f"Batch leaf {path} has shape "
+                f"Batch leaf {annotations.path_str(path)} has shape "
                 f"{shape}{f' ({shape[0]} stacked batches)' if stacked else ''}: its "
                 f"{'batch' if stacked else 'leading'} dimension {shape[dim]} does not divide "
                 f"by the {shards} local devices along mesh axis {axis!r} of process "
                 f"{jax.process_index()}. Use a per-process batch size that is a multiple "
                 f"of {shards}.")
     return [replicated if len(shape) <= dim else split for shape in shapes]
-
-
-def _paths(treedef: Any) -> list[str]:
-    """The path of each leaf of `treedef`, for messages."""
-    dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
-    return [annotations.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
 def place(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:

@@ -176,8 +176,7 @@ class NnxAdapter(ModelAdapter):
     def _placeholder_rngs(self) -> dict:
         def make(x: jax.ShapeDtypeStruct) -> jax.Array:
             if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-                key = jax.random.key(0)
-                return jnp.broadcast_to(key, x.shape) if x.shape else key
+                return jnp.broadcast_to(jax.random.key(0), x.shape)
             return jnp.zeros(x.shape, x.dtype)
 
         return jax.tree.map(make, self._rng_layout or {})
@@ -236,8 +235,7 @@ class NnxAdapter(ModelAdapter):
                              f"Pass e.g. rngs={{'{unseeded[0]}': self.prng_key(state.step)}}.")
         if not mutable:
             return out
-        _, _, new_stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-        mutated = {_BATCH_STATS: new_stats.to_pure_dict()}
+        mutated = {_BATCH_STATS: nnx.state(model, nnx.BatchStat).to_pure_dict()}
         if mutable is True or _INTERMEDIATES in mutable:  # what the model sowed
             mutated[_INTERMEDIATES] = nnx.state(model, nnx.Intermediate).to_pure_dict()
         return out, mutated
@@ -263,9 +261,7 @@ def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
             raise ValueError(
                 f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are only "
                 f"for nnx module classes; {type(model).__name__} is already constructed")
-        if isinstance(model, nn.Module):
-            return LinenAdapter(model)
-        return NnxAdapter(model)
+        return LinenAdapter(model) if isinstance(model, nn.Module) else NnxAdapter(model)
     raise TypeError(
         f"model must be a flax linen module instance or an nnx module class, got {model!r}")
 

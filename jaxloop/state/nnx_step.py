@@ -1,24 +1,12 @@
-"""`run` written the NNX way: a Step whose `run` takes ``model`` first gets the model as an
-`nnx.Module` and its optimizer as an `nnx.Optimizer`, as Flax's NNX tutorial writes its steps::
+"""`run` written the NNX way (docs/features.md, "nnx models"): a Step whose `run` takes
+``model`` first gets it as an `nnx.Module`, with the objects it names (`ARGUMENTS`), merged
+from the loop's state and split back while `jax.jit` traces, so the state stays a `TrainState`
+of arrays. RNG streams are reseeded from ``self.prng_key(step)`` every step::
 
-    class TrainStep(step_lib.Step):
-        def metrics(self):  # a fresh nnx metric per step; each entry becomes an output
-            return nnx.MultiMetric(loss=nnx.metrics.Average('loss'))
-
-        def run(self, model, optimizer, metrics, rngs, batch):
-            (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, rngs)
-            metrics.update(loss=loss)
-            optimizer.update(model, grads)
-
-`run` names what it takes after ``model``, in any order: ``optimizer`` (``wrt=nnx.Param``),
-``metrics`` (the step's ``metrics()``, merged by the loop as `clu.metrics.Average`), ``ema``
-(`NnxEma`, for a state made with ``ema.init``), ``rngs`` (of ``self.prng_key(step)``) and
-``batch``. It updates the objects in place and may return a dict of further outputs.
-
-The objects are merged from the loop's state and split back while `jax.jit` traces (no
-`nnx.jit` per call), so the state stays a `TrainState` of arrays that checkpoints,
-partitioners and actions see as always. RNG streams are reseeded from ``self.prng_key(step)``
-every step (a resumed run draws the same masks); the caller's model is never touched.
+    def run(self, model, optimizer, metrics, rngs, batch):
+        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, rngs)
+        metrics.update(loss=loss)
+        optimizer.update(model, grads)
 """
 
 from __future__ import annotations

@@ -53,16 +53,15 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
 def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
     """The global batch of `spec` as `jax.ShapeDtypeStruct` leaves placed as `shard_batch`
     places batches (ValueError: a leading dimension not divisible by the data shards)."""
-    mesh = partitioner.mesh
-    axis = partitioner.data_axis
     shards = partitioner.num_data_shards
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    replicated = jax.sharding.NamedSharding(partitioner.mesh, jax.sharding.PartitionSpec())
 
     def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
         if x.ndim and x.shape[0] % shards:
             raise ValueError(f"Batch leaf {annotations.path_str(path)} has shape {tuple(x.shape)}: "
                              f"its leading dimension {x.shape[0]} (the global batch) does not "
-                             f"divide by the {shards} devices along mesh axis {axis!r}")
+                             f"divide by the {shards} devices along mesh axis "
+                             f"{partitioner.data_axis!r}")
         sharding = partitioner.batch_sharding if x.ndim else replicated
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
