@@ -86,7 +86,6 @@ class Partitioner(abc.ABC):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         self._mesh = mesh
         self._data_axis = _checked_axes(mesh, data_axis, "data_axis")
-        self._batch_sharding = NamedSharding(mesh, P(self._data_axis))
         self._last_state_shardings: PyTree = None
 
     @property
@@ -107,7 +106,7 @@ class Partitioner(abc.ABC):
     @property
     def batch_sharding(self) -> NamedSharding:
         """The sharding of batch leaves: leading dimension split along the data axis."""
-        return self._batch_sharding
+        return NamedSharding(self._mesh, P(self._data_axis))
 
     @property
     def sharding(self) -> PyTree:

@@ -9,9 +9,7 @@ Example::
     state = ema.update(state.apply_gradients(grads=grads), decay=0.999)   # in Step.run
     eval_loop = EvalLoop(eval_step, use_ema=True)     # evaluates state.ema_params
 
-An NNX-native ``run(self, model, optimizer, ema, batch)`` names ``ema`` and calls
-``ema.update(model, decay)`` after ``optimizer.update`` (`NnxEma`); the state is made with
-`init` the same way.
+An NNX-native ``run`` names ``ema`` instead: `NnxEma`.
 """
 
 from __future__ import annotations

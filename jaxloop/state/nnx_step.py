@@ -85,17 +85,13 @@ def _optimizer(model: nnx.Module, tx: Any, state: types.TrainState) -> _Counting
 def _reseed(model: nnx.Module, keys: types.PRNGType) -> None:
     """Reseeds each RNG stream the model holds from this step's key(s)."""
     tags = {s.key.tag for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)}
-    if not tags:
-        return
-    if isinstance(keys, Mapping):
-        missing = sorted(tags - set(keys))
-        if missing:
-            raise ValueError(
-                f"The model draws from the RNG stream(s) {missing}, but the step's base key "
-                f"names only {sorted(keys)}: add e.g. {{'{missing[0]}': key}}, or pass one key.")
-        nnx.reseed(model, **{t: keys[t] for t in tags})
-    else:
-        nnx.reseed(model, **dict.fromkeys(tags, keys))
+    given = keys if isinstance(keys, Mapping) else dict.fromkeys(tags, keys)
+    missing = sorted(tags - set(given))
+    if missing:
+        raise ValueError(
+            f"The model draws from the RNG stream(s) {missing}, but the step's base key "
+            f"names only {sorted(given)}: add e.g. {{'{missing[0]}': key}}, or pass one key.")
+    nnx.reseed(model, **{t: given[t] for t in tags})
 
 
 def metric_outputs(metrics: nnx.Metric) -> dict[str, clu_metrics.Average]:
@@ -157,8 +153,7 @@ def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, bat
             if name in outputs:
                 raise ValueError(f"run returned {name!r}, which its metrics also name")
             outputs[name] = value
-    variables = adapter.split(model)
-    new_state = state.replace(params=variables["params"], batch_stats=variables["batch_stats"])
+    new_state = state.replace(**adapter.split(model))
     if "ema" in names:
         new_state = new_state.replace(ema_params=given["ema"].params)
     if optimizer is not None:
