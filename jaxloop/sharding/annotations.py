@@ -1,10 +1,6 @@
-"""Flax partitioning annotations read as mesh axes, and FSDP's split of a leaf.
-
-`leaf_axes` gives the mesh axis of each dimension of a leaf in a flax `AxisMetadata` box
-(linen's, or nnx metadata boxed by `jaxloop.state.model`), resolving logical names as flax's
-`nn.logical_to_mesh_axes` does; `fsdp_axes` adds FSDP's split; `spec` makes the spec.
-
-Example::
+"""Flax partitioning annotations (linen's, or nnx's as `jaxloop.state.model` boxes them) read
+as mesh axes, logical names resolved as `nn.logical_to_mesh_axes` does (`leaf_axes`), and
+FSDP's split of a leaf (`fsdp_axes`)::
 
     box = nn.LogicallyPartitioned(jnp.zeros((64, 256)), ('embed', 'mlp'))
     leaf_axes(box, (), mesh, rules=(('embed', None), ('mlp', 'model')))  # [None, 'model']

@@ -1,11 +1,6 @@
 """Where a batch's leaves live on the mesh: split along the partitioner's data axis on their
 leading dimension (`batch_shardings`), and a process's batch placed so (`place`). A
-`Partitioner`'s ``batch_shardings`` and ``shard_batch`` are these.
-
-Example::
-
-    batch = place(partitioner, {'x': np.ones((16, 4))})  # split 16 rows over the data axis
-"""
+`Partitioner`'s ``batch_shardings`` and ``shard_batch`` are these."""
 
 from __future__ import annotations
 

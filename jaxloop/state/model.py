@@ -32,10 +32,6 @@ Model = nn.Module | type[nnx.Module] | nnx.Module
 _TRAIN_MODE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "jaxloop_train_mode", default=None)
 
-# The collections an nnx model's non-parameter variables go to, by variable type.
-_BATCH_STATS = "batch_stats"
-_INTERMEDIATES = "intermediates"  # nnx.Intermediate (what `sow` makes), as linen names it
-
 
 @contextlib.contextmanager
 def training_mode(train: bool) -> Iterator[None]:
@@ -170,7 +166,7 @@ class NnxAdapter(ModelAdapter):
         variables: Variables = {"params": nnx.to_pure_dict(params, _param_leaf)}
         stats_dict = stats.to_pure_dict()
         if stats_dict:
-            variables[_BATCH_STATS] = stats_dict
+            variables["batch_stats"] = stats_dict
         return variables
 
     def _placeholder_rngs(self) -> dict:
@@ -188,7 +184,7 @@ class NnxAdapter(ModelAdapter):
         if "params" not in variables:
             raise ValueError(
                 f"apply_fn needs variables with 'params'; got keys {sorted(variables)}")
-        stats = variables.get(_BATCH_STATS) or {}
+        stats = variables.get("batch_stats") or {}
         if not stats and self._stats_layout:
             raise ValueError(
                 f"{self.model_name} holds BatchNorm statistics (nnx.BatchStat: "
@@ -207,7 +203,7 @@ class NnxAdapter(ModelAdapter):
     def split(model: nnx.Module) -> Variables:
         """`model`'s ``params`` and ``batch_stats`` as the state holds them (pure dicts)."""
         _, params, stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-        return {"params": params.to_pure_dict(), _BATCH_STATS: stats.to_pure_dict() or None}
+        return {"params": params.to_pure_dict(), "batch_stats": stats.to_pure_dict() or None}
 
     def apply(self, variables: Mapping[str, Any], *args: Any,
               rngs: Mapping[str, jax.Array] | jax.Array | None = None, mutable: Any = False,
@@ -235,9 +231,10 @@ class NnxAdapter(ModelAdapter):
                              f"Pass e.g. rngs={{'{unseeded[0]}': self.prng_key(state.step)}}.")
         if not mutable:
             return out
-        mutated = {_BATCH_STATS: nnx.state(model, nnx.BatchStat).to_pure_dict()}
-        if mutable is True or _INTERMEDIATES in mutable:  # what the model sowed
-            mutated[_INTERMEDIATES] = nnx.state(model, nnx.Intermediate).to_pure_dict()
+        mutated = {"batch_stats": nnx.state(model, nnx.BatchStat).to_pure_dict()}
+        # What the model sowed (nnx.Intermediate), under linen's collection name.
+        if mutable is True or "intermediates" in mutable:
+            mutated["intermediates"] = nnx.state(model, nnx.Intermediate).to_pure_dict()
         return out, mutated
 
 

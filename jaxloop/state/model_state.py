@@ -1,10 +1,5 @@
-"""The train state of a model and optimizer, born in place on the mesh or only described.
-
-`StateBuilder` makes it through a partitioner; `Step.initialize_model` and
-`Step.abstract_state` are its front, and `materialize`, `restore` and `count_params` serve
-`Step`'s other state methods.
-
-Example::
+"""The train state of a model and optimizer, made by `StateBuilder` through a partitioner
+(born in place on the mesh, or only described); `Step`'s state methods are its front::
 
     builder = StateBuilder(model.adapt(CNN()), optax.adam(1e-3), 'bfloat16', jax.random.key(0))
     state = builder.initialize(partitioner, [1, 28, 28, 1])
@@ -161,8 +156,7 @@ class StateBuilder:
         if held is None:
             with _model_input_spec(spec, batch, partitioner.abstract_init_fn(create)):
                 return partitioner.shard_init_fn(create)(batch)
-        # An nnx instance's values go straight to their place and enter as arguments, not
-        # constants.
+        # An nnx instance's values go to their place and enter as arguments, not constants.
         held = jax.device_put(held, jax.tree.map(
             lambda s: NamedSharding(partitioner.mesh, s), partitioner.state_specs(held)))
         return partitioner.shard_init_fn(create)(batch, held)

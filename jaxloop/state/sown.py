@@ -1,13 +1,7 @@
-"""Sown intermediates: values a model sows (linen or nnx ``self.sow``) become step outputs.
-
-A `Step` given ``sown=('intermediates',)`` records these collections of every
-``state.apply_fn`` call while `run` is traced (the last call wins) and outputs them as
-``'<collection>/<module path>/<name>'`` (scalars only unless ``sown_scalars_only=False``),
-without gradient; `run` needs no change::
-
-    self.sow('intermediates', 'act_mean', h.mean())  # in the model
-    step = MyStep(key, Net(), optax.adam(1e-3), train=True, sown=('intermediates',))
-    # outputs['intermediates/act_mean'] is a per-step scalar
+"""Sown intermediates (docs/triggers_and_debugging.md): a `Step` given ``sown=`` records the
+collections a model sows (linen or nnx ``self.sow``) in every ``state.apply_fn`` call while
+`run` is traced (the last call wins) and outputs them, without gradient, as
+``'<collection>/<module path>/<name>'`` (scalars only unless ``sown_scalars_only=False``).
 """
 
 from __future__ import annotations
