@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -65,17 +66,13 @@ def _checked_axes(mesh: Mesh, axes: str | Sequence[str] | None, name: str) -> Ax
                          f"mesh {dict(mesh.shape)}")
     if len(set(names)) != len(names):
         raise ValueError(f"{name} {axes!r} names an axis twice")
-    if not names:
-        return None
-    return names[0] if len(names) == 1 else names
+    return names[0] if len(names) == 1 else names or None
 
 
 def axes_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
     """The number of devices along `axes` (one mesh axis or several; 1 for None)."""
-    if axes is None:
-        return 1
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
-    return int(np.prod([mesh.shape[a] for a in names], dtype=np.int64))
+    names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in names)
 
 
 class Partitioner(abc.ABC):

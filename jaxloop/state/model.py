@@ -145,9 +145,7 @@ class NnxAdapter(ModelAdapter):
         return self._variables(self._build(base_prng))
 
     def held_variables(self) -> Variables | None:
-        if isinstance(self._model, nnx.Module):
-            return self._variables(self._model)
-        return None
+        return self._variables(self._model) if isinstance(self._model, nnx.Module) else None
 
     def _variables(self, model: nnx.Module) -> Variables:
         graphdef, params, stats, rngs, rest = nnx.split(
