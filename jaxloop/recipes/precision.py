@@ -59,11 +59,8 @@ def cast_floating(tree: Any, dtype: DTypeLike) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Which dtypes a model's parameters are stored in, computed in and output in.
-
-    The default is full float32; `get_policy` builds one from a string. A field that is
-    not a floating dtype is a ValueError.
-    """
+    """Which dtypes a model's parameters are stored in, computed in and output in (all
+    float32 by default; `get_policy` reads one from a string). ValueError: a non-floating one."""
 
     param_dtype: DTypeLike = jnp.float32
     compute_dtype: DTypeLike = jnp.float32
@@ -123,12 +120,9 @@ class Policy:
 
 
 def get_policy(spec: str | Policy | None) -> Policy | None:
-    """A `Policy` from a short name or a jmp-style string; a Policy or None pass through.
-
-    One dtype is the compute dtype, the rest float32 (``get_policy('bfloat16') ==
-    Policy(compute_dtype=jnp.bfloat16)``); the long form names each part:
-    ``'params=float32,compute=bfloat16,output=float32'``.
-    """
+    """A `Policy` from one dtype, the compute dtype (``get_policy('bfloat16') ==
+    Policy(compute_dtype=jnp.bfloat16)``), or a jmp-style string naming each part
+    (``'params=float32,compute=bfloat16,output=float32'``); a Policy or None pass through."""
     if spec is None or isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):

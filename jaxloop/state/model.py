@@ -216,8 +216,7 @@ class NnxAdapter(ModelAdapter):
         counts = {id(s): s.count.get_value() for s in streams}
         train = _TRAIN_MODE.get()
         if train is not None:
-            model.set_attributes(deterministic=not train, use_running_average=not train,
-                                 raise_if_not_found=False)
+            model.train() if train else model.eval()
         out = model(*args, **kwargs)
         unseeded = sorted({
             s.key.tag for s in streams

@@ -68,18 +68,11 @@ def restore(state: State, checkpoint_dir: Any, step: int | None, partitioner: An
 
 
 def _spec_call(shape: tuple, dtype: Any) -> str:
-    """One leaf's spec for a single example, with its dtype unless float32 (a bare shape
-    builds float32 zeros)."""
+    """One leaf's spec for one example, with its dtype unless float32 (a bare shape's)."""
     example = [1, *shape[1:]]
     if dtype is None or np.dtype(dtype) == np.float32:
         return f"initialize_model({example})"
     return f"initialize_model(({example}, {np.dtype(dtype).name!r}))"
-
-
-def _is_bare_shape(spec: Any) -> bool:
-    """A spec that is a shape alone (``[1, 128]``), which builds float32 zeros."""
-    return isinstance(spec, list | tuple) and bool(spec) and all(
-        isinstance(d, int | np.integer) and not isinstance(d, bool) for d in spec)
 
 
 @contextlib.contextmanager
@@ -90,7 +83,7 @@ def _model_input_spec(spec: types.BatchSpec, batch: Any,
     try:
         yield
     except (AttributeError, TypeError, ValueError) as e:
-        if _is_bare_shape(spec):
+        if specs_lib.is_shape(spec) and spec:
             with contextlib.suppress(Exception):  # any failure: the hint would not help
                 abstract_init(np.zeros(spec, np.int32))
                 e.add_note(
