@@ -18,9 +18,7 @@ Batch = Any
 @functools.cache
 def _local_shards(mesh: jax.sharding.Mesh, axis: str | tuple[str, ...] | None) -> int:
     """The distinct coordinates along `axis` (one or several) of this process's devices."""
-    if axis is None:
-        return 1
-    index = [mesh.axis_names.index(a) for a in ((axis,) if isinstance(axis, str) else axis)]
+    index = [mesh.axis_names.index(a) for a in ((axis,) if isinstance(axis, str) else axis or ())]
     local = {d.id for d in mesh.local_devices}
     return len({tuple(idx[i] for i in index)
                 for idx, d in np.ndenumerate(mesh.devices) if d.id in local})

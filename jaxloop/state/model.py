@@ -58,9 +58,7 @@ def init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
     google/jaxloop passes it: the same parameters), with a ``dropout`` stream derived from it;
     a dict is used as given, with ``params`` (its first key) added when missing."""
     if isinstance(base_prng, Mapping):
-        rngs = dict(base_prng)
-        rngs.setdefault("params", next(iter(rngs.values())))
-        return rngs
+        return {"params": next(iter(base_prng.values())), **base_prng}
     return {"params": base_prng,
             "dropout": jax.random.fold_in(base_prng, _INIT_DROPOUT_STREAM)}
 

@@ -31,10 +31,9 @@ ARGUMENTS = ("model", "optimizer", "metrics", "ema", "rngs", "batch")
 def takes_model(run: Callable[..., Any]) -> bool:
     """Whether `run` (a bound ``Step.run``) is NNX-native: its first parameter is ``model``."""
     try:
-        params = list(inspect.signature(run).parameters)
+        return list(inspect.signature(run).parameters)[:1] == ["model"]
     except (TypeError, ValueError):
         return False
-    return bool(params) and params[0] == "model"
 
 
 def _arguments(step: Any) -> list[str]:
