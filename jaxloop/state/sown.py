@@ -50,7 +50,10 @@ class Recorder:
     def keep(self, mutated: Mapping[str, Any]) -> None:
         for name in self.collections:
             for path, leaf in jax.tree_util.tree_leaves_with_path(mutated.get(name) or {}):
-                key = "/".join([name, *_names(path)])
+                # A linen sow keeps a tuple of values: one value is named by its module path.
+                if path and isinstance(path[-1], jax.tree_util.SequenceKey) and path[-1].idx == 0:
+                    path = path[:-1]
+                key = f"{name}/{jax.tree_util.keystr(path, simple=True, separator='/')}"
                 self._values[key] = jax.lax.stop_gradient(leaf)
 
     def outputs(self, outputs: Any) -> dict[str, Any]:
@@ -70,14 +73,6 @@ class Recorder:
                     "the model on its own (jax.vmap, jax.lax.scan, jax.checkpoint) and cannot "
                     "leave it: return it from that function yourself") from e
         return merged
-
-
-def _names(path: tuple) -> list[str]:
-    # A linen sow keeps a tuple of values: one value is named by its module path alone.
-    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-    if path and isinstance(path[-1], jax.tree_util.SequenceKey) and path[-1].idx == 0:
-        names = names[:-1]
-    return names
 
 
 def record(state: Any, collections: Sequence[str], scalars_only: bool = True
