@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 __all__ = ["Recorder", "record"]
 
@@ -24,19 +23,16 @@ class _RecordingApply:
     recorder: Recorder
 
     def __call__(self, variables: Any, *args: Any, mutable: Any = False, **kwargs: Any) -> Any:
-        names = self.recorder.collections
-        if mutable is True:
-            out, mutated = self.apply_fn(variables, *args, mutable=True, **kwargs)
-            self.recorder.keep(mutated)
-            return out, mutated
-        given = [] if mutable is False else (
+        given = [] if isinstance(mutable, bool) else (
             [mutable] if isinstance(mutable, str) else list(mutable))
-        out, mutated = self.apply_fn(
-            variables, *args, mutable=given + [n for n in names if n not in given], **kwargs)
+        recorded = [n for n in self.recorder.collections if n not in given]
+        # mutable=True asks for every collection already.
+        out, mutated = self.apply_fn(variables, *args, mutable=mutable is True or given + recorded,
+                                     **kwargs)
         self.recorder.keep(mutated)
-        if not given:
-            return out
-        return out, {k: v for k, v in mutated.items() if k in given}
+        if mutable is True:
+            return out, mutated
+        return (out, {k: v for k, v in mutated.items() if k in given}) if given else out
 
 
 class Recorder:
@@ -63,10 +59,9 @@ class Recorder:
             if key in merged:
                 raise ValueError(f"Step output {key!r} exists; a sown value has that name")
             try:
-                size = int(np.prod(value.shape, dtype=np.int64))
-                if self._scalars_only and size != 1:
+                if self._scalars_only and value.size != 1:
                     continue
-                merged[key] = value.reshape(()) if size == 1 else value + 0
+                merged[key] = value.reshape(()) if value.size == 1 else value + 0
             except jax.errors.UnexpectedTracerError as e:
                 raise ValueError(
                     f"The sown value {key!r} was recorded inside a transformation that traces "
