@@ -45,8 +45,7 @@ def _mean_or_last(stacked: Any, how: str) -> Any:
         lambda x: jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[-1], stacked)
 
 
-def _is_key(path: tuple, x: Any) -> bool:
-    del path
+def _is_key(_path: tuple, x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 

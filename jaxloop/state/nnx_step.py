@@ -69,8 +69,7 @@ def _optimizer(model: nnx.Module, tx: Any, state: types.TrainState) -> _Counting
     optimizer = _CountingOptimizer(model, tx, wrt=nnx.Param)
     optimizer.updates_made = 0
     slots, leaves = _slots(optimizer), jax.tree.leaves(state.opt_state)
-    shapes = [jnp.shape(s.get_value()) for s in slots]
-    if shapes != [jnp.shape(x) for x in leaves]:
+    if [jnp.shape(s.get_value()) for s in slots] != [jnp.shape(x) for x in leaves]:
         raise ValueError(
             f"The state's optimizer state ({len(leaves)} leaves) does not match "
             f"nnx.Optimizer(model, tx, wrt=nnx.Param) ({len(slots)} leaves): was the state "
