@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -65,31 +66,23 @@ def _checked_axes(mesh: Mesh, axes: str | Sequence[str] | None, name: str) -> Ax
                          f"mesh {dict(mesh.shape)}")
     if len(set(names)) != len(names):
         raise ValueError(f"{name} {axes!r} names an axis twice")
-    if not names:
-        return None
-    return names[0] if len(names) == 1 else names
+    return names[0] if len(names) == 1 else names or None
 
 
 def axes_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
     """The number of devices along `axes` (one mesh axis or several; 1 for None)."""
-    if axes is None:
-        return 1
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
-    return int(np.prod([mesh.shape[a] for a in names], dtype=np.int64))
+    names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in names)
 
 
 class Partitioner(abc.ABC):
     """Where the state and batches live, and the jit of steps; subclasses define `state_specs`."""
 
-    def __init__(self, mesh: Mesh, data_axis: str | Sequence[str] | None):
+    def __init__(self, mesh: Mesh, data_axis: str | Sequence[str] | None = "data"):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-        data_axis = _checked_axes(mesh, data_axis, "data_axis")
         self._mesh = mesh
-        self._data_axis = data_axis
-        self._batch_sharding = NamedSharding(mesh, P(data_axis))
-        self._replicated = NamedSharding(mesh, P())
-        # Reported by `sharding` only; placement never reads it.
+        self._data_axis = _checked_axes(mesh, data_axis, "data_axis")
         self._last_state_shardings: PyTree = None
 
     @property
@@ -110,7 +103,7 @@ class Partitioner(abc.ABC):
     @property
     def batch_sharding(self) -> NamedSharding:
         """The sharding of batch leaves: leading dimension split along the data axis."""
-        return self._batch_sharding
+        return NamedSharding(self._mesh, P(self._data_axis))
 
     @property
     def sharding(self) -> PyTree:
@@ -143,41 +136,45 @@ class Partitioner(abc.ABC):
         specs = self.state_specs(annotations.unboxed(state))
         return jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
 
-    def _mesh_context(self) -> contextlib.AbstractContextManager:
+    def _axis_rules(self) -> contextlib.AbstractContextManager:
+        """The logical axis rules in force while state is created or a step traces."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _mesh_context(self) -> Iterator[None]:
         """No mesh, even the user's, while state is created: flax would constrain parameters
         made at another rank than their annotation's (DenseGeneral, Einsum, scan) and nnx
         would place each as made. The jitted init's out_shardings place the state instead."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(None))
-        stack.enter_context(nnx.use_eager_sharding(False))
-        return stack
+        with jax.set_mesh(None), nnx.use_eager_sharding(False), self._axis_rules():
+            yield
 
-    def trace_context(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def trace_context(self) -> Iterator[None]:
         """This mesh, abstract, while a step traces: ``with_sharding_constraint(x, P('data'))``
         works in `run` (flax's DenseGeneral runs without it)."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh))
-        stack.enter_context(nn.intercept_methods(_dense_general_without_mesh))
-        return stack
+        with (jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh),
+              nn.intercept_methods(_dense_general_without_mesh), self._axis_rules()):
+            yield
 
     def abstract_init_fn(self, init_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
         """`shard_init_fn`, but abstract: ShapeDtypeStructs carrying the same shardings."""
 
         def abstract_init(*args: Any, **kwargs: Any) -> PyTree:
             with self._mesh_context():
-                abstract = jax.eval_shape(init_fn, *args, **kwargs)
-                shardings = self._shardings_of_new(abstract)
+                abstract, shardings = self._new_state(init_fn, args, kwargs)
             return jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                 annotations.unboxed(abstract), shardings)
 
         return abstract_init
 
-    def _shardings_of_new(self, abstract: PyTree) -> PyTree:
-        specs = self.state_specs(abstract)
-        shardings = jax.tree.map(lambda s: NamedSharding(self._mesh, s), specs)
-        self._last_state_shardings = shardings
-        return shardings
+    def _new_state(self, init_fn: Callable[..., PyTree], args: tuple, kwargs: dict
+                   ) -> tuple[PyTree, PyTree]:
+        """The abstract state `init_fn` makes and the rule's shardings of it."""
+        abstract = jax.eval_shape(init_fn, *args, **kwargs)
+        self._last_state_shardings = jax.tree.map(
+            lambda s: NamedSharding(self._mesh, s), self.state_specs(abstract))
+        return abstract, self._last_state_shardings
 
     def shard_init_fn(self, init_fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
         """Wraps a state-creating function so its result is born in place (jitted with this
@@ -188,8 +185,7 @@ class Partitioner(abc.ABC):
 
         def sharded_init(*args: Any, **kwargs: Any) -> PyTree:
             with self._mesh_context():
-                abstract = jax.eval_shape(init_fn, *args, **kwargs)
-                shardings = self._shardings_of_new(abstract)
+                _, shardings = self._new_state(init_fn, args, kwargs)
                 fn = jax.jit(lambda *a, **k: annotations.unboxed(init_fn(*a, **k)),
                              out_shardings=shardings)
                 return fn(*args, **kwargs)
@@ -227,13 +223,10 @@ class Partitioner(abc.ABC):
 class DataParallelPartitioner(Partitioner):
     """Replicates the state on every device and splits the batch along `data_axis`."""
 
-    def __init__(self, mesh: Mesh, data_axis: str | Sequence[str] = "data"):
-        super().__init__(mesh, data_axis)
-
     @property
     def sharding(self) -> NamedSharding:
         """The state's sharding: replicated, ``NamedSharding(mesh, P())``."""
-        return self._replicated
+        return NamedSharding(self._mesh, P())
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         return jax.tree.map(lambda _: P(), annotations.unboxed(abstract_state))
@@ -244,7 +237,7 @@ class SingleDevicePartitioner(DataParallelPartitioner):
 
     def __init__(self, device: jax.Device | None = None):
         device = device if device is not None else jax.local_devices()[0]
-        super().__init__(Mesh(np.array([device]), ("data",)), "data")
+        super().__init__(Mesh(np.array([device]), ("data",)))
 
 
 class FSDPPartitioner(Partitioner):
@@ -301,19 +294,10 @@ class SPMDPartitioner(Partitioner):
         fsdp_axis = _checked_axes(mesh, fsdp_axis, "fsdp_axis")
         self.fsdp_axis = self._data_axis if fsdp_axis is None else fsdp_axis
 
-    def _with_rules(self, context: contextlib.AbstractContextManager
-                    ) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        stack.enter_context(context)
-        if self.logical_axis_rules:  # else keep any rules the user set with nn.logical_axis_rules
-            stack.enter_context(core_spmd.logical_axis_rules(self.logical_axis_rules))
-        return stack
-
-    def _mesh_context(self) -> contextlib.AbstractContextManager:
-        return self._with_rules(super()._mesh_context())
-
-    def trace_context(self) -> contextlib.AbstractContextManager:
-        return self._with_rules(super().trace_context())
+    def _axis_rules(self) -> contextlib.AbstractContextManager:
+        if not self.logical_axis_rules:  # keep any rules the user set with nn.logical_axis_rules
+            return super()._axis_rules()
+        return core_spmd.logical_axis_rules(self.logical_axis_rules)
 
     def state_specs(self, abstract_state: PyTree) -> PyTree:
         def spec(path: tuple, x: Any) -> P:

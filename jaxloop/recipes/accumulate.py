@@ -45,19 +45,9 @@ def _mean_or_last(stacked: Any, how: str) -> Any:
         lambda x: jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[-1], stacked)
 
 
-def _is_key(path: tuple, x: Any) -> bool:
-    del path
+def _is_key(_path: tuple, x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _reject_positional_keys(args: tuple) -> None:
-    for path, leaf in jax.tree_util.tree_leaves_with_path(args):
-        if _is_key(path, leaf):
-            raise TypeError(
-                f"A PRNG key was passed positionally (argument {jax.tree_util.keystr(path)}): "
-                "every microbatch would reuse it, drawing the same dropout masks. Pass "
-                "keys as rngs=..., which gives each microbatch its own.")
 
 
 def value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int, has_aux: bool = False,
@@ -87,7 +77,13 @@ def value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int, has_aux: 
         return grads if sharding is None else jax.lax.with_sharding_constraint(grads, sharding)
 
     def grad_fn(params: Any, batch: Any, *args: Any, rngs: Any = None) -> Any:
-        _reject_positional_keys(args)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args):
+            if _is_key(path, leaf):
+                raise TypeError(
+                    f"A PRNG key was passed positionally (argument "
+                    f"{jax.tree_util.keystr(path)}): every microbatch would reuse it, drawing "
+                    "the same dropout masks. Pass keys as rngs=..., which gives each "
+                    "microbatch its own.")
         keyword = {} if rngs is None else {"rngs": rngs}
         if num_microbatches == 1:
             return single(params, batch, *args, **keyword)
@@ -146,11 +142,10 @@ def nnx_value_and_grad(loss_fn: Callable[..., Any], num_microbatches: int,
         if isinstance(sharding, Mapping):
             # The state's tree of shardings, in the nnx.State structure of the parameters.
             placed = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(sharding))
-        stacked = "mean" if num_microbatches == 1 else "stack"
         (loss, (extra, changed)), grads = value_and_grad(
-            pure, num_microbatches, has_aux=True, aux=stacked, sharding=placed)(
+            pure, num_microbatches, has_aux=True, aux="stack", sharding=placed)(
                 params, batch, *args, rngs=keys)
-        if num_microbatches > 1:
+        if num_microbatches > 1:  # else value_and_grad ran once, unstacked
             extra, changed = _mean_or_last(extra, aux), _mean_or_last(changed, "mean")
         nnx.update((model, rngs), changed)
         return ((loss, extra) if has_aux else loss), grads[0]  # the model's, not (model, rngs)'s

@@ -9,9 +9,7 @@ Example::
     state = ema.update(state.apply_gradients(grads=grads), decay=0.999)   # in Step.run
     eval_loop = EvalLoop(eval_step, use_ema=True)     # evaluates state.ema_params
 
-An NNX-native ``run(self, model, optimizer, ema, batch)`` names ``ema`` and calls
-``ema.update(model, decay)`` after ``optimizer.update`` (`NnxEma`); the state is made with
-`init` the same way.
+An NNX-native ``run`` names ``ema`` instead: `NnxEma`.
 """
 
 from __future__ import annotations
@@ -66,11 +64,8 @@ def init(state: types.TrainState) -> EmaState:
 
 
 def update(state: EmaState, decay: float | Callable[[jax.Array], Any]) -> EmaState:
-    """``ema = decay * ema + (1 - decay) * params``, in `Step.run` after the update.
-
-    `decay` may be a function of the step (an optax schedule). Raises TypeError when
-    `state` was not made with `init`.
-    """
+    """``ema = decay * ema + (1 - decay) * params``, in `Step.run` after the update; `decay`
+    may be a function of the step (an optax schedule). TypeError: a state not made by `init`."""
     if not isinstance(state, EmaState) or state.ema_params is None:
         raise TypeError(
             f"ema.update needs an EmaState with ema_params; got {type(state).__name__}. "

@@ -91,11 +91,9 @@ class NonFiniteGuard:
         if not outputs or FIRST_LEAF not in outputs:
             return
         value = outputs[FIRST_LEAF]
-        if isinstance(value, list | tuple):
-            value = [np.atleast_1d(np.asarray(v)) for v in metric_values.fetch(list(value))]
-            first = np.concatenate(value) if value else np.zeros(0, np.int32)
-        else:
-            first = np.atleast_1d(np.asarray(metric_values.fetch(value)))
+        per_call = (metric_values.fetch(list(value)) if isinstance(value, list | tuple)
+                    else [metric_values.fetch(value)])
+        first = np.concatenate([np.ravel(v) for v in per_call] or [np.zeros(0, np.int32)])
         bad = np.flatnonzero(first >= 0)
         if bad.size:
             i = int(bad[0])

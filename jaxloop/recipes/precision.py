@@ -7,10 +7,8 @@ the state; gradients of float32 parameters stay float32. Integer inputs, PRNG ke
 collections such as ``batch_stats`` keep their dtypes, and a layer's own ``dtype=`` wins.
 float16 needs loss scaling, which this module does not do.
 
-An NNX-native ``run(self, model, ...)`` calls the model itself, so there the policy works the
-NNX way (`Policy.set_layer_dtypes`): each nnx layer computes in ``compute_dtype`` (its
-parameters and inputs cast as it reads them), the parameters stay ``param_dtype``, and the
-model's output comes in ``compute_dtype``, as a Flax layer built with ``dtype=`` returns it.
+An NNX-native ``run(self, model, ...)`` calls the model itself: there the policy sets the
+layers' dtypes instead (`Policy.set_layer_dtypes`).
 
 Example::
 
@@ -26,25 +24,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 DTypeLike = Any
 
 _NAMES = {"params": "param_dtype", "param": "param_dtype", "compute": "compute_dtype",
           "output": "output_dtype"}
-
-
-def _floating_dtype(value: DTypeLike, field: str) -> np.dtype:
-    try:
-        dtype = jnp.dtype(value)
-    except TypeError as e:
-        raise ValueError(f"Policy {field}={value!r} is not a dtype") from e
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
-            f"Policy {field}={dtype.name} is not a floating dtype (expected e.g. float32, "
-            "bfloat16 or float16)")
-    return dtype
 
 
 def _is_float(x: Any) -> bool:
@@ -74,11 +59,8 @@ def cast_floating(tree: Any, dtype: DTypeLike) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Which dtypes a model's parameters are stored in, computed in and output in.
-
-    The default is full float32; `get_policy` builds one from a string. A field that is
-    not a floating dtype is a ValueError.
-    """
+    """Which dtypes a model's parameters are stored in, computed in and output in (all
+    float32 by default; `get_policy` reads one from a string). ValueError: a non-floating one."""
 
     param_dtype: DTypeLike = jnp.float32
     compute_dtype: DTypeLike = jnp.float32
@@ -86,8 +68,17 @@ class Policy:
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            value = getattr(self, field)
+            try:
+                dtype = jnp.dtype(value)
+            except TypeError as e:
+                raise ValueError(f"Policy {field}={value!r} is not a dtype") from e
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(
+                    f"Policy {field}={dtype.name} is not a floating dtype (expected e.g. "
+                    "float32, bfloat16 or float16)")
             # Normalised to np.dtype so equal policies compare (and hash) equal.
-            object.__setattr__(self, field, _floating_dtype(getattr(self, field), field))
+            object.__setattr__(self, field, dtype)
 
     def cast_to_param(self, tree: Any) -> Any:
         """Casts floating leaves to `param_dtype`."""
@@ -129,12 +120,9 @@ class Policy:
 
 
 def get_policy(spec: str | Policy | None) -> Policy | None:
-    """A `Policy` from a short name or a jmp-style string; a Policy or None pass through.
-
-    One dtype is the compute dtype, the rest float32 (``get_policy('bfloat16') ==
-    Policy(compute_dtype=jnp.bfloat16)``); the long form names each part:
-    ``'params=float32,compute=bfloat16,output=float32'``.
-    """
+    """A `Policy` from one dtype, the compute dtype (``get_policy('bfloat16') ==
+    Policy(compute_dtype=jnp.bfloat16)``), or a jmp-style string naming each part
+    (``'params=float32,compute=bfloat16,output=float32'``); a Policy or None pass through."""
     if spec is None or isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
@@ -173,20 +161,15 @@ class _PolicyApply:
                  **kwargs: Any) -> Any:
         policy = self.policy
         # Only the parameters are cast: normalisation statistics keep their dtype.
-        given = variables
-        variables = dict(variables)
-        if "params" in variables:
-            variables["params"] = policy.cast_to_compute(variables["params"])
-        args = policy.cast_to_compute(args)
-        rngs = kwargs.pop("rngs", None)
-        kwargs = policy.cast_to_compute(kwargs)
-        if rngs is not None:
-            kwargs["rngs"] = rngs
-        out = self.apply_fn(variables, *args, mutable=mutable, **kwargs)
+        cast = {name: policy.cast_to_compute(value) if name == "params" else value
+                for name, value in variables.items()}
+        # PRNG keys in rngs are not floating: they pass as they are.
+        out = self.apply_fn(cast, *policy.cast_to_compute(args), mutable=mutable,
+                            **policy.cast_to_compute(kwargs))
         if not mutable:
             return policy.cast_to_output(out)
         out, mutated = out
         # Mutated collections keep their stored dtypes (donated buffers, one program).
-        mutated = type(mutated)({name: _like(value, given[name]) if name in given else value
-                                 for name, value in mutated.items()})
+        mutated = type(mutated)({name: _like(value, variables[name]) if name in variables
+                                 else value for name, value in mutated.items()})
         return policy.cast_to_output(out), mutated

@@ -59,8 +59,8 @@ def train_metrics(state: types.TrainState, grads: Any, new_state: types.TrainSta
     after = state if new_state is None else new_state
     out = {GRAD_NORM: global_norm(grads), PARAM_NORM: global_norm(after.params)}
     if new_state is not None:
-        delta = optax.tree.sub(_float32(new_state.params), _float32(state.params))
-        out[UPDATE_NORM] = optax.tree.norm(delta)
+        out[UPDATE_NORM] = global_norm(optax.tree.sub(_float32(new_state.params),
+                                                      _float32(state.params)))
     lr = learning_rate(state.step) if callable(learning_rate) else learning_rate
     if lr is None:
         lr = injected_hyperparam(after.opt_state)

@@ -1,10 +1,6 @@
-"""Flax partitioning annotations read as mesh axes, and FSDP's split of a leaf.
-
-`leaf_axes` gives the mesh axis of each dimension of a leaf in a flax `AxisMetadata` box
-(linen's, or nnx metadata boxed by `jaxloop.state.model`), resolving logical names as flax's
-`nn.logical_to_mesh_axes` does; `fsdp_axes` adds FSDP's split; `spec` makes the spec.
-
-Example::
+"""Flax partitioning annotations (linen's, or nnx's as `jaxloop.state.model` boxes them) read
+as mesh axes, logical names resolved as `nn.logical_to_mesh_axes` does (`leaf_axes`), and
+FSDP's split of a leaf (`fsdp_axes`)::
 
     box = nn.LogicallyPartitioned(jnp.zeros((64, 256)), ('embed', 'mlp'))
     leaf_axes(box, (), mesh, rules=(('embed', None), ('mlp', 'model')))  # [None, 'model']
@@ -56,8 +52,7 @@ def checked_rules(rules: Sequence[tuple[str, Any]] | None, mesh: Mesh) -> Rules:
     """`rules` as a tuple, each target a mesh axis (or None); else a ValueError naming it."""
     rules = tuple((str(k), v) for k, v in (rules or ()))
     for name, axes in rules:
-        targets = axes if isinstance(axes, tuple | list) else (axes,)
-        unknown = [a for a in targets if a is not None and a not in mesh.axis_names]
+        unknown = [a for a in jax.tree.leaves(axes) if a not in mesh.axis_names]
         if unknown:
             raise ValueError(
                 f"logical_axis_rules map {name!r} to {unknown}, which the mesh "
@@ -73,10 +68,8 @@ def _resolve(box: Any, path: tuple, mesh: Mesh, rules: Rules) -> tuple:
         core_spmd.get_logical_axis_rules() or ())
     rule_names = {k for k, _ in rules}
     strs = [n for n in names if isinstance(n, str)]
-    if logical:
-        unknown = [n for n in strs if n not in rule_names]
-    else:
-        unknown = [n for n in strs if n not in rule_names and n not in mesh.axis_names]
+    known = rule_names if logical else rule_names | set(mesh.axis_names)
+    unknown = [n for n in strs if n not in known]
     if unknown:
         raise ValueError(
             f"State leaf {path_str(path)}: partitioning annotation {names} names "
@@ -86,12 +79,10 @@ def _resolve(box: Any, path: tuple, mesh: Mesh, rules: Rules) -> tuple:
     if not any(n in rule_names for n in strs):
         return names
     # Names that are mesh axes without a rule are kept as they are.
-    keep = {i: n for i, n in enumerate(names) if isinstance(n, str) and n not in rule_names}
-    resolved = list(flax_spmd.logical_to_mesh_axes(
-        [None if i in keep else n for i, n in enumerate(names)], rules))
-    for i, n in keep.items():
-        resolved[i] = n
-    return tuple(resolved)
+    kept = [isinstance(n, str) and n not in rule_names for n in names]
+    resolved = flax_spmd.logical_to_mesh_axes(
+        [None if k else n for n, k in zip(names, kept, strict=True)], rules)
+    return tuple(n if k else r for n, k, r in zip(names, kept, resolved, strict=True))
 
 
 def leaf_axes(x: Any, path: tuple, mesh: Mesh, rules: Rules = ()) -> list:
@@ -104,8 +95,7 @@ def leaf_axes(x: Any, path: tuple, mesh: Mesh, rules: Rules = ()) -> list:
         resolved = _resolve(x, path, mesh, rules)
         if len(resolved) == len(shape):
             axes = list(resolved)
-        for a in (a for ax in axes if ax is not None
-                  for a in (ax if isinstance(ax, tuple) else (ax,))):
+        for a in jax.tree.leaves(axes):
             if a not in mesh.axis_names:
                 raise ValueError(
                     f"State leaf {path_str(path)}: partitioning annotation "
@@ -126,9 +116,8 @@ def fsdp_axes(shape: tuple[int, ...], axes: Sequence[Any], axis: str | tuple[str
         # [('replica', 'fsdp'), 'model']
     """
     axes = list(axes)
-    used = {a for ax in axes for a in (ax if isinstance(ax, tuple) else (ax,))}
-    wanted = set(axis) if isinstance(axis, tuple) else {axis}
-    if n == 1 or used & wanted or int(np.prod(shape, dtype=np.int64)) < min_size:
+    used = set(jax.tree.leaves(axes)) & set(jax.tree.leaves(axis))
+    if n == 1 or used or int(np.prod(shape, dtype=np.int64)) < min_size:
         return axes
     free = [d for d, size in enumerate(shape) if axes[d] is None and size % n == 0]
     if free:

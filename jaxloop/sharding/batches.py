@@ -1,11 +1,6 @@
 """Where a batch's leaves live on the mesh: split along the partitioner's data axis on their
 leading dimension (`batch_shardings`), and a process's batch placed so (`place`). A
-`Partitioner`'s ``batch_shardings`` and ``shard_batch`` are these.
-
-Example::
-
-    batch = place(partitioner, {'x': np.ones((16, 4))})  # split 16 rows over the data axis
-"""
+`Partitioner`'s ``batch_shardings`` and ``shard_batch`` are these."""
 
 from __future__ import annotations
 
@@ -23,9 +18,7 @@ Batch = Any
 @functools.cache
 def _local_shards(mesh: jax.sharding.Mesh, axis: str | tuple[str, ...] | None) -> int:
     """The distinct coordinates along `axis` (one or several) of this process's devices."""
-    if axis is None:
-        return 1
-    index = [mesh.axis_names.index(a) for a in ((axis,) if isinstance(axis, str) else axis)]
+    index = [mesh.axis_names.index(a) for a in ((axis,) if isinstance(axis, str) else axis or ())]
     local = {d.id for d in mesh.local_devices}
     return len({tuple(idx[i] for i in index)
                 for idx, d in np.ndenumerate(mesh.devices) if d.id in local})
@@ -49,22 +42,18 @@ def _leaf_shardings(mesh: jax.sharding.Mesh, axis: str | None, treedef: Any,
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * dim, axis))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     shards = _local_shards(mesh, axis)
-    for path, shape in zip(_paths(treedef), shapes, strict=True):
+    for i, shape in enumerate(shapes):
         if len(shape) > dim and shape[dim] % shards:
+            dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+            path = jax.tree_util.tree_flatten_with_path(dummy)[0][i][0]
             raise ValueError(
-                f"Batch leaf {path} has shape "
+                f"Batch leaf {annotations.path_str(path)} has shape "
                 f"{shape}{f' ({shape[0]} stacked batches)' if stacked else ''}: its "
                 f"{'batch' if stacked else 'leading'} dimension {shape[dim]} does not divide "
                 f"by the {shards} local devices along mesh axis {axis!r} of process "
                 f"{jax.process_index()}. Use a per-process batch size that is a multiple "
                 f"of {shards}.")
     return [replicated if len(shape) <= dim else split for shape in shapes]
-
-
-def _paths(treedef: Any) -> list[str]:
-    """The path of each leaf of `treedef`, for messages."""
-    dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
-    return [annotations.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
 def place(partitioner: Any, batch: Batch, stacked: bool = False) -> Batch:

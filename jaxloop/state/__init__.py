@@ -1,2 +1,1 @@
-"""Models and their train state: a `TrainState` built from a model and batch specs
-(`model_state`, `specs`), the state half of a `Step`, and what a model sows."""
+"""Models and their train state: the state half of a `Step`."""

@@ -32,10 +32,6 @@ Model = nn.Module | type[nnx.Module] | nnx.Module
 _TRAIN_MODE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "jaxloop_train_mode", default=None)
 
-# The collections an nnx model's non-parameter variables go to, by variable type.
-_BATCH_STATS = "batch_stats"
-_INTERMEDIATES = "intermediates"  # nnx.Intermediate (what `sow` makes), as linen names it
-
 
 @contextlib.contextmanager
 def training_mode(train: bool) -> Iterator[None]:
@@ -62,9 +58,7 @@ def init_rngs(base_prng: types.PRNGType) -> dict[str, jax.Array]:
     google/jaxloop passes it: the same parameters), with a ``dropout`` stream derived from it;
     a dict is used as given, with ``params`` (its first key) added when missing."""
     if isinstance(base_prng, Mapping):
-        rngs = dict(base_prng)
-        rngs.setdefault("params", next(iter(rngs.values())))
-        return rngs
+        return {"params": next(iter(base_prng.values())), **base_prng}
     return {"params": base_prng,
             "dropout": jax.random.fold_in(base_prng, _INIT_DROPOUT_STREAM)}
 
@@ -149,9 +143,7 @@ class NnxAdapter(ModelAdapter):
         return self._variables(self._build(base_prng))
 
     def held_variables(self) -> Variables | None:
-        if isinstance(self._model, nnx.Module):
-            return self._variables(self._model)
-        return None
+        return self._variables(self._model) if isinstance(self._model, nnx.Module) else None
 
     def _variables(self, model: nnx.Module) -> Variables:
         graphdef, params, stats, rngs, rest = nnx.split(
@@ -170,14 +162,13 @@ class NnxAdapter(ModelAdapter):
         variables: Variables = {"params": nnx.to_pure_dict(params, _param_leaf)}
         stats_dict = stats.to_pure_dict()
         if stats_dict:
-            variables[_BATCH_STATS] = stats_dict
+            variables["batch_stats"] = stats_dict
         return variables
 
     def _placeholder_rngs(self) -> dict:
         def make(x: jax.ShapeDtypeStruct) -> jax.Array:
             if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-                key = jax.random.key(0)
-                return jnp.broadcast_to(key, x.shape) if x.shape else key
+                return jnp.broadcast_to(jax.random.key(0), x.shape)
             return jnp.zeros(x.shape, x.dtype)
 
         return jax.tree.map(make, self._rng_layout or {})
@@ -189,7 +180,7 @@ class NnxAdapter(ModelAdapter):
         if "params" not in variables:
             raise ValueError(
                 f"apply_fn needs variables with 'params'; got keys {sorted(variables)}")
-        stats = variables.get(_BATCH_STATS) or {}
+        stats = variables.get("batch_stats") or {}
         if not stats and self._stats_layout:
             raise ValueError(
                 f"{self.model_name} holds BatchNorm statistics (nnx.BatchStat: "
@@ -208,7 +199,7 @@ class NnxAdapter(ModelAdapter):
     def split(model: nnx.Module) -> Variables:
         """`model`'s ``params`` and ``batch_stats`` as the state holds them (pure dicts)."""
         _, params, stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-        return {"params": params.to_pure_dict(), _BATCH_STATS: stats.to_pure_dict() or None}
+        return {"params": params.to_pure_dict(), "batch_stats": stats.to_pure_dict() or None}
 
     def apply(self, variables: Mapping[str, Any], *args: Any,
               rngs: Mapping[str, jax.Array] | jax.Array | None = None, mutable: Any = False,
@@ -223,8 +214,7 @@ class NnxAdapter(ModelAdapter):
         counts = {id(s): s.count.get_value() for s in streams}
         train = _TRAIN_MODE.get()
         if train is not None:
-            model.set_attributes(deterministic=not train, use_running_average=not train,
-                                 raise_if_not_found=False)
+            model.train() if train else model.eval()
         out = model(*args, **kwargs)
         unseeded = sorted({
             s.key.tag for s in streams
@@ -236,10 +226,10 @@ class NnxAdapter(ModelAdapter):
                              f"Pass e.g. rngs={{'{unseeded[0]}': self.prng_key(state.step)}}.")
         if not mutable:
             return out
-        _, _, new_stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-        mutated = {_BATCH_STATS: new_stats.to_pure_dict()}
-        if mutable is True or _INTERMEDIATES in mutable:  # what the model sowed
-            mutated[_INTERMEDIATES] = nnx.state(model, nnx.Intermediate).to_pure_dict()
+        mutated = {"batch_stats": nnx.state(model, nnx.BatchStat).to_pure_dict()}
+        # What the model sowed (nnx.Intermediate), under linen's collection name.
+        if mutable is True or "intermediates" in mutable:
+            mutated["intermediates"] = nnx.state(model, nnx.Intermediate).to_pure_dict()
         return out, mutated
 
 
@@ -263,9 +253,7 @@ def adapt(model: Model, nnx_model_args: Sequence[Any] | None = None,
             raise ValueError(
                 f"nnx_model_args/kwargs ({nnx_model_args}, {sorted(nnx_model_kwargs)}) are only "
                 f"for nnx module classes; {type(model).__name__} is already constructed")
-        if isinstance(model, nn.Module):
-            return LinenAdapter(model)
-        return NnxAdapter(model)
+        return LinenAdapter(model) if isinstance(model, nn.Module) else NnxAdapter(model)
     raise TypeError(
         f"model must be a flax linen module instance or an nnx module class, got {model!r}")
 

@@ -1,10 +1,5 @@
-"""The train state of a model and optimizer, born in place on the mesh or only described.
-
-`StateBuilder` makes it through a partitioner; `Step.initialize_model` and
-`Step.abstract_state` are its front, and `materialize`, `restore` and `count_params` serve
-`Step`'s other state methods.
-
-Example::
+"""The train state of a model and optimizer, made by `StateBuilder` through a partitioner
+(born in place on the mesh, or only described); `Step`'s state methods are its front::
 
     builder = StateBuilder(model.adapt(CNN()), optax.adam(1e-3), 'bfloat16', jax.random.key(0))
     state = builder.initialize(partitioner, [1, 28, 28, 1])
@@ -73,33 +68,28 @@ def restore(state: State, checkpoint_dir: Any, step: int | None, partitioner: An
 
 
 def _spec_call(shape: tuple, dtype: Any) -> str:
-    """One leaf's spec for a single example, with its dtype unless float32 (a bare shape
-    builds float32 zeros)."""
+    """One leaf's spec for one example, with its dtype unless float32 (a bare shape's)."""
     example = [1, *shape[1:]]
     if dtype is None or np.dtype(dtype) == np.float32:
         return f"initialize_model({example})"
     return f"initialize_model(({example}, {np.dtype(dtype).name!r}))"
 
 
-def _is_bare_shape(spec: Any) -> bool:
-    """A spec that is a shape alone (``[1, 128]``), which builds float32 zeros."""
-    return isinstance(spec, list | tuple) and bool(spec) and all(
-        isinstance(d, int | np.integer) and not isinstance(d, bool) for d in spec)
-
-
 @contextlib.contextmanager
 def _model_input_spec(spec: types.BatchSpec, batch: Any,
-                      builds: Callable[[Any], bool] | None = None) -> Iterator[None]:
+                      abstract_init: Callable[[Any], Any]) -> Iterator[None]:
     """Names the mistake when a whole batch was given where the model's input is wanted
     (flax fails deep inside), or a bare shape where the model takes int32 token ids."""
     try:
         yield
     except (AttributeError, TypeError, ValueError) as e:
-        if _is_bare_shape(spec) and builds is not None and builds(np.zeros(spec, np.int32)):
-            e.add_note(
-                f"initialize_model({list(spec)}) builds float32 zeros; a model that takes "
-                f"integer inputs (token ids) wants the dtype beside the shape: "
-                f"initialize_model(({list(spec)}, 'int32')).")
+        if specs_lib.is_shape(spec) and spec:
+            with contextlib.suppress(Exception):  # any failure: the hint would not help
+                abstract_init(np.zeros(spec, np.int32))
+                e.add_note(
+                    f"initialize_model({list(spec)}) builds float32 zeros; a model that takes "
+                    f"integer inputs (token ids) wants the dtype beside the shape: "
+                    f"initialize_model(({list(spec)}, 'int32')).")
             raise
         if not isinstance(spec, Mapping):
             raise
@@ -149,18 +139,6 @@ class StateBuilder:
         return state_class.create(apply_fn=self._apply_fn, params=params, tx=self._optimizer,
                             batch_stats=variables.get("batch_stats"))
 
-    @staticmethod
-    def _builds(partitioner: Any, create: Callable[..., State]) -> Callable[[Any], bool]:
-        """Whether the state builds (abstractly) from a batch, as `abstract` would."""
-        def builds(batch: types.Batch) -> bool:
-            try:
-                partitioner.abstract_init_fn(create)(batch)
-            except Exception:  # noqa: BLE001 (any failure: the hint would not help)
-                return False
-            return True
-
-        return builds
-
     def initialize(self, partitioner: Any, spec: types.BatchSpec,
                    state_class: type[State] = State) -> State:
         """The state, each leaf created where `partitioner` places it; the spec only fixes
@@ -169,19 +147,18 @@ class StateBuilder:
         create = functools.partial(self.create, state_class=state_class)
         held = self._adapter.held_variables()
         if held is None:
-            with _model_input_spec(spec, batch, self._builds(partitioner, create)):
+            with _model_input_spec(spec, batch, partitioner.abstract_init_fn(create)):
                 return partitioner.shard_init_fn(create)(batch)
-        # An nnx instance's values go straight to their place and enter as arguments, not
-        # constants.
-        specs = partitioner.state_specs(held)
-        held = jax.device_put(
-            held, jax.tree.map(lambda s: NamedSharding(partitioner.mesh, s), specs))
+        # An nnx instance's values go to their place and enter as arguments, not constants.
+        held = jax.device_put(held, jax.tree.map(
+            lambda s: NamedSharding(partitioner.mesh, s), partitioner.state_specs(held)))
         return partitioner.shard_init_fn(create)(batch, held)
 
     def abstract(self, partitioner: Any, spec: types.BatchSpec,
                  state_class: type[State] = State) -> State:
         """The state `initialize` would make, as sharded `jax.ShapeDtypeStruct` leaves."""
-        create = functools.partial(self.create, state_class=state_class)
+        abstract_init = partitioner.abstract_init_fn(
+            functools.partial(self.create, state_class=state_class))
         batch = specs_lib.zeros_from_spec(spec)
-        with _model_input_spec(spec, batch, self._builds(partitioner, create)):
-            return partitioner.abstract_init_fn(create)(batch)
+        with _model_input_spec(spec, batch, abstract_init):
+            return abstract_init(batch)

@@ -1,24 +1,12 @@
-"""`run` written the NNX way: a Step whose `run` takes ``model`` first gets the model as an
-`nnx.Module` and its optimizer as an `nnx.Optimizer`, as Flax's NNX tutorial writes its steps::
+"""`run` written the NNX way (docs/features.md, "nnx models"): a Step whose `run` takes
+``model`` first gets it as an `nnx.Module`, with the objects it names (`ARGUMENTS`), merged
+from the loop's state and split back while `jax.jit` traces, so the state stays a `TrainState`
+of arrays. RNG streams are reseeded from ``self.prng_key(step)`` every step::
 
-    class TrainStep(step_lib.Step):
-        def metrics(self):  # a fresh nnx metric per step; each entry becomes an output
-            return nnx.MultiMetric(loss=nnx.metrics.Average('loss'))
-
-        def run(self, model, optimizer, metrics, rngs, batch):
-            (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, rngs)
-            metrics.update(loss=loss)
-            optimizer.update(model, grads)
-
-`run` names what it takes after ``model``, in any order: ``optimizer`` (``wrt=nnx.Param``),
-``metrics`` (the step's ``metrics()``, merged by the loop as `clu.metrics.Average`), ``ema``
-(`NnxEma`, for a state made with ``ema.init``), ``rngs`` (of ``self.prng_key(step)``) and
-``batch``. It updates the objects in place and may return a dict of further outputs.
-
-The objects are merged from the loop's state and split back while `jax.jit` traces (no
-`nnx.jit` per call), so the state stays a `TrainState` of arrays that checkpoints,
-partitioners and actions see as always. RNG streams are reseeded from ``self.prng_key(step)``
-every step (a resumed run draws the same masks); the caller's model is never touched.
+    def run(self, model, optimizer, metrics, rngs, batch):
+        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, rngs)
+        metrics.update(loss=loss)
+        optimizer.update(model, grads)
 """
 
 from __future__ import annotations
@@ -43,10 +31,9 @@ ARGUMENTS = ("model", "optimizer", "metrics", "ema", "rngs", "batch")
 def takes_model(run: Callable[..., Any]) -> bool:
     """Whether `run` (a bound ``Step.run``) is NNX-native: its first parameter is ``model``."""
     try:
-        params = list(inspect.signature(run).parameters)
+        return list(inspect.signature(run).parameters)[:1] == ["model"]
     except (TypeError, ValueError):
         return False
-    return bool(params) and params[0] == "model"
 
 
 def _arguments(step: Any) -> list[str]:
@@ -82,8 +69,7 @@ def _optimizer(model: nnx.Module, tx: Any, state: types.TrainState) -> _Counting
     optimizer = _CountingOptimizer(model, tx, wrt=nnx.Param)
     optimizer.updates_made = 0
     slots, leaves = _slots(optimizer), jax.tree.leaves(state.opt_state)
-    shapes = [jnp.shape(s.get_value()) for s in slots]
-    if shapes != [jnp.shape(x) for x in leaves]:
+    if [jnp.shape(s.get_value()) for s in slots] != [jnp.shape(x) for x in leaves]:
         raise ValueError(
             f"The state's optimizer state ({len(leaves)} leaves) does not match "
             f"nnx.Optimizer(model, tx, wrt=nnx.Param) ({len(slots)} leaves): was the state "
@@ -97,17 +83,13 @@ def _optimizer(model: nnx.Module, tx: Any, state: types.TrainState) -> _Counting
 def _reseed(model: nnx.Module, keys: types.PRNGType) -> None:
     """Reseeds each RNG stream the model holds from this step's key(s)."""
     tags = {s.key.tag for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)}
-    if not tags:
-        return
-    if isinstance(keys, Mapping):
-        missing = sorted(tags - set(keys))
-        if missing:
-            raise ValueError(
-                f"The model draws from the RNG stream(s) {missing}, but the step's base key "
-                f"names only {sorted(keys)}: add e.g. {{'{missing[0]}': key}}, or pass one key.")
-        nnx.reseed(model, **{t: keys[t] for t in tags})
-    else:
-        nnx.reseed(model, **dict.fromkeys(tags, keys))
+    given = keys if isinstance(keys, Mapping) else dict.fromkeys(tags, keys)
+    missing = sorted(tags - set(given))
+    if missing:
+        raise ValueError(
+            f"The model draws from the RNG stream(s) {missing}, but the step's base key "
+            f"names only {sorted(given)}: add e.g. {{'{missing[0]}': key}}, or pass one key.")
+    nnx.reseed(model, **{t: given[t] for t in tags})
 
 
 def metric_outputs(metrics: nnx.Metric) -> dict[str, clu_metrics.Average]:
@@ -169,8 +151,7 @@ def run(step: Any, adapter: model_lib.ModelAdapter, state: types.TrainState, bat
             if name in outputs:
                 raise ValueError(f"run returned {name!r}, which its metrics also name")
             outputs[name] = value
-    variables = adapter.split(model)
-    new_state = state.replace(params=variables["params"], batch_stats=variables["batch_stats"])
+    new_state = state.replace(**adapter.split(model))
     if "ema" in names:
         new_state = new_state.replace(ema_params=given["ema"].params)
     if optimizer is not None:

@@ -1,13 +1,7 @@
-"""Sown intermediates: values a model sows (linen or nnx ``self.sow``) become step outputs.
-
-A `Step` given ``sown=('intermediates',)`` records these collections of every
-``state.apply_fn`` call while `run` is traced (the last call wins) and outputs them as
-``'<collection>/<module path>/<name>'`` (scalars only unless ``sown_scalars_only=False``),
-without gradient; `run` needs no change::
-
-    self.sow('intermediates', 'act_mean', h.mean())  # in the model
-    step = MyStep(key, Net(), optax.adam(1e-3), train=True, sown=('intermediates',))
-    # outputs['intermediates/act_mean'] is a per-step scalar
+"""Sown intermediates (docs/triggers_and_debugging.md): a `Step` given ``sown=`` records the
+collections a model sows (linen or nnx ``self.sow``) in every ``state.apply_fn`` call while
+`run` is traced (the last call wins) and outputs them, without gradient, as
+``'<collection>/<module path>/<name>'`` (scalars only unless ``sown_scalars_only=False``).
 """
 
 from __future__ import annotations
@@ -17,7 +11,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 __all__ = ["Recorder", "record"]
 
@@ -30,19 +23,16 @@ class _RecordingApply:
     recorder: Recorder
 
     def __call__(self, variables: Any, *args: Any, mutable: Any = False, **kwargs: Any) -> Any:
-        names = self.recorder.collections
-        if mutable is True:
-            out, mutated = self.apply_fn(variables, *args, mutable=True, **kwargs)
-            self.recorder.keep(mutated)
-            return out, mutated
-        given = [] if mutable is False else (
+        given = [] if isinstance(mutable, bool) else (
             [mutable] if isinstance(mutable, str) else list(mutable))
-        out, mutated = self.apply_fn(
-            variables, *args, mutable=given + [n for n in names if n not in given], **kwargs)
+        recorded = [n for n in self.recorder.collections if n not in given]
+        # mutable=True asks for every collection already.
+        out, mutated = self.apply_fn(variables, *args, mutable=mutable is True or given + recorded,
+                                     **kwargs)
         self.recorder.keep(mutated)
-        if not given:
-            return out
-        return out, {k: v for k, v in mutated.items() if k in given}
+        if mutable is True:
+            return out, mutated
+        return (out, {k: v for k, v in mutated.items() if k in given}) if given else out
 
 
 class Recorder:
@@ -56,7 +46,10 @@ class Recorder:
     def keep(self, mutated: Mapping[str, Any]) -> None:
         for name in self.collections:
             for path, leaf in jax.tree_util.tree_leaves_with_path(mutated.get(name) or {}):
-                key = "/".join([name, *_names(path)])
+                # A linen sow keeps a tuple of values: one value is named by its module path.
+                if path and isinstance(path[-1], jax.tree_util.SequenceKey) and path[-1].idx == 0:
+                    path = path[:-1]
+                key = f"{name}/{jax.tree_util.keystr(path, simple=True, separator='/')}"
                 self._values[key] = jax.lax.stop_gradient(leaf)
 
     def outputs(self, outputs: Any) -> dict[str, Any]:
@@ -66,24 +59,15 @@ class Recorder:
             if key in merged:
                 raise ValueError(f"Step output {key!r} exists; a sown value has that name")
             try:
-                size = int(np.prod(value.shape, dtype=np.int64))
-                if self._scalars_only and size != 1:
+                if self._scalars_only and value.size != 1:
                     continue
-                merged[key] = value.reshape(()) if size == 1 else value + 0
+                merged[key] = value.reshape(()) if value.size == 1 else value + 0
             except jax.errors.UnexpectedTracerError as e:
                 raise ValueError(
                     f"The sown value {key!r} was recorded inside a transformation that traces "
                     "the model on its own (jax.vmap, jax.lax.scan, jax.checkpoint) and cannot "
                     "leave it: return it from that function yourself") from e
         return merged
-
-
-def _names(path: tuple) -> list[str]:
-    # A linen sow keeps a tuple of values: one value is named by its module path alone.
-    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-    if path and isinstance(path[-1], jax.tree_util.SequenceKey) and path[-1].idx == 0:
-        names = names[:-1]
-    return names
 
 
 def record(state: Any, collections: Sequence[str], scalars_only: bool = True

@@ -24,7 +24,8 @@ _SPEC_HELP = (
     "([1, 28, 28, 1], 'float32'), or a dict/list/tuple of these")
 
 
-def _is_shape(x: Any) -> bool:
+def is_shape(x: Any) -> bool:
+    """Whether `x` is a shape alone (``[1, 28, 28, 1]``), which builds float32 zeros."""
     return isinstance(x, list | tuple) and all(
         isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in x)
 
@@ -33,10 +34,10 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
     """Builds a zero batch (numpy arrays) from a batch spec."""
     if isinstance(spec, jax.ShapeDtypeStruct | np.ndarray | jax.Array):
         return np.zeros(spec.shape, spec.dtype)
-    if _is_shape(spec):
+    if is_shape(spec):
         return np.zeros(tuple(int(d) for d in spec), np.float32)
     is_pair = isinstance(spec, list | tuple) and not hasattr(spec, "_fields") and len(spec) == 2
-    if is_pair and _is_shape(spec[0]) and isinstance(spec[1], str | np.dtype | type):
+    if is_pair and is_shape(spec[0]) and isinstance(spec[1], str | np.dtype | type):
         try:
             dtype = jnp.dtype(spec[1])
         except TypeError:
@@ -53,16 +54,15 @@ def zeros_from_spec(spec: types.BatchSpec, path: str = "spec") -> Batch:
 def abstract_batch(partitioner: Any, spec: types.BatchSpec) -> Batch:
     """The global batch of `spec` as `jax.ShapeDtypeStruct` leaves placed as `shard_batch`
     places batches (ValueError: a leading dimension not divisible by the data shards)."""
-    mesh = partitioner.mesh
-    axis = partitioner.data_axis
     shards = partitioner.num_data_shards
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    replicated = jax.sharding.NamedSharding(partitioner.mesh, jax.sharding.PartitionSpec())
 
     def describe(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
         if x.ndim and x.shape[0] % shards:
             raise ValueError(f"Batch leaf {annotations.path_str(path)} has shape {tuple(x.shape)}: "
                              f"its leading dimension {x.shape[0]} (the global batch) does not "
-                             f"divide by the {shards} devices along mesh axis {axis!r}")
+                             f"divide by the {shards} devices along mesh axis "
+                             f"{partitioner.data_axis!r}")
         sharding = partitioner.batch_sharding if x.ndim else replicated
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
