@@ -64,34 +64,25 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _devices() -> dict[str, Any]:
-    return {
-        "platform": jax.default_backend(),
-        "kinds": dict(collections.Counter(d.device_kind for d in jax.devices())),
-        "count": jax.device_count(),
-        "local_count": jax.local_device_count(),
-        "process_count": jax.process_count(),
-    }
-
-
-def _mesh(mesh: Any) -> dict[str, Any] | None:
-    mesh = getattr(mesh, "mesh", mesh)  # a Partitioner carries its mesh
-    if mesh is None:
-        return None
-    return {"axis_names": list(mesh.axis_names), "shape": dict(mesh.shape)}
-
-
 def collect(config: Any = None, mesh: Any = None) -> dict[str, Any]:
     """The run record as a JSON-safe dict; `config` a mapping, dataclass, `argparse.Namespace`
     or ``ConfigDict``, `mesh` a Mesh or a partitioner."""
+    mesh = getattr(mesh, "mesh", mesh)  # a Partitioner carries its mesh
     return {
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": [sys.executable, *sys.argv],
         "host": socket.gethostname(),
         "config": _plain(config) if config is not None else {},
         "versions": _versions(),
-        "devices": _devices(),
-        "mesh": _mesh(mesh),
+        "devices": {
+            "platform": jax.default_backend(),
+            "kinds": dict(collections.Counter(d.device_kind for d in jax.devices())),
+            "count": jax.device_count(),
+            "local_count": jax.local_device_count(),
+            "process_count": jax.process_count(),
+        },
+        "mesh": None if mesh is None else {"axis_names": list(mesh.axis_names),
+                                           "shape": dict(mesh.shape)},
     }
 
 
