@@ -83,22 +83,6 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def _check_same(requested: dict[str, Any]) -> None:
-    """Raises if the running job differs from `requested` (None: not requested)."""
-    running = {"coordinator_address": lambda: _address, "num_processes": jax.process_count,
-               "process_id": jax.process_index}
-    different = {}
-    for name, value in requested.items():
-        current = running[name]() if value is not None else None
-        if current is not None and value != current:
-            different[name] = (value, current)
-    if different:
-        detail = ", ".join(f"{k}={new!r} (running: {old!r})" for k, (new, old) in different.items())
-        raise RuntimeError(f"jax.distributed is already initialised with other settings: {detail}. "
-                           "Call jaxloop.launch.distributed.shutdown() first (before any JAX "
-                           "computation) to change them.")
-
-
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *,
                local_device_ids: int | Sequence[int] | None = None,
@@ -142,7 +126,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     requested = {"coordinator_address": coordinator_address, "num_processes": num_processes,
                  "process_id": process_id}
     if jax.distributed.is_initialized():
-        _check_same(requested)
+        running = {"coordinator_address": _address, "num_processes": jax.process_count(),
+                   "process_id": jax.process_index()}
+        different = [f"{k}={v!r} (running: {running[k]!r})" for k, v in requested.items()
+                     if v is not None and running[k] is not None and v != running[k]]
+        if different:
+            raise RuntimeError(
+                f"jax.distributed is already initialised with other settings: "
+                f"{', '.join(different)}. Call jaxloop.launch.distributed.shutdown() first "
+                "(before any JAX computation) to change them.")
         return
     if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
         log.info("num_processes=1: running as a single process, nothing to initialise.")

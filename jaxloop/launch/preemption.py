@@ -136,27 +136,21 @@ def handling_preemption(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGIN
     """Installs preemption signal handlers for the block (main thread only), restoring the
     previous ones after; a nested block keeps the outer one's."""
     global _active, _interrupts
-    if _active:
-        _active += 1
-        try:
-            yield
-        finally:
-            _active -= 1
-        return
-    _requested.clear()
-    _stop.clear()
-    _interrupts = 0
     previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in signals:
-            if sig == signal.SIGTERM and _multiprocess_sync():
-                continue  # JAX's preemption notifier handles it and syncs the step.
-            previous[sig] = signal.signal(sig, _on_signal)
-    _active = 1
+    if not _active:
+        _requested.clear()
+        _stop.clear()
+        _interrupts = 0
+        if threading.current_thread() is threading.main_thread():
+            for sig in signals:
+                if sig == signal.SIGTERM and _multiprocess_sync():
+                    continue  # JAX's preemption notifier handles it and syncs the step.
+                previous[sig] = signal.signal(sig, _on_signal)
+    _active += 1
     try:
         yield
     finally:
-        _active = 0
+        _active -= 1
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
