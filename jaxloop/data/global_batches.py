@@ -63,10 +63,6 @@ def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
     return coords[0] * shard, (coords[-1] + 1) * shard
 
 
-def _stack(examples: Sequence[Example]) -> Batch:
-    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
-
-
 class GlobalBatchDataset(Iterable[Batch]):
     """Global batches of a random-access source, the same for any number of processes.
 
@@ -199,7 +195,8 @@ class GlobalBatchDataset(Iterable[Batch]):
             batch = self.source.gather(indices)
         else:
             # Batched __getitems__ reads are not reliable across sources (tfds mock data).
-            batch = _stack([self._example(int(i)) for i in indices])
+            batch = jax.tree.map(lambda *xs: np.stack(xs),
+                                 *[self._example(int(i)) for i in indices])
         if not self._pad:
             return batch
         if not isinstance(batch, Mapping):

@@ -28,14 +28,9 @@ from jaxloop.data.sources import ArraySource
 
 Batch = Any
 
-def _tensorflow() -> Any:
-    """The TensorFlow module if the user imported it, else None (never imports it)."""
-    return sys.modules.get("tensorflow")
-
-
 def _is_tf(obj: Any, kind: str) -> bool:
-    """Whether `obj` is a ``tf.data.<kind>`` (``Dataset``, ``Iterator``)."""
-    tf = _tensorflow()
+    """Whether `obj` is a ``tf.data.<kind>`` (``Dataset``, ``Iterator``); never imports TF."""
+    tf = sys.modules.get("tensorflow")
     return tf is not None and isinstance(obj, getattr(tf.data, kind))
 
 
@@ -46,18 +41,15 @@ class _TFToNumpyIterator(Iterator[Batch]):
         self._iterator = iterator
 
     def __next__(self) -> Batch:
-        tf = _tensorflow()
+        tf = sys.modules["tensorflow"]
         element = next(self._iterator)
         return jax.tree.map(lambda x: x.numpy() if isinstance(x, tf.Tensor) else x, element)
 
 
 def _is_random_access_source(obj: Any) -> bool:
     """True for data *sources*, not lists and tuples (those are lists of batches)."""
-    if isinstance(obj, ArraySource):
-        return True
-    grain_sources = (grain.sources.ArrayRecordDataSource, grain.sources.RangeDataSource,
-                     grain.sources.SharedMemoryDataSource)
-    if isinstance(obj, grain_sources):
+    if isinstance(obj, ArraySource | grain.sources.ArrayRecordDataSource
+                  | grain.sources.RangeDataSource | grain.sources.SharedMemoryDataSource):
         return True
     # Checked through sys.modules: a tfds source exists only if the user imported tfds.
     tfds_base = sys.modules.get("tensorflow_datasets.core.data_sources.base")

@@ -22,11 +22,10 @@ class ArraySource(Sequence[Example]):
     """
 
     def __init__(self, arrays: Any):
-        leaves = jax.tree.leaves(arrays)
-        if not leaves:
-            raise ValueError("ArraySource needs at least one array.")
         self._arrays = jax.tree.map(np.asarray, arrays)
         lengths = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(self._arrays)}
+        if not lengths:
+            raise ValueError("ArraySource needs at least one array.")
         if None in lengths or len(lengths) != 1:
             shapes = jax.tree.map(np.shape, self._arrays)
             raise ValueError(
@@ -49,5 +48,4 @@ class ArraySource(Sequence[Example]):
         return jax.tree.map(lambda x: x[indices], self._arrays)
 
     def __repr__(self) -> str:
-        shapes = jax.tree.map(np.shape, self._arrays)
-        return f"ArraySource({shapes})"
+        return f"ArraySource({jax.tree.map(np.shape, self._arrays)})"
