@@ -57,9 +57,8 @@ class GlobalBatchIterator(Iterator[Batch]):
         iterator, self._iterator = self._iterator, None
         self._recent.clear()
         self._replay.clear()
-        close = getattr(iterator, "close", None)
-        if callable(close):
-            close()
+        if iterator is not None:
+            iterator.close()
 
     def get_state(self) -> dict[str, Any]:
         ds = self._dataset

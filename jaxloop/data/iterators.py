@@ -74,8 +74,6 @@ def as_iterator(dataset: Any) -> Iterator[Batch]:
         return _TFToNumpyIterator(dataset.as_numpy_iterator())
     if isinstance(dataset, grain.MapDataset | grain.IterDataset):
         return grain_ready(iter(dataset))
-    if isinstance(dataset, grain.DataLoader):
-        return iter(dataset)
     if _is_random_access_source(dataset):
         return iter(grain.MapDataset.source(dataset))
     if isinstance(dataset, Iterable):

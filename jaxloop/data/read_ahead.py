@@ -44,37 +44,35 @@ def _iterators() -> Any:
     return iterators
 
 
-def _put(items: queue.Queue, stop: threading.Event, item: tuple[str, Any, Any]) -> bool:
-    """Puts `item` once there is room; False if stopped first."""
+def _put(items: queue.Queue, stop: threading.Event, item: tuple[str, Any, Any],
+         spilled: list[tuple[str, Any, Any]]) -> bool:
+    """Puts `item` once there is room; if stopped first, adds it to `spilled`: False."""
     while not stop.is_set():
         try:
             items.put(item, timeout=_POLL_SECONDS)
             return True
         except queue.Full:
             pass
+    spilled.append(item)
     return False
 
 
 def _produce(source: Iterator[Batch], prepare: Callable[[Batch], Batch], items: queue.Queue,
-             stop: threading.Event, state_of: Callable[[Any], Any] | None,
+             stop: threading.Event, state_of: Callable[[Any], Any],
              spilled: list[tuple[str, Any, Any]]) -> None:
     # Module-level, holding no reference to the Prefetcher: an abandoned one is collected
-    # and its __del__ stops this thread. A batch read when it was stopped goes to `spilled`.
+    # and its __del__ stops this thread.
     try:
         while not stop.is_set():
             try:
                 batch = next(source)
             except StopIteration:
-                _put(items, stop, (_END, None, None))
+                _put(items, stop, (_END, None, None), spilled)
                 return
-            state = state_of(source) if state_of is not None else None
-            item = (_BATCH, prepare(batch), state)
-            if not _put(items, stop, item):
-                spilled.append(item)
+            if not _put(items, stop, (_BATCH, prepare(batch), state_of(source)), spilled):
                 return
     except BaseException as e:  # re-raised in the consumer thread
-        if not _put(items, stop, (_ERROR, e, None)):
-            spilled.append((_ERROR, e, None))
+        _put(items, stop, (_ERROR, e, None), spilled)
 
 
 class Prefetcher(Iterator[Batch]):
@@ -94,7 +92,7 @@ class Prefetcher(Iterator[Batch]):
         self._prepare = prepare
         self._size = size
         self._reader: Iterator[Batch] | None = None  # `source` as an iterator, once read
-        self._state_of: Callable[[Any], Any] | None = None
+        self._state_of: Callable[[Any], Any] = lambda _: None
         self._state: Any = None
         self._thread: threading.Thread | None = None
         self._finished = False
@@ -107,9 +105,8 @@ class Prefetcher(Iterator[Batch]):
         if self._reader is None and not self._finished:
             iterators = _iterators()
             self._reader = iterators.as_iterator(self.source)
-            tracks = callable(getattr(self._reader, "get_state", None))
-            self._state_of = iterators.iterator_state if tracks else None
-            self._state = self._state_of(self._reader) if tracks else None
+            self._state_of = iterators.iterator_state
+            self._state = self._state_of(self._reader)
             self._start_thread()
         return self
 
@@ -157,7 +154,7 @@ class Prefetcher(Iterator[Batch]):
             except StopIteration:
                 self._finished = True
                 raise
-            state = self._state_of(self._reader) if self._state_of is not None else None
+            state = self._state_of(self._reader)
             batch = self._prepare(batch)
             self._state = state
             return batch
