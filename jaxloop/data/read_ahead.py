@@ -1,10 +1,6 @@
 """Batches read ahead in a background thread (`Prefetcher`): a loop's (`Loop.prefetching`)
-and a hand-written loop's (`data.prefetch_to_device`). Grain loads only at the first read.
-
-Whether batches are placed ahead is decided by the step's devices (`places_ahead`): off
-CPUs the read-ahead thread also places them (the copy overlaps the step); on CPUs placing
-ahead buys nothing and an `OuterLoop` reads in the training thread by default.
-"""
+and a hand-written loop's (`data.prefetch_to_device`), placed there too where the step's
+devices are not CPUs (`places_ahead`). Grain loads only at the first read."""
 
 from __future__ import annotations
 

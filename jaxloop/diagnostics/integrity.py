@@ -29,9 +29,7 @@ class ReplicaMismatchError(RuntimeError):
 
 
 def _replicated_axes(sharding: NamedSharding) -> tuple[str, ...]:
-    named = set()
-    for entry in sharding.spec:
-        named.update(entry if isinstance(entry, tuple) else (entry,))
+    named = set(jax.tree.leaves(tuple(sharding.spec)))  # its entries' axes, tuples flattened
     return tuple(a for a in sharding.mesh.axis_names
                  if a not in named and sharding.mesh.shape[a] > 1)
 
@@ -102,14 +100,10 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
     by_mesh: dict[Any, list[tuple[str, jax.Array, tuple[str, ...]]]] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if not isinstance(leaf, jax.Array) or not isinstance(sharding, NamedSharding) or (
-            jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)  # PRNG keys
-        ):
-            continue
-        axes = _replicated_axes(sharding)
-        if axes:
-            by_mesh.setdefault(sharding.mesh, []).append(
+        if (isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
+                and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)  # PRNG keys
+                and (axes := _replicated_axes(leaf.sharding))):
+            by_mesh.setdefault(leaf.sharding.mesh, []).append(
                 (jax.tree_util.keystr(path, simple=True, separator="/"), leaf, axes))
     found: dict[str, float] = {}
     problems = []

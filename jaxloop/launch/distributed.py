@@ -89,13 +89,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                initialization_timeout: int | None = None,
                heartbeat_timeout_seconds: int | None = None,
                shutdown_timeout_seconds: int | None = None) -> None:
-    """Joins this process to a multi-process JAX job; call it before any JAX work.
-
-    Arguments not given come from the environment, else JAX detects them (TPU pods, SLURM,
-    Open MPI, Kubernetes). ``coordinator_address`` is process 0's ``HOST:PORT``. A second call
-    with the same (or no) settings is a no-op; with other settings a RuntimeError (a bad
-    setting: ValueError or TypeError).
-    """
+    """Joins this process to a multi-process JAX job (``coordinator_address``: process 0's
+    ``HOST:PORT``); JAX detects what neither the arguments nor the environment give (TPU
+    pods, SLURM, Open MPI, Kubernetes). A second call with the same (or no) settings is a
+    no-op; with other settings a RuntimeError (a bad setting: ValueError or TypeError)."""
     global _address
 
     if coordinator_address is None:
