@@ -101,7 +101,7 @@ class GlobalBatchDataset(Iterable[Batch]):
         process_count = jax.process_count() if process_count is None else process_count
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}.")
-        if process_count <= 0 or not 0 <= process_index < process_count:
+        if not 0 <= process_index < process_count:
             raise ValueError(
                 f"Invalid process_index={process_index} for process_count={process_count}.")
         if partitioner is None and global_batch_size % process_count:
@@ -156,9 +156,7 @@ class GlobalBatchDataset(Iterable[Batch]):
     @property
     def num_batches(self) -> int | None:
         """Number of global batches, or None if the dataset repeats forever."""
-        if self.num_epochs is None:
-            return None
-        return len(self.batches)
+        return None if self.num_epochs is None else len(self.batches)
 
     def __len__(self) -> int:
         if self.num_batches is None:

@@ -90,9 +90,7 @@ def iterator_state(iterator: Any) -> dict[str, Any] | None:
     if not callable(get_state):
         return None
     state = get_state()
-    if isinstance(state, bytes | bytearray):
-        state = json.loads(state.decode())
-    return state
+    return json.loads(state) if isinstance(state, bytes | bytearray) else state
 
 
 def describe_iterator(iterator: Any) -> str:

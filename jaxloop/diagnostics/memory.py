@@ -39,12 +39,10 @@ def live_device_bytes() -> int:
     buffers = {}
     for x in jax.live_arrays():
         try:
-            held = {(s.device.id, s.data.unsafe_buffer_pointer()): s.data.nbytes
-                    for s in x.addressable_shards}
+            buffers.update({(s.device.id, s.data.unsafe_buffer_pointer()): s.data.nbytes
+                            for s in x.addressable_shards})
         except (RuntimeError, TypeError):
-            # Deleted or donated by another thread meanwhile: no longer held.
-            continue
-        buffers.update(held)
+            pass  # deleted or donated by another thread meanwhile: no longer held
     return sum(buffers.values())
 
 

@@ -97,8 +97,7 @@ def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
     entries = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in client.key_value_dir_get(key)}
     if me == 0 and index:
         client.key_value_delete(f"{_PREFIX}/{index - 1}/")  # every process has read it
-    places = [entries[p]["at"] for p in sorted(entries)]
-    if len(set(places)) > 1:
+    if len({entry["at"] for entry in entries.values()}) > 1:
         detail = "; ".join(f"process {p} at '{entries[p]['at']}'" for p in sorted(entries))
         raise DisagreementError(
             f"The processes parted at exchange {index}: {detail}. Every process must run the "
@@ -128,6 +127,5 @@ def summed(counts: Sequence[float], dtype: Any = np.float64, *, phase: str = "su
     """`counts` summed position-wise over every process (as `dtype`), on every process."""
     if jax.process_count() == 1:
         return list(counts)
-    local = np.asarray(counts, dtype).reshape(-1).tolist()
-    rows = _exchange(local, phase, step)
+    rows = _exchange(np.asarray(counts, dtype).reshape(-1).tolist(), phase, step)
     return np.asarray(rows, dtype).sum(axis=0).tolist()
