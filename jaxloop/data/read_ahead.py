@@ -150,9 +150,8 @@ class Prefetcher(Iterator[Batch]):
             except StopIteration:
                 self._finished = True
                 raise
-            state = self._state_of(self._reader)
             batch = self._prepare(batch)
-            self._state = state
+            self._state = self._state_of(self._reader)
             return batch
 
         thread = self._thread

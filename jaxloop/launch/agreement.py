@@ -46,10 +46,8 @@ class DisagreementError(RuntimeError):
 def exchange_timeout() -> float:
     """Seconds an exchange waits: ``JAXLOOP_EXCHANGE_TIMEOUT``, else the default."""
     raw = os.environ.get(ENV_EXCHANGE_TIMEOUT, "").strip()
-    if not raw:
-        return DEFAULT_EXCHANGE_TIMEOUT
     try:
-        value = float(raw)
+        value = float(raw) if raw else DEFAULT_EXCHANGE_TIMEOUT
     except ValueError:
         value = -1.0
     if not value > 0:

@@ -104,9 +104,7 @@ def active() -> bool:
 
 def requested() -> bool:
     """Whether training should stop now (several processes: as `reached_sync_point` agreed)."""
-    if _multiprocess_sync():
-        return _stop.is_set()
-    return _requested.is_set()
+    return (_stop if _multiprocess_sync() else _requested).is_set()
 
 
 def request() -> None:
@@ -126,8 +124,7 @@ def reached_sync_point(step: int) -> bool:
 
         if multihost_utils.reached_preemption_sync_point(step):
             _stop.set()
-        return _stop.is_set()
-    return _requested.is_set()
+    return requested()
 
 
 @contextlib.contextmanager
