@@ -1,5 +1,4 @@
-"""`ArraySource`: random access to the examples of a pytree of in-memory arrays, read by
-`GlobalBatchDataset` with one gather per array."""
+"""`ArraySource`: random access to the examples of a pytree of in-memory arrays."""
 
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ class ArraySource(Sequence[Example]):
         if not lengths:
             raise ValueError("ArraySource needs at least one array.")
         if None in lengths or len(lengths) != 1:
-            shapes = jax.tree.map(np.shape, self._arrays)
-            raise ValueError(
-                f"ArraySource arrays must share a leading dimension; got shapes {shapes}.")
+            raise ValueError("ArraySource arrays must share a leading dimension; got shapes "
+                             f"{jax.tree.map(np.shape, self._arrays)}.")
         self._length = lengths.pop()
 
     def __len__(self) -> int:
