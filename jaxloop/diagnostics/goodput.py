@@ -72,10 +72,7 @@ def peak_flops(device: jax.Device | str | None = None) -> float | None:
     None when unknown: ``peak_flops('NVIDIA H100 80GB HBM3') == 9.89e14``."""
     device = jax.devices()[0] if device is None else device
     kind = (device if isinstance(device, str) else device.device_kind).lower()
-    for name, flops in PEAK_FLOPS:
-        if name in kind:
-            return flops
-    return None
+    return next((flops for name, flops in PEAK_FLOPS if name in kind), None)
 
 
 def resolved_peak(peak: float | None = None,

@@ -44,8 +44,9 @@ def _saved_text(saved: bool) -> str:
 class _OneLine:
     """A stop renders as one line in IPython (``_render_traceback_``); scripts get it whole."""
 
-    step: int | None
-    saved: bool
+    def __init__(self, state: Any, step: int | None, saved: bool, *args: Any):
+        super().__init__(*args)
+        self.state, self.step, self.saved = state, step, saved
 
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: stopped at step {self.step}; {_saved_text(self.saved)}."
@@ -62,8 +63,7 @@ class Interrupted(_OneLine, KeyboardInterrupt):
     """
 
     def __init__(self, state: Any, step: int | None, saved: bool):
-        super().__init__(f"interrupted at step {step}; {_saved_text(saved)}")
-        self.state, self.step, self.saved = state, step, saved
+        super().__init__(state, step, saved, f"interrupted at step {step}; {_saved_text(saved)}")
 
 
 class Preempted(_OneLine, SystemExit):
@@ -71,8 +71,7 @@ class Preempted(_OneLine, SystemExit):
     process exits with status 143. Attributes as `Interrupted`'s."""
 
     def __init__(self, state: Any, step: int | None, saved: bool):
-        super().__init__(PREEMPTED_EXIT_CODE)
-        self.state, self.step, self.saved = state, step, saved
+        super().__init__(state, step, saved, PREEMPTED_EXIT_CODE)
 
     def __str__(self) -> str:
         return f"preempted at step {self.step}; {_saved_text(self.saved)} (exit status {self.code})"
@@ -81,8 +80,7 @@ class Preempted(_OneLine, SystemExit):
 def stopped(state: Any, step: int | None, saved: bool) -> Interrupted | Preempted:
     """The exception that ends a run stopped at `step`: `Interrupted` after SIGINT, else
     `Preempted`."""
-    kind = Interrupted if _interrupts else Preempted
-    return kind(state, step, saved)
+    return (Interrupted if _interrupts else Preempted)(state, step, saved)
 
 
 def interrupted() -> bool:
