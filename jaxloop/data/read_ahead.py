@@ -4,6 +4,7 @@ devices are not CPUs (`places_ahead`). Grain loads only at the first read."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -235,11 +236,8 @@ class Prefetcher(Iterator[Batch]):
         self.close()
 
     def __del__(self) -> None:
-        try:
-            if getattr(self, "_thread", None) is not None:
-                self._shutdown(timeout=5.0)
-        except Exception:  # never raise from a finaliser
-            pass
+        with contextlib.suppress(Exception):  # never raise from a finaliser
+            self._shutdown(timeout=5.0)
 
 
 def prefetch_to_device(iterator: Any, shard_fn: Callable[[Batch], Batch], size: int = 2
