@@ -46,16 +46,6 @@ class _TFToNumpyIterator(Iterator[Batch]):
         return jax.tree.map(lambda x: x.numpy() if isinstance(x, tf.Tensor) else x, element)
 
 
-def _is_random_access_source(obj: Any) -> bool:
-    """True for data *sources*, not lists and tuples (those are lists of batches)."""
-    if isinstance(obj, ArraySource | grain.sources.ArrayRecordDataSource
-                  | grain.sources.RangeDataSource | grain.sources.SharedMemoryDataSource):
-        return True
-    # Checked through sys.modules: a tfds source exists only if the user imported tfds.
-    tfds_base = sys.modules.get("tensorflow_datasets.core.data_sources.base")
-    return tfds_base is not None and isinstance(obj, tfds_base.BaseDataSource)
-
-
 def as_iterator(dataset: Any) -> Iterator[Batch]:
     """An iterator over `dataset`: iterators as they are, grain datasets and random-access
     sources (single examples) as checkpointable grain iterators, a ``tf.data.Dataset`` as its
@@ -74,7 +64,12 @@ def as_iterator(dataset: Any) -> Iterator[Batch]:
         return _TFToNumpyIterator(dataset.as_numpy_iterator())
     if isinstance(dataset, grain.MapDataset | grain.IterDataset):
         return grain_ready(iter(dataset))
-    if _is_random_access_source(dataset):
+    # Sources hold single examples (lists and tuples hold batches); a tfds source exists only
+    # if the user imported tfds.
+    tfds_base = sys.modules.get("tensorflow_datasets.core.data_sources.base")
+    if isinstance(dataset, ArraySource | grain.sources.ArrayRecordDataSource
+                  | grain.sources.RangeDataSource | grain.sources.SharedMemoryDataSource) or (
+            tfds_base is not None and isinstance(dataset, tfds_base.BaseDataSource)):
         return iter(grain.MapDataset.source(dataset))
     if isinstance(dataset, Iterable):
         return iter(dataset)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -54,26 +55,20 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions
-
-
 def collect(config: Any = None, mesh: Any = None) -> dict[str, Any]:
     """The run record as a JSON-safe dict; `config` a mapping, dataclass, `argparse.Namespace`
     or ``ConfigDict``, `mesh` a Mesh or a partitioner."""
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # not installed
+            versions[name] = importlib.metadata.version(name)
     mesh = getattr(mesh, "mesh", mesh)  # a Partitioner carries its mesh
     return {
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": [sys.executable, *sys.argv],
         "host": socket.gethostname(),
         "config": _plain(config) if config is not None else {},
-        "versions": _versions(),
+        "versions": versions,
         "devices": {
             "platform": jax.default_backend(),
             "kinds": dict(collections.Counter(d.device_kind for d in jax.devices())),
