@@ -150,8 +150,7 @@ class GlobalBatchDataset(Iterable[Batch]):
         unit = math.gcd(g, start, stop)
         m, first, n = g // unit, start // unit, (stop - start) // unit
         blocks = order.batch(unit)[: len(order) // g * m]
-        rows = ZipMapDataset([blocks[first + j :: m] for j in range(n)])
-        return rows.map(self._read)
+        return ZipMapDataset([blocks[first + j :: m] for j in range(n)]).map(self._read)
 
     @property
     def num_batches(self) -> int | None:

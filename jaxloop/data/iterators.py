@@ -90,11 +90,10 @@ def iterator_state(iterator: Any) -> dict[str, Any] | None:
 
 def describe_iterator(iterator: Any) -> str:
     """A short name of an iterator's kind for messages (a prefetcher names its source)."""
-    source = getattr(iterator, "source", None)
     # Through sys.modules: importing jaxloop.data.read_ahead from here would point up the layers.
     prefetch = sys.modules.get("jaxloop.data.read_ahead")
-    if prefetch is not None and isinstance(iterator, prefetch.Prefetcher) and source is not None:
-        return f"{describe_iterator(source)} behind a device prefetcher"
+    if prefetch is not None and isinstance(iterator, prefetch.Prefetcher):
+        return f"{describe_iterator(iterator.source)} behind a device prefetcher"
     if isinstance(iterator, _TFToNumpyIterator):
         return "a tf.data iterator"
     kind = type(iterator)
