@@ -2,11 +2,9 @@
 
 A decision that gates a collective (is a save due, which checkpoints to read) may not come
 from one host's clock or listing. `agreed` takes process 0's answer, `gathered` every
-process's value, `summed` counts summed over processes. Each is one host exchange through
-JAX's coordination service, not a device collective: it does not queue behind the steps in
-flight, and it cannot hang. Processes at different exchanges, or one that does not arrive
-within ``exchange_timeout()`` seconds, get a `DisagreementError` naming the step and the
-phase where they parted. With one process each is a plain call::
+process's value, `summed` counts summed over processes, each in one host exchange through
+JAX's coordination service, not a device collective (docs/multihost.md, "Processes that
+disagree"). With one process each is a plain call::
 
     due = agreement.agreed(lambda: clock() - last_save >= every_secs,
                            phase="checkpoint time policy", step=step)

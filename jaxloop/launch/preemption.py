@@ -1,9 +1,7 @@
-"""Preemption: stop at the next step boundary on SIGTERM/SIGINT so a checkpoint can be saved.
-
-SIGINT ends the run with `Interrupted` (a `KeyboardInterrupt`; a third SIGINT raises at once),
-SIGTERM or `request()` with `Preempted` (a `SystemExit`, status 143: "requeue"); both carry
-the live ``state``. With several processes JAX's preemption sync service owns SIGTERM and
-picks one step for all (a save is a collective)::
+"""Preemption: stop at the next step boundary on SIGTERM/SIGINT so a checkpoint can be saved,
+then end the run with `Preempted` or `Interrupted`, which carry the live ``state``. With
+several processes JAX's preemption sync service owns SIGTERM and picks one step for all (a
+save is a collective)::
 
     with preemption.handling_preemption():
         for step in range(start, total):
