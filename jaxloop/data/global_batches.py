@@ -109,8 +109,7 @@ class GlobalBatchDataset(Iterable[Batch]):
                              f"process_count={process_count}.")
         if num_epochs is not None and num_epochs <= 0:
             raise ValueError(f"num_epochs must be None or positive, got {num_epochs}.")
-        num_examples = len(source)
-        if num_examples == 0 and num_epochs is None:
+        if len(source) == 0 and num_epochs is None:
             raise ValueError("Cannot repeat an empty source forever (num_epochs=None).")
 
         self.source = source
@@ -125,7 +124,7 @@ class GlobalBatchDataset(Iterable[Batch]):
         self.mask_key = mask_key
         self.num_workers = int(num_workers)
         self.worker_buffer_size = int(worker_buffer_size)
-        self.num_examples = int(num_examples)
+        self.num_examples = len(source)
         if partitioner is not None:
             self.rows = batch_rows(partitioner.mesh, partitioner.data_axis,
                                    self.global_batch_size, self.process_index)
@@ -177,9 +176,7 @@ class GlobalBatchDataset(Iterable[Batch]):
         if example is None:
             raise ValueError(f"Source returned None at index {index}; GlobalBatchDataset needs "
                              "every index to hold an example (filter the data before batching).")
-        if self.transform is not None:
-            example = self.transform(example)
-        return example
+        return example if self.transform is None else self.transform(example)
 
     def _read(self, parts: tuple[np.ndarray, ...]) -> Batch:
         """The examples at these source indices, stacked; -1 marks a padding row."""
