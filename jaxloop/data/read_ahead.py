@@ -138,9 +138,6 @@ class Prefetcher(Iterator[Batch]):
         self._unreturned.extend(self._spilled)
         self._spilled.clear()
 
-    def __iter__(self) -> Prefetcher:
-        return self
-
     def __next__(self) -> Batch:
         self.start()
         if self._finished:

@@ -72,8 +72,6 @@ def _deviation(mesh: jax.sharding.Mesh, specs: Sequence[P], axes: Sequence[tuple
                rtol: float):
     """Per leaf and device: the largest |copy - first copy| and its largest excess over
     ``rtol * |first copy|``."""
-    every = tuple(mesh.axis_names)
-
     def per_device(*leaves):
         out = []
         for x, replica_axes in zip(leaves, axes, strict=True):
@@ -85,7 +83,8 @@ def _deviation(mesh: jax.sharding.Mesh, specs: Sequence[P], axes: Sequence[tuple
             diff = jnp.where(jnp.isnan(diff), jnp.inf, diff)  # NaN on one copy only
             biggest = jnp.max(diff, initial=0.0)
             excess = jnp.max(diff - rtol * jnp.abs(jnp.where(both_nan, 0.0, ref)), initial=0.0)
-            out.append(jax.lax.all_gather(jnp.stack([biggest, excess]), every, tiled=False))
+            out.append(jax.lax.all_gather(jnp.stack([biggest, excess]), tuple(mesh.axis_names),
+                                          tiled=False))
         return tuple(out)
 
     return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs),
