@@ -73,11 +73,10 @@ def rows(tree: Any) -> list[Row]:
     """One `Row` per array leaf of `tree` (arrays or `jax.ShapeDtypeStruct`s)."""
     out = []
     for path, leaf in _leaves(tree):
-        held = _per_device(leaf)
         size = math.prod(leaf.shape) * _itemsize(leaf.dtype)
         out.append(Row(path, tuple(leaf.shape), str(leaf.dtype),
                        _sharding_text(getattr(leaf, "sharding", None)),
-                       max(held.values(), default=size), size))
+                       max(_per_device(leaf).values(), default=size), size))
     return out
 
 
