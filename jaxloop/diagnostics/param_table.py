@@ -63,9 +63,9 @@ def _per_device(leaf: Any) -> dict[Any, int]:
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
         return {}
-    return {device: math.prod(len(range(*s.indices(n)))
-                              for s, n in zip(index, leaf.shape, strict=True))
-            * _itemsize(leaf.dtype)
+    itemsize = _itemsize(leaf.dtype)  # once: a PRNG key's is traced
+    return {device: itemsize * math.prod(len(range(*s.indices(n)))
+                                         for s, n in zip(index, leaf.shape, strict=True))
             for device, index in sharding.devices_indices_map(tuple(leaf.shape)).items()}
 
 

@@ -91,9 +91,8 @@ def hparams(record: Mapping[str, Any]) -> dict[str, Any]:
         "count": record["devices"]["count"],
         "process_count": record["devices"]["process_count"],
     }
-    mesh = record["mesh"]
-    if mesh is not None:
-        flat["run.mesh"] = " x ".join(f"{k}={v}" for k, v in mesh["shape"].items())
+    if record["mesh"] is not None:
+        flat["run.mesh"] = " x ".join(f"{k}={v}" for k, v in record["mesh"]["shape"].items())
     return flat
 
 
