@@ -13,9 +13,8 @@ import importlib
 import sys
 from typing import Any
 
-# The one list of exported names: each by the submodule that defines it, a submodule by
-# itself. Imported on first use (PEP 562), so `import jaxloop.step` loads neither orbax nor
-# grain.
+# The one list of exported names, each by its submodule (a submodule by itself), imported
+# on first use (PEP 562): `import jaxloop.step` loads neither orbax nor grain.
 _EXPORTS = {name: module for module, names in (
     ("actions", ("Action", "EarlyStoppingAction", "StepNumberAction", "SummaryAction")),
     ("checkpointing.checkpoint_actions", ("CheckpointAction",)),

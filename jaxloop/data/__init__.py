@@ -9,48 +9,27 @@ prefetch, as ``data.<name>``::
 """
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-# Each name is imported from its submodule on first use (PEP 562): the loops load no grain.
-_NAMES = {
-    "ArraySource": "sources.ArraySource",
-    "GlobalBatchDataset": "global_batches.GlobalBatchDataset",
-    "GlobalBatchIterator": "global_batch_iterator.GlobalBatchIterator",
-    "as_iterator": "iterators.as_iterator",
-    "batch_rows": "global_batches.batch_rows",
-    "describe_iterator": "iterators.describe_iterator",
-    "iterator_state": "iterators.iterator_state",
-    "Prefetcher": "read_ahead.Prefetcher",
-    "pad_to_global_batches": "padding.pad_to_global_batches",
-    "prefetch_to_device": "read_ahead.prefetch_to_device",
-    "restore_iterator_state": "iterators.restore_iterator_state",
-}
-__all__ = [
-    "ArraySource", "GlobalBatchDataset", "GlobalBatchIterator", "Prefetcher", "as_iterator",
-    "batch_rows", "describe_iterator", "iterator_state", "pad_to_global_batches",
-    "prefetch_to_device", "restore_iterator_state",
-]
-
-if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports
-    from jaxloop.data.global_batch_iterator import GlobalBatchIterator
-    from jaxloop.data.global_batches import GlobalBatchDataset, batch_rows
-    from jaxloop.data.iterators import (
-        as_iterator,
-        describe_iterator,
-        iterator_state,
-        restore_iterator_state,
-    )
-    from jaxloop.data.padding import pad_to_global_batches
-    from jaxloop.data.read_ahead import Prefetcher, prefetch_to_device
-    from jaxloop.data.sources import ArraySource
+# The one list of exported names, each by its submodule, imported from it on first use
+# (PEP 562): the loops load no grain.
+_NAMES = {name: module for module, names in (
+    ("global_batch_iterator", ("GlobalBatchIterator",)),
+    ("global_batches", ("GlobalBatchDataset", "batch_rows")),
+    ("iterators", ("as_iterator", "describe_iterator", "iterator_state",
+                   "restore_iterator_state")),
+    ("padding", ("pad_to_global_batches",)),
+    ("read_ahead", ("Prefetcher", "prefetch_to_device")),
+    ("sources", ("ArraySource",)),
+) for name in names}
+__all__ = sorted(_NAMES)
 
 
 def __getattr__(name: str) -> Any:
     """Imports an exported name from its submodule when first used."""
     if name not in _NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _NAMES[name].split(".")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
     globals()[name] = value
     return value
 

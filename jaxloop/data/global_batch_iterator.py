@@ -42,12 +42,9 @@ class GlobalBatchIterator(Iterator[Batch]):
         return iter(pipeline)
 
     def __next__(self) -> Batch:
-        if self._replay:
-            batch = self._replay.popleft()
-        else:
-            if self._iterator is None:
-                self._iterator = self._open()
-            batch = next(self._iterator)
+        if not self._replay and self._iterator is None:
+            self._iterator = self._open()
+        batch = self._replay.popleft() if self._replay else next(self._iterator)
         self._recent.append(batch)
         self._next_batch += 1
         return batch
@@ -57,9 +54,8 @@ class GlobalBatchIterator(Iterator[Batch]):
         iterator, self._iterator = self._iterator, None
         self._recent.clear()
         self._replay.clear()
-        close = getattr(iterator, "close", None)
-        if callable(close):
-            close()
+        if iterator is not None:
+            iterator.close()
 
     def get_state(self) -> dict[str, Any]:
         ds = self._dataset

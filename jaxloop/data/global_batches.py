@@ -63,10 +63,6 @@ def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
     return coords[0] * shard, (coords[-1] + 1) * shard
 
 
-def _stack(examples: Sequence[Example]) -> Batch:
-    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
-
-
 class GlobalBatchDataset(Iterable[Batch]):
     """Global batches of a random-access source, the same for any number of processes.
 
@@ -105,7 +101,7 @@ class GlobalBatchDataset(Iterable[Batch]):
         process_count = jax.process_count() if process_count is None else process_count
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}.")
-        if process_count <= 0 or not 0 <= process_index < process_count:
+        if not 0 <= process_index < process_count:
             raise ValueError(
                 f"Invalid process_index={process_index} for process_count={process_count}.")
         if partitioner is None and global_batch_size % process_count:
@@ -113,8 +109,7 @@ class GlobalBatchDataset(Iterable[Batch]):
                              f"process_count={process_count}.")
         if num_epochs is not None and num_epochs <= 0:
             raise ValueError(f"num_epochs must be None or positive, got {num_epochs}.")
-        num_examples = len(source)
-        if num_examples == 0 and num_epochs is None:
+        if len(source) == 0 and num_epochs is None:
             raise ValueError("Cannot repeat an empty source forever (num_epochs=None).")
 
         self.source = source
@@ -129,7 +124,7 @@ class GlobalBatchDataset(Iterable[Batch]):
         self.mask_key = mask_key
         self.num_workers = int(num_workers)
         self.worker_buffer_size = int(worker_buffer_size)
-        self.num_examples = int(num_examples)
+        self.num_examples = len(source)
         if partitioner is not None:
             self.rows = batch_rows(partitioner.mesh, partitioner.data_axis,
                                    self.global_batch_size, self.process_index)
@@ -154,15 +149,12 @@ class GlobalBatchDataset(Iterable[Batch]):
         unit = math.gcd(g, start, stop)
         m, first, n = g // unit, start // unit, (stop - start) // unit
         blocks = order.batch(unit)[: len(order) // g * m]
-        rows = ZipMapDataset([blocks[first + j :: m] for j in range(n)])
-        return rows.map(self._read)
+        return ZipMapDataset([blocks[first + j :: m] for j in range(n)]).map(self._read)
 
     @property
     def num_batches(self) -> int | None:
         """Number of global batches, or None if the dataset repeats forever."""
-        if self.num_epochs is None:
-            return None
-        return len(self.batches)
+        return None if self.num_epochs is None else len(self.batches)
 
     def __len__(self) -> int:
         if self.num_batches is None:
@@ -184,9 +176,7 @@ class GlobalBatchDataset(Iterable[Batch]):
         if example is None:
             raise ValueError(f"Source returned None at index {index}; GlobalBatchDataset needs "
                              "every index to hold an example (filter the data before batching).")
-        if self.transform is not None:
-            example = self.transform(example)
-        return example
+        return example if self.transform is None else self.transform(example)
 
     def _read(self, parts: tuple[np.ndarray, ...]) -> Batch:
         """The examples at these source indices, stacked; -1 marks a padding row."""
@@ -199,7 +189,8 @@ class GlobalBatchDataset(Iterable[Batch]):
             batch = self.source.gather(indices)
         else:
             # Batched __getitems__ reads are not reliable across sources (tfds mock data).
-            batch = _stack([self._example(int(i)) for i in indices])
+            batch = jax.tree.map(lambda *xs: np.stack(xs),
+                                 *[self._example(int(i)) for i in indices])
         if not self._pad:
             return batch
         if not isinstance(batch, Mapping):

@@ -28,14 +28,9 @@ from jaxloop.data.sources import ArraySource
 
 Batch = Any
 
-def _tensorflow() -> Any:
-    """The TensorFlow module if the user imported it, else None (never imports it)."""
-    return sys.modules.get("tensorflow")
-
-
 def _is_tf(obj: Any, kind: str) -> bool:
-    """Whether `obj` is a ``tf.data.<kind>`` (``Dataset``, ``Iterator``)."""
-    tf = _tensorflow()
+    """Whether `obj` is a ``tf.data.<kind>`` (``Dataset``, ``Iterator``); never imports TF."""
+    tf = sys.modules.get("tensorflow")
     return tf is not None and isinstance(obj, getattr(tf.data, kind))
 
 
@@ -46,22 +41,9 @@ class _TFToNumpyIterator(Iterator[Batch]):
         self._iterator = iterator
 
     def __next__(self) -> Batch:
-        tf = _tensorflow()
+        tf = sys.modules["tensorflow"]
         element = next(self._iterator)
         return jax.tree.map(lambda x: x.numpy() if isinstance(x, tf.Tensor) else x, element)
-
-
-def _is_random_access_source(obj: Any) -> bool:
-    """True for data *sources*, not lists and tuples (those are lists of batches)."""
-    if isinstance(obj, ArraySource):
-        return True
-    grain_sources = (grain.sources.ArrayRecordDataSource, grain.sources.RangeDataSource,
-                     grain.sources.SharedMemoryDataSource)
-    if isinstance(obj, grain_sources):
-        return True
-    # Checked through sys.modules: a tfds source exists only if the user imported tfds.
-    tfds_base = sys.modules.get("tensorflow_datasets.core.data_sources.base")
-    return tfds_base is not None and isinstance(obj, tfds_base.BaseDataSource)
 
 
 def as_iterator(dataset: Any) -> Iterator[Batch]:
@@ -82,9 +64,12 @@ def as_iterator(dataset: Any) -> Iterator[Batch]:
         return _TFToNumpyIterator(dataset.as_numpy_iterator())
     if isinstance(dataset, grain.MapDataset | grain.IterDataset):
         return grain_ready(iter(dataset))
-    if isinstance(dataset, grain.DataLoader):
-        return iter(dataset)
-    if _is_random_access_source(dataset):
+    # Sources hold single examples (lists and tuples hold batches); a tfds source exists only
+    # if the user imported tfds.
+    tfds_base = sys.modules.get("tensorflow_datasets.core.data_sources.base")
+    if isinstance(dataset, ArraySource | grain.sources.ArrayRecordDataSource
+                  | grain.sources.RangeDataSource | grain.sources.SharedMemoryDataSource) or (
+            tfds_base is not None and isinstance(dataset, tfds_base.BaseDataSource)):
         return iter(grain.MapDataset.source(dataset))
     if isinstance(dataset, Iterable):
         return iter(dataset)
@@ -100,18 +85,15 @@ def iterator_state(iterator: Any) -> dict[str, Any] | None:
     if not callable(get_state):
         return None
     state = get_state()
-    if isinstance(state, bytes | bytearray):
-        state = json.loads(state.decode())
-    return state
+    return json.loads(state) if isinstance(state, bytes | bytearray) else state
 
 
 def describe_iterator(iterator: Any) -> str:
     """A short name of an iterator's kind for messages (a prefetcher names its source)."""
-    source = getattr(iterator, "source", None)
     # Through sys.modules: importing jaxloop.data.read_ahead from here would point up the layers.
     prefetch = sys.modules.get("jaxloop.data.read_ahead")
-    if prefetch is not None and isinstance(iterator, prefetch.Prefetcher) and source is not None:
-        return f"{describe_iterator(source)} behind a device prefetcher"
+    if prefetch is not None and isinstance(iterator, prefetch.Prefetcher):
+        return f"{describe_iterator(iterator.source)} behind a device prefetcher"
     if isinstance(iterator, _TFToNumpyIterator):
         return "a tf.data iterator"
     kind = type(iterator)

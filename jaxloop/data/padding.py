@@ -1,5 +1,4 @@
-"""Exact evaluation: one in-order pass over a finite source, padded to whole global batches,
-so every process runs the same eval steps and a mask counts each example once."""
+"""Exact evaluation: every process runs the same eval steps; a mask counts each example once."""
 
 from __future__ import annotations
 

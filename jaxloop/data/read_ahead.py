@@ -1,13 +1,10 @@
 """Batches read ahead in a background thread (`Prefetcher`): a loop's (`Loop.prefetching`)
-and a hand-written loop's (`data.prefetch_to_device`). Grain loads only at the first read.
-
-Whether batches are placed ahead is decided by the step's devices (`places_ahead`): off
-CPUs the read-ahead thread also places them (the copy overlaps the step); on CPUs placing
-ahead buys nothing and an `OuterLoop` reads in the training thread by default.
-"""
+and a hand-written loop's (`data.prefetch_to_device`), placed there too where the step's
+devices are not CPUs (`places_ahead`). Grain loads only at the first read."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -44,37 +41,35 @@ def _iterators() -> Any:
     return iterators
 
 
-def _put(items: queue.Queue, stop: threading.Event, item: tuple[str, Any, Any]) -> bool:
-    """Puts `item` once there is room; False if stopped first."""
+def _put(items: queue.Queue, stop: threading.Event, item: tuple[str, Any, Any],
+         spilled: list[tuple[str, Any, Any]]) -> bool:
+    """Puts `item` once there is room; if stopped first, adds it to `spilled`: False."""
     while not stop.is_set():
         try:
             items.put(item, timeout=_POLL_SECONDS)
             return True
         except queue.Full:
             pass
+    spilled.append(item)
     return False
 
 
 def _produce(source: Iterator[Batch], prepare: Callable[[Batch], Batch], items: queue.Queue,
-             stop: threading.Event, state_of: Callable[[Any], Any] | None,
+             stop: threading.Event, state_of: Callable[[Any], Any],
              spilled: list[tuple[str, Any, Any]]) -> None:
     # Module-level, holding no reference to the Prefetcher: an abandoned one is collected
-    # and its __del__ stops this thread. A batch read when it was stopped goes to `spilled`.
+    # and its __del__ stops this thread.
     try:
         while not stop.is_set():
             try:
                 batch = next(source)
             except StopIteration:
-                _put(items, stop, (_END, None, None))
+                _put(items, stop, (_END, None, None), spilled)
                 return
-            state = state_of(source) if state_of is not None else None
-            item = (_BATCH, prepare(batch), state)
-            if not _put(items, stop, item):
-                spilled.append(item)
+            if not _put(items, stop, (_BATCH, prepare(batch), state_of(source)), spilled):
                 return
     except BaseException as e:  # re-raised in the consumer thread
-        if not _put(items, stop, (_ERROR, e, None)):
-            spilled.append((_ERROR, e, None))
+        _put(items, stop, (_ERROR, e, None), spilled)
 
 
 class Prefetcher(Iterator[Batch]):
@@ -94,7 +89,7 @@ class Prefetcher(Iterator[Batch]):
         self._prepare = prepare
         self._size = size
         self._reader: Iterator[Batch] | None = None  # `source` as an iterator, once read
-        self._state_of: Callable[[Any], Any] | None = None
+        self._state_of: Callable[[Any], Any] = lambda _: None
         self._state: Any = None
         self._thread: threading.Thread | None = None
         self._finished = False
@@ -107,9 +102,8 @@ class Prefetcher(Iterator[Batch]):
         if self._reader is None and not self._finished:
             iterators = _iterators()
             self._reader = iterators.as_iterator(self.source)
-            tracks = callable(getattr(self._reader, "get_state", None))
-            self._state_of = iterators.iterator_state if tracks else None
-            self._state = self._state_of(self._reader) if tracks else None
+            self._state_of = iterators.iterator_state
+            self._state = self._state_of(self._reader)
             self._start_thread()
         return self
 
@@ -144,9 +138,6 @@ class Prefetcher(Iterator[Batch]):
         self._unreturned.extend(self._spilled)
         self._spilled.clear()
 
-    def __iter__(self) -> Prefetcher:
-        return self
-
     def __next__(self) -> Batch:
         self.start()
         if self._finished:
@@ -157,9 +148,8 @@ class Prefetcher(Iterator[Batch]):
             except StopIteration:
                 self._finished = True
                 raise
-            state = self._state_of(self._reader) if self._state_of is not None else None
             batch = self._prepare(batch)
-            self._state = state
+            self._state = self._state_of(self._reader)
             return batch
 
         thread = self._thread
@@ -243,11 +233,8 @@ class Prefetcher(Iterator[Batch]):
         self.close()
 
     def __del__(self) -> None:
-        try:
-            if getattr(self, "_thread", None) is not None:
-                self._shutdown(timeout=5.0)
-        except Exception:  # never raise from a finaliser
-            pass
+        with contextlib.suppress(Exception):  # never raise from a finaliser
+            self._shutdown(timeout=5.0)
 
 
 def prefetch_to_device(iterator: Any, shard_fn: Callable[[Batch], Batch], size: int = 2

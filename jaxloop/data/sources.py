@@ -1,5 +1,4 @@
-"""`ArraySource`: random access to the examples of a pytree of in-memory arrays, read by
-`GlobalBatchDataset` with one gather per array."""
+"""`ArraySource`: random access to the examples of a pytree of in-memory arrays."""
 
 from __future__ import annotations
 
@@ -22,15 +21,13 @@ class ArraySource(Sequence[Example]):
     """
 
     def __init__(self, arrays: Any):
-        leaves = jax.tree.leaves(arrays)
-        if not leaves:
-            raise ValueError("ArraySource needs at least one array.")
         self._arrays = jax.tree.map(np.asarray, arrays)
         lengths = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(self._arrays)}
+        if not lengths:
+            raise ValueError("ArraySource needs at least one array.")
         if None in lengths or len(lengths) != 1:
-            shapes = jax.tree.map(np.shape, self._arrays)
-            raise ValueError(
-                f"ArraySource arrays must share a leading dimension; got shapes {shapes}.")
+            raise ValueError("ArraySource arrays must share a leading dimension; got shapes "
+                             f"{jax.tree.map(np.shape, self._arrays)}.")
         self._length = lengths.pop()
 
     def __len__(self) -> int:
@@ -49,5 +46,4 @@ class ArraySource(Sequence[Example]):
         return jax.tree.map(lambda x: x[indices], self._arrays)
 
     def __repr__(self) -> str:
-        shapes = jax.tree.map(np.shape, self._arrays)
-        return f"ArraySource({shapes})"
+        return f"ArraySource({jax.tree.map(np.shape, self._arrays)})"

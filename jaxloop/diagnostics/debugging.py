@@ -38,8 +38,7 @@ def _from_env(name: str) -> bool:
 
 def interactive() -> bool:
     """Whether someone can answer a debugger: stdin is a terminal, or in a notebook."""
-    stdin = sys.stdin
-    return bool(stdin is not None and stdin.isatty()) or "ipykernel" in sys.modules
+    return bool(sys.stdin is not None and sys.stdin.isatty()) or "ipykernel" in sys.modules
 
 
 @contextlib.contextmanager

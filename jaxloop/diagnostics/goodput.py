@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -72,10 +72,7 @@ def peak_flops(device: jax.Device | str | None = None) -> float | None:
     None when unknown: ``peak_flops('NVIDIA H100 80GB HBM3') == 9.89e14``."""
     device = jax.devices()[0] if device is None else device
     kind = (device if isinstance(device, str) else device.device_kind).lower()
-    for name, flops in PEAK_FLOPS:
-        if name in kind:
-            return flops
-    return None
+    return next((flops for name, flops in PEAK_FLOPS if name in kind), None)
 
 
 def resolved_peak(peak: float | None = None,
@@ -148,17 +145,16 @@ class Recorder:
 
     def span(self, category: str, interval: int = 1) -> tuple[Any, Any]:
         """Two actions, (start, stop), that time what runs between them (around a checkpoint)."""
-        recorder = self
 
-        class _Start(Action):
+        class _Mark(Action):
+            def __init__(self, mark: Callable[[str], None]):
+                super().__init__(interval)
+                self._mark = mark
+
             def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
-                recorder.start(category)
+                self._mark(category)
 
-        class _Stop(Action):
-            def __call__(self, state: Any, outputs: Any, **kwargs: Any) -> None:
-                recorder.stop(category)
-
-        return _Start(interval), _Stop(interval)
+        return _Mark(self.start), _Mark(self.stop)
 
     def window(self) -> dict[str, float]:
         """Seconds per category (and ``other``, ``wall``) since the last call; starts a new one."""

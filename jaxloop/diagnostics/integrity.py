@@ -29,9 +29,7 @@ class ReplicaMismatchError(RuntimeError):
 
 
 def _replicated_axes(sharding: NamedSharding) -> tuple[str, ...]:
-    named = set()
-    for entry in sharding.spec:
-        named.update(entry if isinstance(entry, tuple) else (entry,))
+    named = set(jax.tree.leaves(tuple(sharding.spec)))  # its entries' axes, tuples flattened
     return tuple(a for a in sharding.mesh.axis_names
                  if a not in named and sharding.mesh.shape[a] > 1)
 
@@ -74,8 +72,6 @@ def _deviation(mesh: jax.sharding.Mesh, specs: Sequence[P], axes: Sequence[tuple
                rtol: float):
     """Per leaf and device: the largest |copy - first copy| and its largest excess over
     ``rtol * |first copy|``."""
-    every = tuple(mesh.axis_names)
-
     def per_device(*leaves):
         out = []
         for x, replica_axes in zip(leaves, axes, strict=True):
@@ -87,7 +83,8 @@ def _deviation(mesh: jax.sharding.Mesh, specs: Sequence[P], axes: Sequence[tuple
             diff = jnp.where(jnp.isnan(diff), jnp.inf, diff)  # NaN on one copy only
             biggest = jnp.max(diff, initial=0.0)
             excess = jnp.max(diff - rtol * jnp.abs(jnp.where(both_nan, 0.0, ref)), initial=0.0)
-            out.append(jax.lax.all_gather(jnp.stack([biggest, excess]), every, tiled=False))
+            out.append(jax.lax.all_gather(jnp.stack([biggest, excess]), tuple(mesh.axis_names),
+                                          tiled=False))
         return tuple(out)
 
     return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs),
@@ -102,14 +99,10 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
     by_mesh: dict[Any, list[tuple[str, jax.Array, tuple[str, ...]]]] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if not isinstance(leaf, jax.Array) or not isinstance(sharding, NamedSharding) or (
-            jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)  # PRNG keys
-        ):
-            continue
-        axes = _replicated_axes(sharding)
-        if axes:
-            by_mesh.setdefault(sharding.mesh, []).append(
+        if (isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
+                and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)  # PRNG keys
+                and (axes := _replicated_axes(leaf.sharding))):
+            by_mesh.setdefault(leaf.sharding.mesh, []).append(
                 (jax.tree_util.keystr(path, simple=True, separator="/"), leaf, axes))
     found: dict[str, float] = {}
     problems = []

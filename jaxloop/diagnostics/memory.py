@@ -21,14 +21,14 @@ import numpy as np
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
-def format_bytes(num: int | float) -> str:
+def format_bytes(num: int | float, decimals: int = 2) -> str:
     """Bytes in binary units: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
     value = float(num)
     for unit in _UNITS[:-1]:
         if abs(value) < 1024:
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+            return f"{int(value)} B" if unit == "B" else f"{value:.{decimals}f} {unit}"
         value /= 1024
-    return f"{value:.2f} {_UNITS[-1]}"
+    return f"{value:.{decimals}f} {_UNITS[-1]}"
 
 
 def live_device_bytes() -> int:
@@ -39,12 +39,10 @@ def live_device_bytes() -> int:
     buffers = {}
     for x in jax.live_arrays():
         try:
-            held = {(s.device.id, s.data.unsafe_buffer_pointer()): s.data.nbytes
-                    for s in x.addressable_shards}
+            buffers.update({(s.device.id, s.data.unsafe_buffer_pointer()): s.data.nbytes
+                            for s in x.addressable_shards})
         except (RuntimeError, TypeError):
-            # Deleted or donated by another thread meanwhile: no longer held.
-            continue
-        buffers.update(held)
+            pass  # deleted or donated by another thread meanwhile: no longer held
     return sum(buffers.values())
 
 

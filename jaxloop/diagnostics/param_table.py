@@ -10,10 +10,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 from typing import Any
 
 import jax
 import numpy as np
+
+from jaxloop.diagnostics.memory import format_bytes
 
 __all__ = ["Row", "log_table", "markdown", "rows", "table", "totals"]
 
@@ -45,7 +48,7 @@ def _sharding_text(sharding: Any) -> str:
 def _itemsize(dtype: Any) -> int:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys: their key data
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
-        return int(np.prod(data.shape, dtype=np.int64)) * data.dtype.itemsize
+        return math.prod(data.shape) * data.dtype.itemsize
     return np.dtype(dtype).itemsize
 
 
@@ -58,25 +61,22 @@ def _leaves(tree: Any) -> list[tuple[str, Any]]:
 def _per_device(leaf: Any) -> dict[Any, int]:
     """Bytes of `leaf` on each device that holds part of it."""
     sharding = getattr(leaf, "sharding", None)
-    itemsize = _itemsize(leaf.dtype)
     if sharding is None:
         return {}
-    held = {}
-    for device, index in sharding.devices_indices_map(tuple(leaf.shape)).items():
-        shape = [len(range(*s.indices(n))) for s, n in zip(index, leaf.shape, strict=True)]
-        held[device] = int(np.prod(shape, dtype=np.int64)) * itemsize
-    return held
+    itemsize = _itemsize(leaf.dtype)  # once: a PRNG key's is traced
+    return {device: itemsize * math.prod(len(range(*s.indices(n)))
+                                         for s, n in zip(index, leaf.shape, strict=True))
+            for device, index in sharding.devices_indices_map(tuple(leaf.shape)).items()}
 
 
 def rows(tree: Any) -> list[Row]:
     """One `Row` per array leaf of `tree` (arrays or `jax.ShapeDtypeStruct`s)."""
     out = []
     for path, leaf in _leaves(tree):
-        held = _per_device(leaf)
-        size = int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype)
+        size = math.prod(leaf.shape) * _itemsize(leaf.dtype)
         out.append(Row(path, tuple(leaf.shape), str(leaf.dtype),
                        _sharding_text(getattr(leaf, "sharding", None)),
-                       max(held.values(), default=size), size))
+                       max(_per_device(leaf).values(), default=size), size))
     return out
 
 
@@ -89,27 +89,19 @@ def totals(tree: Any) -> dict[str, int]:
     for _, leaf in leaves:
         per_device.update(_per_device(leaf))
     return {
-        "params": int(sum(int(np.prod(x.shape, dtype=np.int64)) for _, x in counted)),
+        "params": sum(math.prod(x.shape) for _, x in counted),
         "bytes": int(sum(r.bytes for r in rows(tree))),
         "max_bytes_per_device": int(max(per_device.values(), default=0)),
     }
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _cells(tree: Any) -> tuple[list[str], list[list[str]], str]:
     header = ["path", "shape", "dtype", "sharding", "bytes/device", "bytes"]
-    body = [[r.path, str(r.shape), r.dtype, r.sharding, _human(r.bytes_per_device),
-             _human(r.bytes)] for r in rows(tree)]
+    body = [[r.path, str(r.shape), r.dtype, r.sharding, format_bytes(r.bytes_per_device, 1),
+             format_bytes(r.bytes, 1)] for r in rows(tree)]
     t = totals(tree)
-    summary = (f"{t['params']:,} parameters; {_human(t['bytes'])} in all; "
-               f"at most {_human(t['max_bytes_per_device'])} on one device")
+    summary = (f"{t['params']:,} parameters; {format_bytes(t['bytes'], 1)} in all; "
+               f"at most {format_bytes(t['max_bytes_per_device'], 1)} on one device")
     return header, body, summary
 
 

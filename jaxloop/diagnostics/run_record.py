@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -54,44 +55,29 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions
-
-
-def _devices() -> dict[str, Any]:
-    return {
-        "platform": jax.default_backend(),
-        "kinds": dict(collections.Counter(d.device_kind for d in jax.devices())),
-        "count": jax.device_count(),
-        "local_count": jax.local_device_count(),
-        "process_count": jax.process_count(),
-    }
-
-
-def _mesh(mesh: Any) -> dict[str, Any] | None:
-    mesh = getattr(mesh, "mesh", mesh)  # a Partitioner carries its mesh
-    if mesh is None:
-        return None
-    return {"axis_names": list(mesh.axis_names), "shape": dict(mesh.shape)}
-
-
 def collect(config: Any = None, mesh: Any = None) -> dict[str, Any]:
     """The run record as a JSON-safe dict; `config` a mapping, dataclass, `argparse.Namespace`
     or ``ConfigDict``, `mesh` a Mesh or a partitioner."""
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # not installed
+            versions[name] = importlib.metadata.version(name)
+    mesh = getattr(mesh, "mesh", mesh)  # a Partitioner carries its mesh
     return {
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": [sys.executable, *sys.argv],
         "host": socket.gethostname(),
         "config": _plain(config) if config is not None else {},
-        "versions": _versions(),
-        "devices": _devices(),
-        "mesh": _mesh(mesh),
+        "versions": versions,
+        "devices": {
+            "platform": jax.default_backend(),
+            "kinds": dict(collections.Counter(d.device_kind for d in jax.devices())),
+            "count": jax.device_count(),
+            "local_count": jax.local_device_count(),
+            "process_count": jax.process_count(),
+        },
+        "mesh": None if mesh is None else {"axis_names": list(mesh.axis_names),
+                                           "shape": dict(mesh.shape)},
     }
 
 
@@ -105,9 +91,8 @@ def hparams(record: Mapping[str, Any]) -> dict[str, Any]:
         "count": record["devices"]["count"],
         "process_count": record["devices"]["process_count"],
     }
-    mesh = record["mesh"]
-    if mesh is not None:
-        flat["run.mesh"] = " x ".join(f"{k}={v}" for k, v in mesh["shape"].items())
+    if record["mesh"] is not None:
+        flat["run.mesh"] = " x ".join(f"{k}={v}" for k, v in record["mesh"]["shape"].items())
     return flat
 
 

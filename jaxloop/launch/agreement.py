@@ -2,11 +2,9 @@
 
 A decision that gates a collective (is a save due, which checkpoints to read) may not come
 from one host's clock or listing. `agreed` takes process 0's answer, `gathered` every
-process's value, `summed` counts summed over processes. Each is one host exchange through
-JAX's coordination service, not a device collective: it does not queue behind the steps in
-flight, and it cannot hang. Processes at different exchanges, or one that does not arrive
-within ``exchange_timeout()`` seconds, get a `DisagreementError` naming the step and the
-phase where they parted. With one process each is a plain call::
+process's value, `summed` counts summed over processes, each in one host exchange through
+JAX's coordination service, not a device collective (docs/multihost.md, "Processes that
+disagree"). With one process each is a plain call::
 
     due = agreement.agreed(lambda: clock() - last_save >= every_secs,
                            phase="checkpoint time policy", step=step)
@@ -46,10 +44,8 @@ class DisagreementError(RuntimeError):
 def exchange_timeout() -> float:
     """Seconds an exchange waits: ``JAXLOOP_EXCHANGE_TIMEOUT``, else the default."""
     raw = os.environ.get(ENV_EXCHANGE_TIMEOUT, "").strip()
-    if not raw:
-        return DEFAULT_EXCHANGE_TIMEOUT
     try:
-        value = float(raw)
+        value = float(raw) if raw else DEFAULT_EXCHANGE_TIMEOUT
     except ValueError:
         value = -1.0
     if not value > 0:
@@ -97,8 +93,7 @@ def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
     entries = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in client.key_value_dir_get(key)}
     if me == 0 and index:
         client.key_value_delete(f"{_PREFIX}/{index - 1}/")  # every process has read it
-    places = [entries[p]["at"] for p in sorted(entries)]
-    if len(set(places)) > 1:
+    if len({entry["at"] for entry in entries.values()}) > 1:
         detail = "; ".join(f"process {p} at '{entries[p]['at']}'" for p in sorted(entries))
         raise DisagreementError(
             f"The processes parted at exchange {index}: {detail}. Every process must run the "
@@ -128,6 +123,5 @@ def summed(counts: Sequence[float], dtype: Any = np.float64, *, phase: str = "su
     """`counts` summed position-wise over every process (as `dtype`), on every process."""
     if jax.process_count() == 1:
         return list(counts)
-    local = np.asarray(counts, dtype).reshape(-1).tolist()
-    rows = _exchange(local, phase, step)
+    rows = _exchange(np.asarray(counts, dtype).reshape(-1).tolist(), phase, step)
     return np.asarray(rows, dtype).sum(axis=0).tolist()

@@ -50,11 +50,9 @@ def parse(config_type: type[T], argv: Sequence[str] | None = None,
     if unknown:
         fields = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(config_type)]
         hints = []
-        for arg in unknown:
-            flag = arg.split("=")[0]
-            if flag.startswith("-"):
-                close = difflib.get_close_matches(flag, fields, n=1)
-                hints.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+        for flag in (arg.split("=")[0] for arg in unknown if arg.startswith("-")):
+            close = difflib.get_close_matches(flag, fields, n=1)
+            hints.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}"
                      + (f"; unknown fields: {', '.join(hints)}" if hints else ""))
     return namespace.config

@@ -41,20 +41,17 @@ _ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.%\w]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 _address: str | None = None
 
 
-def _or_env(value: Any, name: str, default: int | None = None) -> Any:
-    """`value`, else the integer in environment variable `name`, else `default`."""
-    if value is not None:
-        return value
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"Environment variable {name}={raw!r} is not an integer.") from None
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def _setting(name: str, value: Any, env: str, minimum: int, default: int | None = None
+             ) -> int | None:
+    """`value`, else the integer in environment variable `env`, else `default`; checked."""
+    if value is None:
+        raw = os.environ.get(env, "").strip()
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            raise ValueError(f"Environment variable {env}={raw!r} is not an integer.") from None
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}.")
     if value < minimum:
@@ -83,66 +80,48 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def _check_same(requested: dict[str, Any]) -> None:
-    """Raises if the running job differs from `requested` (None: not requested)."""
-    running = {"coordinator_address": lambda: _address, "num_processes": jax.process_count,
-               "process_id": jax.process_index}
-    different = {}
-    for name, value in requested.items():
-        current = running[name]() if value is not None else None
-        if current is not None and value != current:
-            different[name] = (value, current)
-    if different:
-        detail = ", ".join(f"{k}={new!r} (running: {old!r})" for k, (new, old) in different.items())
-        raise RuntimeError(f"jax.distributed is already initialised with other settings: {detail}. "
-                           "Call jaxloop.launch.distributed.shutdown() first (before any JAX "
-                           "computation) to change them.")
-
-
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *,
                local_device_ids: int | Sequence[int] | None = None,
                initialization_timeout: int | None = None,
                heartbeat_timeout_seconds: int | None = None,
                shutdown_timeout_seconds: int | None = None) -> None:
-    """Joins this process to a multi-process JAX job; call it before any JAX work.
-
-    Arguments not given come from the environment, else JAX detects them (TPU pods, SLURM,
-    Open MPI, Kubernetes). ``coordinator_address`` is process 0's ``HOST:PORT``. A second call
-    with the same (or no) settings is a no-op; with other settings a RuntimeError (a bad
-    setting: ValueError or TypeError).
-    """
+    """Joins this process to a multi-process JAX job (``coordinator_address``: process 0's
+    ``HOST:PORT``); JAX detects what neither the arguments nor the environment give (TPU
+    pods, SLURM, Open MPI, Kubernetes). A second call with the same (or no) settings is a
+    no-op; with other settings a RuntimeError (a bad setting: ValueError or TypeError)."""
     global _address
 
     if coordinator_address is None:
         coordinator_address = os.environ.get(ENV_COORDINATOR) or None
-    num_processes = _or_env(num_processes, ENV_NUM_PROCESSES)
-    process_id = _or_env(process_id, ENV_PROCESS_ID)
-    timeouts = {
-        "initialization_timeout": _or_env(
-            initialization_timeout, ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT),
-        "heartbeat_timeout_seconds": _or_env(
-            heartbeat_timeout_seconds, ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT),
-        "shutdown_timeout_seconds": _or_env(
-            shutdown_timeout_seconds, ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT),
-    }
-
     if coordinator_address is not None:
         coordinator_address = _check_address(coordinator_address)
-    if num_processes is not None:
-        _check_int("num_processes", num_processes, 1)
-    if process_id is not None:
-        _check_int("process_id", process_id, 0)
-        if num_processes is not None and process_id >= num_processes:
-            raise ValueError(f"process_id must be in 0..{num_processes - 1} for "
-                             f"num_processes={num_processes}, got process_id={process_id}.")
-    for name, value in timeouts.items():
-        _check_int(name, value, 1)
+    num_processes = _setting("num_processes", num_processes, ENV_NUM_PROCESSES, 1)
+    process_id = _setting("process_id", process_id, ENV_PROCESS_ID, 0)
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise ValueError(f"process_id must be in 0..{num_processes - 1} for "
+                         f"num_processes={num_processes}, got process_id={process_id}.")
+    timeouts = {name: _setting(name, value, env, 1, default) for name, value, env, default in (
+        ("initialization_timeout", initialization_timeout, ENV_INIT_TIMEOUT,
+         DEFAULT_INIT_TIMEOUT),
+        ("heartbeat_timeout_seconds", heartbeat_timeout_seconds, ENV_HEARTBEAT_TIMEOUT,
+         DEFAULT_HEARTBEAT_TIMEOUT),
+        ("shutdown_timeout_seconds", shutdown_timeout_seconds, ENV_SHUTDOWN_TIMEOUT,
+         DEFAULT_SHUTDOWN_TIMEOUT),
+    )}
 
     requested = {"coordinator_address": coordinator_address, "num_processes": num_processes,
                  "process_id": process_id}
     if jax.distributed.is_initialized():
-        _check_same(requested)
+        running = {"coordinator_address": _address, "num_processes": jax.process_count(),
+                   "process_id": jax.process_index()}
+        different = [f"{k}={v!r} (running: {running[k]!r})" for k, v in requested.items()
+                     if v is not None and running[k] is not None and v != running[k]]
+        if different:
+            raise RuntimeError(
+                f"jax.distributed is already initialised with other settings: "
+                f"{', '.join(different)}. Call jaxloop.launch.distributed.shutdown() first "
+                "(before any JAX computation) to change them.")
         return
     if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
         log.info("num_processes=1: running as a single process, nothing to initialise.")

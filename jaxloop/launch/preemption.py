@@ -1,9 +1,7 @@
-"""Preemption: stop at the next step boundary on SIGTERM/SIGINT so a checkpoint can be saved.
-
-SIGINT ends the run with `Interrupted` (a `KeyboardInterrupt`; a third SIGINT raises at once),
-SIGTERM or `request()` with `Preempted` (a `SystemExit`, status 143: "requeue"); both carry
-the live ``state``. With several processes JAX's preemption sync service owns SIGTERM and
-picks one step for all (a save is a collective)::
+"""Preemption: stop at the next step boundary on SIGTERM/SIGINT so a checkpoint can be saved,
+then end the run with `Preempted` or `Interrupted`, which carry the live ``state``. With
+several processes JAX's preemption sync service owns SIGTERM and picks one step for all (a
+save is a collective)::
 
     with preemption.handling_preemption():
         for step in range(start, total):
@@ -44,8 +42,9 @@ def _saved_text(saved: bool) -> str:
 class _OneLine:
     """A stop renders as one line in IPython (``_render_traceback_``); scripts get it whole."""
 
-    step: int | None
-    saved: bool
+    def __init__(self, state: Any, step: int | None, saved: bool, *args: Any):
+        super().__init__(*args)
+        self.state, self.step, self.saved = state, step, saved
 
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: stopped at step {self.step}; {_saved_text(self.saved)}."
@@ -62,8 +61,7 @@ class Interrupted(_OneLine, KeyboardInterrupt):
     """
 
     def __init__(self, state: Any, step: int | None, saved: bool):
-        super().__init__(f"interrupted at step {step}; {_saved_text(saved)}")
-        self.state, self.step, self.saved = state, step, saved
+        super().__init__(state, step, saved, f"interrupted at step {step}; {_saved_text(saved)}")
 
 
 class Preempted(_OneLine, SystemExit):
@@ -71,8 +69,7 @@ class Preempted(_OneLine, SystemExit):
     process exits with status 143. Attributes as `Interrupted`'s."""
 
     def __init__(self, state: Any, step: int | None, saved: bool):
-        super().__init__(PREEMPTED_EXIT_CODE)
-        self.state, self.step, self.saved = state, step, saved
+        super().__init__(state, step, saved, PREEMPTED_EXIT_CODE)
 
     def __str__(self) -> str:
         return f"preempted at step {self.step}; {_saved_text(self.saved)} (exit status {self.code})"
@@ -81,8 +78,7 @@ class Preempted(_OneLine, SystemExit):
 def stopped(state: Any, step: int | None, saved: bool) -> Interrupted | Preempted:
     """The exception that ends a run stopped at `step`: `Interrupted` after SIGINT, else
     `Preempted`."""
-    kind = Interrupted if _interrupts else Preempted
-    return kind(state, step, saved)
+    return (Interrupted if _interrupts else Preempted)(state, step, saved)
 
 
 def interrupted() -> bool:
@@ -104,9 +100,7 @@ def active() -> bool:
 
 def requested() -> bool:
     """Whether training should stop now (several processes: as `reached_sync_point` agreed)."""
-    if _multiprocess_sync():
-        return _stop.is_set()
-    return _requested.is_set()
+    return (_stop if _multiprocess_sync() else _requested).is_set()
 
 
 def request() -> None:
@@ -126,8 +120,7 @@ def reached_sync_point(step: int) -> bool:
 
         if multihost_utils.reached_preemption_sync_point(step):
             _stop.set()
-        return _stop.is_set()
-    return _requested.is_set()
+    return requested()
 
 
 @contextlib.contextmanager
@@ -136,27 +129,21 @@ def handling_preemption(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGIN
     """Installs preemption signal handlers for the block (main thread only), restoring the
     previous ones after; a nested block keeps the outer one's."""
     global _active, _interrupts
-    if _active:
-        _active += 1
-        try:
-            yield
-        finally:
-            _active -= 1
-        return
-    _requested.clear()
-    _stop.clear()
-    _interrupts = 0
     previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in signals:
-            if sig == signal.SIGTERM and _multiprocess_sync():
-                continue  # JAX's preemption notifier handles it and syncs the step.
-            previous[sig] = signal.signal(sig, _on_signal)
-    _active = 1
+    if not _active:
+        _requested.clear()
+        _stop.clear()
+        _interrupts = 0
+        if threading.current_thread() is threading.main_thread():
+            for sig in signals:
+                if sig == signal.SIGTERM and _multiprocess_sync():
+                    continue  # JAX's preemption notifier handles it and syncs the step.
+                previous[sig] = signal.signal(sig, _on_signal)
+    _active += 1
     try:
         yield
     finally:
-        _active = 0
+        _active -= 1
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -21,8 +21,7 @@ class LocalFileStepNumberWriter(step_number_writer.StepNumberWriter):
         parent = os.path.dirname(self.file_path)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        with open(self.file_path, "w"):
-            pass
+        open(self.file_path, "w").close()
 
     def write(self, step_number: int) -> None:
         try:
