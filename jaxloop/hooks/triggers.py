@@ -76,16 +76,6 @@ class Trigger:
         """Counts `every_secs` from now (e.g. after a save made for another reason)."""
         self._last_time = self._clock()
 
-    def _step_matches(self, step: int) -> bool:
-        if self._every_n is not None and step % self._every_n == 0:
-            return True
-        if self._first_n is not None and step <= self._first_n:
-            return True
-        start, count = self._process_start, self._first_process_n
-        if count is not None and start <= step < start + count:
-            return True
-        return step in self._at
-
     def _time_due(self, step: int, phase: str) -> bool:
         # One host exchange: every process takes process 0's answer.
         due = bool(agreement.agreed(lambda: self._clock() - self._last_time >= self._every_secs,
@@ -104,15 +94,17 @@ class Trigger:
             self._every_secs is not None and self._time_due(last, phase))
 
     def _steps_fire(self, first: int, last: int) -> bool:
+        """Whether a step of ``first .. last`` matches a step condition."""
         if self._process_start is None:
             self._process_start = first
-        if self._every_n is not None and last // self._every_n > (first - 1) // self._every_n:
+        every, start, count = self._every_n, self._process_start, self._first_process_n
+        if every is not None and last // every > (first - 1) // every:
             return True
-        # The few steps where a condition other than every_n can first hold in the range.
-        points = {first, *(s for s in self._at if first <= s <= last)}
-        if first <= self._process_start <= last:
-            points.add(self._process_start)
-        return any(self._step_matches(s) for s in points)
+        if self._first_n is not None and first <= self._first_n:
+            return True
+        if count is not None and (start <= first < start + count or first <= start <= last):
+            return True
+        return any(first <= s <= last for s in self._at)
 
     def start_loop(self, step_offset: int) -> None:
         """A loop starts: a Step's own actions number its steps from ``step_offset + 1``."""
