@@ -53,9 +53,8 @@ log = logging.getLogger(__name__)
 
 class OuterLoop:
     """Runs train loops and eval loops. Train loops end at multiples of
-    ``train_loop_steps``, also in a resumed run. At a loop's end its own phases run before
-    the loop's end actions (`ActionLoop.phases`): the `history` records, evaluations follow
-    a train loop, whose checkpoints save the resume metadata; the action lists stay as given.
+    ``train_loop_steps``, also in a resumed run. Its own phases (the `history`, evaluations,
+    resume metadata) run before a loop's end actions (`ActionLoop.phases`), never in them.
 
     Args:
       eval_loops: one EvalLoop per EvalSpec passed at call time.

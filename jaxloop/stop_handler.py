@@ -55,9 +55,8 @@ def infer_mode(metric_name: str) -> str:
     token (split on ``/_.-``) is in `MAXIMIZED_METRIC_TOKENS` or, as in google/jaxloop, the
     name ends with ``acc``, ``accuracy`` or ``auc`` (``'heatmap_loss'``: ``'min'``)."""
     name = metric_name.lower()
-    if any(t in MAXIMIZED_METRIC_TOKENS for t in _TOKEN_SEPARATORS.split(name)):
-        return "max"
-    return "max" if name.endswith(_REFERENCE_MAXIMIZED_SUFFIXES) else "min"
+    maximized = not MAXIMIZED_METRIC_TOKENS.isdisjoint(_TOKEN_SEPARATORS.split(name))
+    return "max" if maximized or name.endswith(_REFERENCE_MAXIMIZED_SUFFIXES) else "min"
 
 
 def _as(convert: Any, value: Any, what: str, kind: str,

@@ -1,9 +1,5 @@
-"""Triggers: when an action fires, in global train steps (``state.step``) or in seconds.
-
-A loop's end action looks at the steps the loop ran, a begin action at the step it starts
-from, a Step's own action at each step (global in a train loop, else counted from 1). The
-time condition (``every_secs``, also `CheckpointAction(every_secs=...)`'s) is decided at
-most once per loop: one host exchange (`agreement.agreed`) in a multi-process job. Example::
+"""Triggers: when an action fires, in global train steps (``state.step``) or in seconds
+(docs/triggers_and_debugging.md). The time condition is one host exchange per loop. Example::
 
     trigger = triggers.Trigger(at_steps=(1000, 5000), every_n_steps=10_000, every_secs=600)
     train_loop = TrainLoop(step, end_actions=[CheckpointAction(manager).with_trigger(trigger)])
@@ -27,11 +23,8 @@ def _positive_int(name: str, value: Any) -> int | None:
 
 
 class Trigger:
-    """When an action fires; conditions are OR-ed (bobbin's ``CronTab``). `first_n_steps`
-    fires at steps 0 .. n, `first_n_process_steps` at the first n steps this process looks
-    at, `every_secs` when that many seconds of process 0's `clock` have passed since the
-    last firing (decided once per loop: at its end for a loop's action, at its first step
-    for a Step's own action, which fires there). Example::
+    """When an action fires: where any condition holds (the table of
+    docs/triggers_and_debugging.md; `every_secs` counts process 0's `clock`). Example::
 
         Trigger(every_n_steps=100).fires(100)        # True
         Trigger(at_steps=(3, 7)).fires(first=1, last=5)  # True: step 3 is in 1..5

@@ -12,7 +12,6 @@ evaluation job (`OuterLoop` delegates to `ContinuousEval`)::
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from jaxloop import types
 from jaxloop.checkpointing import checkpoint
 from jaxloop.launch import agreement
 from jaxloop.orchestration import evaluation as evaluation_lib
-from jaxloop.orchestration import stop_marker
+from jaxloop.orchestration import log, stop_marker
 
 Output = types.Output
 State = types.TrainState
@@ -32,9 +31,6 @@ DEFAULT_ITERATE_INTERVAL_SECS = 10.0
 # How long a checkpoint that failed to restore may take to disappear (a deletion) before
 # the failure is taken for an error.
 _DELETION_SECS = 5.0
-
-# OuterLoop's messages keep its logger's name, which users filter on.
-log = logging.getLogger("jaxloop.outer_loop")
 
 
 @dataclasses.dataclass

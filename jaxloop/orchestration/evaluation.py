@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from jaxloop import types
 from jaxloop.launch import preemption
 from jaxloop.metrics import history as history_lib
+from jaxloop.orchestration import log
 
 Output = types.Output
 State = types.TrainState
 
 STOP_LOOP = "jaxloop/stop_loop"
-
-# OuterLoop's messages keep its logger's name, which users filter on.
-log = logging.getLogger("jaxloop.outer_loop")
 
 
 @dataclasses.dataclass(frozen=True)

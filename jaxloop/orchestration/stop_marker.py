@@ -9,16 +9,14 @@ A finished run writes ``<dir>.STOPPED`` naming its last step (google/jaxloop's
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
 from etils import epath
 
-FILE_NAME = "STOPPED"
+from jaxloop.orchestration import log
 
-# OuterLoop's messages keep its logger's name, which users filter on.
-log = logging.getLogger("jaxloop.outer_loop")
+FILE_NAME = "STOPPED"
 
 
 def path(checkpoint_dir: Any) -> epath.Path:
@@ -26,8 +24,7 @@ def path(checkpoint_dir: Any) -> epath.Path:
     it, so the directory holds only checkpoints (inside it for a root, as ``STOPPED``)."""
     directory = epath.Path(checkpoint_dir)
     parent = directory.parent
-    if (not directory.name or parent == directory
-            or (not parent.name and "://" in str(directory))):
+    if not directory.name or (not parent.name and "://" in str(directory)):
         return directory / FILE_NAME
     return parent / f"{directory.name}.{FILE_NAME}"
 
