@@ -101,11 +101,9 @@ class AsyncActionContext:
             self._futures = [(n, f) for n, f in self._futures if id(f) not in done]
         failures = [(name, error) for name, future in checked
                     if not future.cancelled() and (error := future.exception()) is not None]
-        if not failures:
-            return
         for name, error in failures[1:] if raise_exception else failures:
             log.error("Background work %r failed:", name, exc_info=error)
-        if not raise_exception:
+        if not (raise_exception and failures):
             return
         name, error = failures[0]
         note = f"The exception above was raised by background work: {name}."

@@ -210,8 +210,7 @@ class OuterLoop:
         from jaxloop import data  # noqa: PLC0415
 
         train_loop = self._train_loop
-        # The last call's iterator again for the same iterator: the batches it read ahead
-        # are trained on now.
+        # The same iterator again: train on the batches the last call read ahead.
         last = self._train_source
         if not (last and last[0] is train_dataset and isinstance(train_dataset, Iterator)):
             self._train_source = last = (train_dataset, data.as_iterator(train_dataset))

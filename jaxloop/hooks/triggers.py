@@ -106,8 +106,7 @@ class Trigger:
 
     def fires_within_loop(self, per_loop_step_number: int) -> bool:
         """Whether a Step's own action fires on this step of its loop (counted from 1), at
-        the global step ``step_offset + per_loop_step_number``. The time condition is
-        decided once per loop, at the first step the loop asks about, and fires there."""
+        the global step ``step_offset + per_loop_step_number``."""
         step = self._step_offset + per_loop_step_number
         if self._steps_fire(step, step):
             return True

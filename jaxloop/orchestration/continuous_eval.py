@@ -28,8 +28,7 @@ Output = types.Output
 State = types.TrainState
 
 DEFAULT_ITERATE_INTERVAL_SECS = 10.0
-# How long a checkpoint that failed to restore may take to disappear (a deletion) before
-# the failure is taken for an error.
+# Seconds a checkpoint that failed to restore has to vanish (a deletion), else an error.
 _DELETION_SECS = 5.0
 
 
@@ -70,8 +69,7 @@ class ContinuousEval:
         seen: set[int] = set()
         loop_count, outputs = 0, None
         while True:
-            # The marker is read before listing: a checkpoint finished before the marker
-            # was written is then always in the listing.
+            # The marker first: a checkpoint finished before it was written is then listed.
             marker, steps = agreement.agreed(
                 lambda: (stop_marker.step(directory), checkpoint.all_steps(directory)),
                 phase="continuous evaluation's listing", step=max(seen, default=None))

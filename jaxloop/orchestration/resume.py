@@ -76,13 +76,11 @@ class Resumer:
         self._planned_steps, self._cut_by_total = 0, False
 
     def start_loop(self, planned_steps: int | None, cut_by_total: bool) -> None:
-        """A train loop of `planned_steps` starts; `cut_by_total`: ``train_total_steps``
-        ends it before its boundary."""
+        """A train loop of `planned_steps` starts; `cut_by_total`: ``train_total_steps`` cuts it."""
         self._planned_steps, self._cut_by_total = planned_steps, cut_by_total
 
     def loop_partial(self) -> bool:
-        """Whether the train loop that just ran ended before its boundary (a preemption,
-        or ``train_total_steps``)."""
+        """Whether the last train loop ended before its boundary (preempted, or cut)."""
         loop, planned = self._train_loop, self._planned_steps
         return self._cut_by_total or (
             bool(loop.preempted) if planned is None else loop.num_steps_run < planned)

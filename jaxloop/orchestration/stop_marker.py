@@ -35,8 +35,7 @@ def _places(checkpoint_dir: Any) -> list[epath.Path]:
 
 
 def step(checkpoint_dir: Any) -> int | None:
-    """The step recorded in the directory's marker, -1 for a marker without one (google's),
-    None when there is no marker."""
+    """The step in the directory's marker: -1 for google's (without one), None: no marker."""
     for marker in _places(checkpoint_dir):
         try:
             text = marker.read_text()
@@ -56,8 +55,7 @@ def write(checkpoint_dir: Any, finished_step: int) -> None:
 
 
 def remove_stale(checkpoint_dir: Any) -> None:
-    """Removes a marker an earlier run left, which would end a continuous evaluator of the
-    run that is starting (call on process 0 only)."""
+    """Removes an earlier run's marker, which would end this run's evaluators (process 0 only)."""
     for marker in _places(checkpoint_dir):
         if marker.exists():
             log.debug("Removing the STOPPED marker of an earlier run: %s", marker)
