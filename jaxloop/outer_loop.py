@@ -136,8 +136,8 @@ class OuterLoop:
                     self._state, outputs = evaluate(state, specs)
                 else:
                     context = EvalContext(False, host_count.host_step(state), 1)
-                    self._state = state
                     outputs = evaluation.last(self._evals.run(state, specs, context)[0])
+                    self._state = state
             return self._state, outputs
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
