@@ -93,8 +93,7 @@ class Evaluations:
         self.loops, self._ahead = loops, ahead
         # (label, spec, batches, step) -> a context of the batches, shown as read (OuterLoop's bar).
         self.display: Callable[..., Any] = lambda *args: contextlib.nullcontext(args[2])
-        # Per spec index: whether an evaluation that read no batch was reported.
-        self._warned_empty: set[int] = set()
+        self._warned_empty: set[int] = set()  # the spec indices `_report_empty` reported
 
     def check_specs(self, eval_specs: Sequence[EvalSpec] | None) -> list[EvalSpec]:
         """The specs as a list, one per eval loop; a TypeError or ValueError otherwise."""

@@ -1,8 +1,7 @@
 """Resuming training: `Resumer` gives an `OuterLoop`'s checkpoints what they save beside the
-state (the early-stopping progress, whether the checkpoint's loop ended before its boundary,
-whether its evaluations are still to run, and where the history is: process 0 appends it to
-a file beside the checkpoint directory, so a checkpoint does not grow with the run), restores
-the latest checkpoint and refuses a run whose checkpoint action could save nothing."""
+state (early-stopping progress, whether the loop ended before its boundary or its evaluations
+are still to run, the name of the history file, appended to so no checkpoint grows with the
+run), restores the latest checkpoint and refuses a run whose checkpoint action saves nothing."""
 
 from __future__ import annotations
 
