@@ -31,7 +31,7 @@ from jaxloop.metrics import history, metric_values
 from jaxloop.metrics.metric_values import example_weights, fetch, scalar_metrics, scalar_summary
 from jaxloop.step_number_writer import LocalFileStepNumberWriter, StepNumberWriter
 
-if TYPE_CHECKING:  # for type checkers; at run time `__getattr__` loads them when used
+if TYPE_CHECKING:  # at run time `__getattr__` loads them
     from jaxloop.checkpointing.checkpoint_actions import BestCheckpointAction, CheckpointAction
     from jaxloop.metrics.progress import ProgressAction
 
@@ -47,7 +47,6 @@ StopTrainingError = stop_handler.StopTrainingError
 
 log = logging.getLogger(__name__)
 
-# Actions in modules of their own, loaded on first use (`__getattr__`).
 _ELSEWHERE = {"ProgressAction": "jaxloop.metrics.progress", **dict.fromkeys(
     ["CheckpointAction", "BestCheckpointAction"], "jaxloop.checkpointing.checkpoint_actions")}
 
@@ -79,11 +78,9 @@ _open_blocks = 0
 
 @contextlib.contextmanager
 def deferred_writes() -> Iterator[None]:
-    """Lets every `SummaryAction` write a loop's values once the device produced them, so a
-    loop end waits for nothing: at its first call that finds them computed (with several
-    processes, one loop late, as MaxText logs the previous step's metrics), the rest when
-    the outermost block ends. `OuterLoop` trains inside one; outside any, a SummaryAction
-    writes at once. A hand-written outer loop::
+    """While open, a `SummaryAction` writes a loop's values once the device has computed them
+    (one loop late with several processes, as MaxText does), the rest when the outermost
+    block ends, so a loop end waits for nothing. `OuterLoop` trains inside one; by hand::
 
         with actions.deferred_writes():
             for _ in range(10):
@@ -152,20 +149,18 @@ class SummaryAction(Action):
         counts = getattr(loop, "example_counts", None)
         self._pending.append((host_count.host_step(state), items, first_step,
                               list(counts) if counts else None))
+        pending = self._pending
         if not _open_blocks:
-            self.write_pending()
-            return
-        if jax.process_count() == 1:  # what the device has computed, in order
-            pending = self._pending
+            self._write_first(len(pending))
+        elif jax.process_count() == 1:  # what the device has computed, in order
             self._write_first(next((i for i, p in enumerate(pending)
                                     if not history.is_ready(p[1:])), len(pending)))
         else:  # one call late, so that every process reads (maybe a collective) at one call
-            self._write_first(len(self._pending) - 1)
+            self._write_first(len(pending) - 1)
         if self._pending:
             _deferring[id(self)] = self
 
     def _write_first(self, count: int) -> None:
-        """Writes the values of the first `count` calls not written yet."""
         if count <= 0:
             return
         written, self._pending = self._pending[:count], self._pending[count:]
@@ -175,8 +170,7 @@ class SummaryAction(Action):
             self._summary_writer.flush()
 
     def write_pending(self) -> None:
-        """Writes the values of the calls not written yet (waiting for the device where it
-        has not produced them)."""
+        """Writes the values of the calls not written yet, waiting for the device if need be."""
         self._write_first(len(self._pending))
 
     def _write(self, step: int, outputs: Output, first_step: int | None,
@@ -266,19 +260,19 @@ class EarlyStoppingAction(Action):
         nan = math.isnan(metric)
         if not nan:
             self._handler.update_state(metric, step)
-        if nan or self._handler.should_stop():
-            best, best_step = self._handler.get_best_info()
-            if nan:
-                log.error("[EarlyStoppingAction] Metric '%s' is NaN at step %d. Stopping "
-                          "training.", name, step)
-            else:
-                log.info("[EarlyStoppingAction] Stopping training at step %d. Metric '%s' did "
-                         "not improve for %d cycles. Best metric %.4f at step %d.",
-                         step, name, self._handler.wait, best, best_step)
-            raise StopTrainingError(f"Metric '{name}' was NaN" if nan else
-                                    f"Early stopping triggered for metric '{name}'",
-                                    best_step=best_step, best_metric=best)
-        return outputs
+            if not self._handler.should_stop():
+                return outputs
+        best, best_step = self._handler.get_best_info()
+        if nan:
+            log.error("[EarlyStoppingAction] Metric '%s' is NaN at step %d. Stopping "
+                      "training.", name, step)
+        else:
+            log.info("[EarlyStoppingAction] Stopping training at step %d. Metric '%s' did "
+                     "not improve for %d cycles. Best metric %.4f at step %d.",
+                     step, name, self._handler.wait, best, best_step)
+        raise StopTrainingError(f"Metric '{name}' was NaN" if nan else
+                                f"Early stopping triggered for metric '{name}'",
+                                best_step=best_step, best_metric=best)
 
 
 StepNumberFileWriter = LocalFileStepNumberWriter

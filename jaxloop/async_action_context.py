@@ -85,35 +85,25 @@ class AsyncActionContext:
     def discard(self, future: Future[Any]) -> bool:
         """Forgets `future`; returns whether it was still registered (not yet checked)."""
         with self._mutex:
-            for i, (_, registered) in enumerate(self._futures):
-                if registered is future:
-                    del self._futures[i]
-                    return True
-        return False
+            kept = [pair for pair in self._futures if pair[1] is not future]
+            found, self._futures = len(kept) < len(self._futures), kept
+        return found
 
     def check_exceptions_and_raise(self, raise_exception: bool = True, wait: bool = True) -> None:
         """Raises the first failed future's exception after logging the other failures (with
         ``raise_exception=False`` logs all), forgetting the futures; ``wait=False`` looks only
         at those already done."""
         with self._mutex:
-            pending = list(self._futures)
-        if wait:
-            checked = pending
-            futures.wait([f for _, f in checked])
-        else:
-            checked = [(name, f) for name, f in pending if f.done()]
-        if not checked:
-            return
+            checked = [(name, f) for name, f in self._futures if wait or f.done()]
+        futures.wait([f for _, f in checked])
         with self._mutex:
-            ids = {id(f) for _, f in checked}
-            self._futures = [(n, f) for n, f in self._futures if id(f) not in ids]
+            done = {id(f) for _, f in checked}
+            self._futures = [(n, f) for n, f in self._futures if id(f) not in done]
         failures = [(name, error) for name, future in checked
                     if not future.cancelled() and (error := future.exception()) is not None]
-        if not failures:
-            return
         for name, error in failures[1:] if raise_exception else failures:
             log.error("Background work %r failed:", name, exc_info=error)
-        if not raise_exception:
+        if not (raise_exception and failures):
             return
         name, error = failures[0]
         note = f"The exception above was raised by background work: {name}."

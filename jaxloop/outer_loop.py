@@ -53,9 +53,8 @@ log = logging.getLogger(__name__)
 
 class OuterLoop:
     """Runs train loops and eval loops. Train loops end at multiples of
-    ``train_loop_steps``, also in a resumed run. At a loop's end its own phases run before
-    the loop's end actions (`ActionLoop.phases`): the `history` records, evaluations follow
-    a train loop, whose checkpoints save the resume metadata; the action lists stay as given.
+    ``train_loop_steps``, also in a resumed run. Its own phases (the `history`, evaluations,
+    resume metadata) run before a loop's end actions (`ActionLoop.phases`), never in them.
 
     Args:
       eval_loops: one EvalLoop per EvalSpec passed at call time.
@@ -129,9 +128,17 @@ class OuterLoop:
         more steps from where training goes on (the given state's step, or a resumed one's)."""
         specs = self._evals.check_specs(eval_specs)
         if self._train_loop is None:
+            if not self._eval_loops:
+                raise ValueError("OuterLoop has neither a train loop nor eval loops")
             with self._phases():
-                self._state, outputs = self._evaluate_only(state, specs)
-                return self._state, outputs
+                if self._checkpoint_spec is not None:
+                    evaluate = continuous_eval.ContinuousEval(self._checkpoint_spec, self._evals)
+                    self._state, outputs = evaluate(state, specs)
+                else:
+                    context = EvalContext(False, host_count.host_step(state), 1)
+                    outputs = evaluation.last(self._evals.run(state, specs, context)[0])
+                    self._state = state
+            return self._state, outputs
         if train_dataset is None:
             raise ValueError("OuterLoop has a train loop but no train_dataset was given")
         if train_steps is not None and train_total_steps is not None:
@@ -176,26 +183,6 @@ class OuterLoop:
         if not preemption.requested():  # (cut short by Ctrl-C: pending in the checkpoint)
             self._evals_stop = stop
 
-    def _evaluate_only(self, state: State, specs: list[EvalSpec]) -> tuple[State, Output | None]:
-        if not self._eval_loops:
-            raise ValueError("OuterLoop has neither a train loop nor eval loops")
-        if self._checkpoint_spec is None:
-            context = EvalContext(False, host_count.host_step(state), 1)
-            return state, evaluation.last(self._evals.run(state, specs, context)[0])
-        return continuous_eval.ContinuousEval(self._checkpoint_spec, self._evals)(state, specs)
-
-    def _iterator(self, train_dataset: Any) -> Iterator[Any]:
-        """`train_dataset` as an iterator: the last call's again for the same iterator, so
-        the batches read ahead then are trained on now."""
-        from jaxloop import data  # noqa: PLC0415
-
-        if (last := self._train_source) and last[0] is train_dataset and isinstance(
-                train_dataset, Iterator):
-            return last[1]
-        iterator = data.as_iterator(train_dataset)
-        self._train_source = (train_dataset, iterator)
-        return iterator
-
     def _start(self, state: State, step: int, total_steps: int | None,
                log_total_steps: bool) -> None:
         later = self.history.steps_after(step)
@@ -220,8 +207,14 @@ class OuterLoop:
     def _train(self, state: State, train_dataset: Any, total_steps: int | None,
                loop_steps: int | None, specs: list[EvalSpec], log_total_steps: bool,
                more_steps: int | None = None) -> tuple[State, Output | None]:
+        from jaxloop import data  # noqa: PLC0415
+
         train_loop = self._train_loop
-        iterator = self._iterator(train_dataset)
+        # The same iterator again: train on the batches the last call read ahead.
+        last = self._train_source
+        if not (last and last[0] is train_dataset and isinstance(train_dataset, Iterator)):
+            self._train_source = last = (train_dataset, data.as_iterator(train_dataset))
+        iterator = last[1]
         if self._checkpoint_spec is not None and jax.process_index() == 0:
             # An earlier run's marker would end a continuous evaluator of this one.
             stop_marker.remove_stale(self._checkpoint_spec.checkpoint_dir)
@@ -312,7 +305,14 @@ class OuterLoop:
                                 "evaluating at that step).", step)
                     break
         self._ended = (step, False)
-        self._finish(step)
+        for loop in [train_loop, *self._eval_loops]:
+            for action in loop.end_actions:
+                if isinstance(action, actions_lib.CheckpointAction):
+                    action.wait_until_finished()  # a failed save names its step and directory
+        self._flush_writers()
+        async_action_context.get_async_action_context().check_exceptions_and_raise()
+        if self._checkpoint_spec is not None and jax.process_index() == 0:
+            stop_marker.write(self._checkpoint_spec.checkpoint_dir, step)
         return state, None if outputs is None else {**outputs, STOP_LOOP: bool(stop)}
 
     def _keep_live_state(self) -> None:
@@ -339,7 +339,7 @@ class OuterLoop:
 
     def _flush_writers(self) -> None:
         for loop in [self._train_loop, *self._eval_loops]:
-            for action in loop.end_actions if loop is not None else ():
+            for action in loop.end_actions:
                 if hasattr(action, "summary_writer"):
                     action.summary_writer.flush()
 
@@ -357,14 +357,3 @@ class OuterLoop:
                     "a checkpoint was saved" if saved else "nothing was saved",
                     extra=preemption.STOP_NOTICE)
         raise preemption.stopped(state, step, saved)
-
-    def _finish(self, step: int) -> None:
-        """Waits for checkpoint writes, flushes writers, marks training as finished."""
-        for loop in [self._train_loop, *self._eval_loops]:
-            for action in loop.end_actions:
-                if isinstance(action, actions_lib.CheckpointAction):
-                    action.wait_until_finished()  # a failed save names its step and directory
-        self._flush_writers()
-        async_action_context.get_async_action_context().check_exceptions_and_raise()
-        if self._checkpoint_spec is not None and jax.process_index() == 0:
-            stop_marker.write(self._checkpoint_spec.checkpoint_dir, step)

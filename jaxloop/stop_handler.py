@@ -55,16 +55,8 @@ def infer_mode(metric_name: str) -> str:
     token (split on ``/_.-``) is in `MAXIMIZED_METRIC_TOKENS` or, as in google/jaxloop, the
     name ends with ``acc``, ``accuracy`` or ``auc`` (``'heatmap_loss'``: ``'min'``)."""
     name = metric_name.lower()
-    if any(t in MAXIMIZED_METRIC_TOKENS for t in _TOKEN_SEPARATORS.split(name)):
-        return "max"
-    return "max" if name.endswith(_REFERENCE_MAXIMIZED_SUFFIXES) else "min"
-
-
-def _encode_float(value: float | None) -> float | str | None:
-    # JSON has no NaN/Infinity: stored as the strings float() reads back.
-    if value is None or math.isfinite(value):
-        return value
-    return repr(value)  # 'nan', 'inf' or '-inf'
+    maximized = not MAXIMIZED_METRIC_TOKENS.isdisjoint(_TOKEN_SEPARATORS.split(name))
+    return "max" if maximized or name.endswith(_REFERENCE_MAXIMIZED_SUFFIXES) else "min"
 
 
 def _as(convert: Any, value: Any, what: str, kind: str,
@@ -142,19 +134,12 @@ class MetricMonitoringStopHandler:
         self._patience_left = self.patience
         self._initialized = self.baseline is not None
 
-    def _is_improvement(self, metric: float) -> bool:
-        if math.isnan(metric):
-            return False
-        if not self._initialized:
-            return True
-        if self.mode == "min":
-            return metric < self.best - self.min_delta
-        return metric > self.best + self.min_delta
-
     def update_state(self, metric: float, step: int) -> bool:
         """Records one value of the metric at `step`; whether it improved on the best."""
         metric = float(metric)
-        if self._is_improvement(metric):
+        beats = (metric < self.best - self.min_delta if self.mode == "min"
+                 else metric > self.best + self.min_delta)
+        if beats or not (self._initialized or math.isnan(metric)):
             self.best = metric
             self.best_step = int(step)
             self._patience_left = self.patience
@@ -174,7 +159,9 @@ class MetricMonitoringStopHandler:
     def state_dict(self) -> dict[str, Any]:
         """The progress (not the configuration) as a JSON-serialisable dict, to checkpoint."""
         return {"monitored_metric": self.monitored_metric, "mode": self.mode,
-                "best": _encode_float(self.best), "best_step": self.best_step,
+                # JSON has no NaN/Infinity: stored as the strings float() reads back.
+                "best": self.best if math.isfinite(self.best) else repr(self.best),
+                "best_step": self.best_step,
                 "wait": self.wait, "initialized": self._initialized}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

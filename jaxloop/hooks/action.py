@@ -1,6 +1,5 @@
-"""`Action`, the base of every action (host-side work a loop runs at its boundaries), and
-the `ActionContext` a loop hands them; here so that actions in other folders need not import
-the loops (users write ``actions.Action``, ``actions.ActionContext``)."""
+"""`Action`, the base of every action, and the `ActionContext` a loop hands them: here so
+that actions in other folders need not import the loops (users write ``actions.Action``)."""
 from __future__ import annotations
 
 import dataclasses

@@ -23,8 +23,7 @@ def action_fires(action: Any, per_loop_step_number: int, begin: bool) -> bool:
 
 def fire(actions: Sequence[Any], begin: bool, step_number: int, state: Any,
          outputs: Any = None, batch: Any = None) -> None:
-    """Calls the actions that fire at this step (begin ones with the batch, end ones with
-    the outputs)."""
+    """Calls the actions firing at this step: begin ones with the batch, end ones with outputs."""
     for action in actions:
         if action_fires(action, step_number, begin):
             # An action may keep the state: the next step then consumes nothing.

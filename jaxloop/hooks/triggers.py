@@ -1,9 +1,5 @@
-"""Triggers: when an action fires, in global train steps (``state.step``) or in seconds.
-
-A loop's end action looks at the steps the loop ran, a begin action at the step it starts
-from, a Step's own action at each step (global in a train loop, else counted from 1). The
-time condition (``every_secs``, also `CheckpointAction(every_secs=...)`'s) is decided at
-most once per loop: one host exchange (`agreement.agreed`) in a multi-process job. Example::
+"""Triggers: when an action fires, in global train steps (``state.step``) or in seconds
+(docs/triggers_and_debugging.md). The time condition is one host exchange per loop. Example::
 
     trigger = triggers.Trigger(at_steps=(1000, 5000), every_n_steps=10_000, every_secs=600)
     train_loop = TrainLoop(step, end_actions=[CheckpointAction(manager).with_trigger(trigger)])
@@ -27,11 +23,8 @@ def _positive_int(name: str, value: Any) -> int | None:
 
 
 class Trigger:
-    """When an action fires; conditions are OR-ed (bobbin's ``CronTab``). `first_n_steps`
-    fires at steps 0 .. n, `first_n_process_steps` at the first n steps this process looks
-    at, `every_secs` when that many seconds of process 0's `clock` have passed since the
-    last firing (decided once per loop: at its end for a loop's action, at its first step
-    for a Step's own action, which fires there). Example::
+    """When an action fires: where any condition holds (the table of
+    docs/triggers_and_debugging.md; `every_secs` counts process 0's `clock`). Example::
 
         Trigger(every_n_steps=100).fires(100)        # True
         Trigger(at_steps=(3, 7)).fires(first=1, last=5)  # True: step 3 is in 1..5
@@ -76,16 +69,6 @@ class Trigger:
         """Counts `every_secs` from now (e.g. after a save made for another reason)."""
         self._last_time = self._clock()
 
-    def _step_matches(self, step: int) -> bool:
-        if self._every_n is not None and step % self._every_n == 0:
-            return True
-        if self._first_n is not None and step <= self._first_n:
-            return True
-        start, count = self._process_start, self._first_process_n
-        if count is not None and start <= step < start + count:
-            return True
-        return step in self._at
-
     def _time_due(self, step: int, phase: str) -> bool:
         # One host exchange: every process takes process 0's answer.
         due = bool(agreement.agreed(lambda: self._clock() - self._last_time >= self._every_secs,
@@ -104,15 +87,17 @@ class Trigger:
             self._every_secs is not None and self._time_due(last, phase))
 
     def _steps_fire(self, first: int, last: int) -> bool:
+        """Whether a step of ``first .. last`` matches a step condition."""
         if self._process_start is None:
             self._process_start = first
-        if self._every_n is not None and last // self._every_n > (first - 1) // self._every_n:
+        every, start, count = self._every_n, self._process_start, self._first_process_n
+        if every is not None and last // every > (first - 1) // every:
             return True
-        # The few steps where a condition other than every_n can first hold in the range.
-        points = {first, *(s for s in self._at if first <= s <= last)}
-        if first <= self._process_start <= last:
-            points.add(self._process_start)
-        return any(self._step_matches(s) for s in points)
+        if self._first_n is not None and first <= self._first_n:
+            return True
+        if count is not None and (start <= first < start + count or first <= start <= last):
+            return True
+        return any(first <= s <= last for s in self._at)
 
     def start_loop(self, step_offset: int) -> None:
         """A loop starts: a Step's own actions number its steps from ``step_offset + 1``."""
@@ -121,8 +106,7 @@ class Trigger:
 
     def fires_within_loop(self, per_loop_step_number: int) -> bool:
         """Whether a Step's own action fires on this step of its loop (counted from 1), at
-        the global step ``step_offset + per_loop_step_number``. The time condition is
-        decided once per loop, at the first step the loop asks about, and fires there."""
+        the global step ``step_offset + per_loop_step_number``."""
         step = self._step_offset + per_loop_step_number
         if self._steps_fire(step, step):
             return True

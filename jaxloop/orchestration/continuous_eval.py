@@ -12,7 +12,6 @@ evaluation job (`OuterLoop` delegates to `ContinuousEval`)::
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,18 +22,14 @@ from jaxloop import types
 from jaxloop.checkpointing import checkpoint
 from jaxloop.launch import agreement
 from jaxloop.orchestration import evaluation as evaluation_lib
-from jaxloop.orchestration import stop_marker
+from jaxloop.orchestration import log, stop_marker
 
 Output = types.Output
 State = types.TrainState
 
 DEFAULT_ITERATE_INTERVAL_SECS = 10.0
-# How long a checkpoint that failed to restore may take to disappear (a deletion) before
-# the failure is taken for an error.
+# Seconds a checkpoint that failed to restore has to vanish (a deletion), else an error.
 _DELETION_SECS = 5.0
-
-# OuterLoop's messages keep its logger's name, which users filter on.
-log = logging.getLogger("jaxloop.outer_loop")
 
 
 @dataclasses.dataclass
@@ -74,8 +69,7 @@ class ContinuousEval:
         seen: set[int] = set()
         loop_count, outputs = 0, None
         while True:
-            # The marker is read before listing: a checkpoint finished before the marker
-            # was written is then always in the listing.
+            # The marker first: a checkpoint finished before it was written is then listed.
             marker, steps = agreement.agreed(
                 lambda: (stop_marker.step(directory), checkpoint.all_steps(directory)),
                 phase="continuous evaluation's listing", step=max(seen, default=None))

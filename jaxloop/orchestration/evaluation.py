@@ -1,8 +1,7 @@
 """Evaluations: what to evaluate (`EvalSpec`), one round of them, and when in training.
 
-`Evaluations` runs a round on a state (each spec decides from an `EvalContext` whether it
-is due). `OuterLoop` runs one at each train loop's end, before its checkpoint, so the
-checkpoint holds that evaluation and a resumed run neither repeats nor loses it. Example::
+`OuterLoop` runs a round at each train loop's end, before its checkpoint, so the checkpoint
+holds that evaluation and a resumed run neither repeats nor loses it. Example::
 
     evals = Evaluations([eval_loop], ahead=lambda loop: 0)
     results, stop = evals.run(state, [EvalSpec(dataset=eval_ds, num_steps=50)],
@@ -13,21 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from jaxloop import types
 from jaxloop.launch import preemption
 from jaxloop.metrics import history as history_lib
+from jaxloop.orchestration import log
 
 Output = types.Output
 State = types.TrainState
 
 STOP_LOOP = "jaxloop/stop_loop"
-
-# OuterLoop's messages keep its logger's name, which users filter on.
-log = logging.getLogger("jaxloop.outer_loop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +56,9 @@ class EvalSpec:
     def __post_init__(self) -> None:
         if self.dataset is None and self.dataset_iterator is None:
             raise ValueError("EvalSpec needs a dataset (or a dataset_iterator)")
-        if self.num_steps is not None and self.num_steps <= 0:
-            raise ValueError(f"EvalSpec.num_steps must be positive, got {self.num_steps}")
-        if self.eval_loop_interval is not None and self.eval_loop_interval <= 0:
-            raise ValueError(
-                f"EvalSpec.eval_loop_interval must be positive, got {self.eval_loop_interval}")
+        for name in ("num_steps", "eval_loop_interval"):
+            if (value := getattr(self, name)) is not None and value <= 0:
+                raise ValueError(f"EvalSpec.{name} must be positive, got {value}")
 
     def iterator(self) -> Iterator[Any]:
         """The batches for one evaluation."""
@@ -97,11 +91,9 @@ class Evaluations:
 
     def __init__(self, loops: list[Any], ahead: Callable[[Any], int]):
         self.loops, self._ahead = loops, ahead
-        # (label, spec, batches, step) -> a context giving the batches to read, shown as
-        # read (`ProgressAction.evaluating`, set by OuterLoop while its bar is up).
+        # (label, spec, batches, step) -> a context of the batches, shown as read (OuterLoop's bar).
         self.display: Callable[..., Any] = lambda *args: contextlib.nullcontext(args[2])
-        # Per spec index: whether an evaluation that read no batch was reported.
-        self._warned_empty: set[int] = set()
+        self._warned_empty: set[int] = set()  # the spec indices `_report_empty` reported
 
     def check_specs(self, eval_specs: Sequence[EvalSpec] | None) -> list[EvalSpec]:
         """The specs as a list, one per eval loop; a TypeError or ValueError otherwise."""

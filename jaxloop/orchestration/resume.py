@@ -1,12 +1,10 @@
 """Resuming training: `Resumer` gives an `OuterLoop`'s checkpoints what they save beside the
-state (the early-stopping progress, whether the checkpoint's loop ended before its boundary,
-whether its evaluations are still to run, and where the history is: process 0 appends it to
-a file beside the checkpoint directory, so a checkpoint does not grow with the run), restores
-the latest checkpoint and refuses a run whose checkpoint action could save nothing."""
+state (early-stopping progress, whether the loop ended before its boundary or its evaluations
+are still to run, the name of the history file, appended to so no checkpoint grows with the
+run), restores the latest checkpoint and refuses a run whose checkpoint action saves nothing."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +17,7 @@ from jaxloop.checkpointing.checkpoint_actions import savers
 from jaxloop.engine import host_count
 from jaxloop.launch import agreement
 from jaxloop.metrics import history as history_lib
+from jaxloop.orchestration import log
 from jaxloop.state import model_state
 
 if TYPE_CHECKING:
@@ -32,9 +31,6 @@ HISTORY_META = "history"
 HISTORY_FILE = "file"  # HISTORY_META's one key: the name of the history file (when saved)
 # Whether the checkpoint's loop ended before its boundary: the resumed run finishes it.
 LOOP_PARTIAL_META = "loop_partial"
-
-# OuterLoop's messages keep its logger's name, which users filter on.
-log = logging.getLogger("jaxloop.outer_loop")
 
 
 def resumed_loop_count(meta: dict[str, Any], step: int,
@@ -62,11 +58,9 @@ def latest_step(directory: Any) -> int | None:
 
 
 class Resumer:
-    """What a train loop's checkpoints save beside the state (`save`, with the progress of
-    the `EarlyStoppingAction`s of `loops`; `evals_ran`: whether the current train loop's
-    evaluations ran), where the run resumes from (`checkpoint_spec`'s directory, else the
-    checkpoint action's; `resume=False`: nowhere), and the check that it saves. The outer
-    loop says where the train loop stands (`start_call`, `start_loop`)."""
+    """The module's bookkeeping for `train_loop` (`loops`: whose `EarlyStoppingAction`s
+    save their progress; `evals_ran`: whether the current train loop's evaluations ran).
+    The outer loop says where the train loop stands (`start_call`, `start_loop`)."""
 
     def __init__(self, train_loop: Any, loops: Sequence[Any], history: history_lib.History,
                  evals_ran: Callable[[], bool], resume: bool,
@@ -81,13 +75,11 @@ class Resumer:
         self._planned_steps, self._cut_by_total = 0, False
 
     def start_loop(self, planned_steps: int | None, cut_by_total: bool) -> None:
-        """A train loop of `planned_steps` starts; `cut_by_total`: ``train_total_steps``
-        ends it before its boundary."""
+        """A train loop of `planned_steps` starts; `cut_by_total`: ``train_total_steps`` cuts it."""
         self._planned_steps, self._cut_by_total = planned_steps, cut_by_total
 
     def loop_partial(self) -> bool:
-        """Whether the train loop that just ran ended before its boundary (a preemption,
-        or ``train_total_steps``)."""
+        """Whether the last train loop ended before its boundary (preempted, or cut)."""
         loop, planned = self._train_loop, self._planned_steps
         return self._cut_by_total or (
             bool(loop.preempted) if planned is None else loop.num_steps_run < planned)
@@ -115,9 +107,8 @@ class Resumer:
 
     def _take_back(self, meta: dict[str, Any], step: int, loop_steps: int | None,
                    directory: Any) -> bool:
-        """Takes back the loop count, early-stopping progress and history of the
-        checkpoint at `step` in `directory`; whether the evaluations after it are still
-        to run."""
+        """Takes back the checkpoint's loop count, early-stopping progress and history;
+        whether the evaluations after it are still to run."""
         loop_count, partial = resumed_loop_count(meta, step, loop_steps)
         if loop_count is not None:
             self._train_loop.resume_count(loop_count)

@@ -9,16 +9,14 @@ A finished run writes ``<dir>.STOPPED`` naming its last step (google/jaxloop's
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
 from etils import epath
 
-FILE_NAME = "STOPPED"
+from jaxloop.orchestration import log
 
-# OuterLoop's messages keep its logger's name, which users filter on.
-log = logging.getLogger("jaxloop.outer_loop")
+FILE_NAME = "STOPPED"
 
 
 def path(checkpoint_dir: Any) -> epath.Path:
@@ -26,8 +24,7 @@ def path(checkpoint_dir: Any) -> epath.Path:
     it, so the directory holds only checkpoints (inside it for a root, as ``STOPPED``)."""
     directory = epath.Path(checkpoint_dir)
     parent = directory.parent
-    if (not directory.name or parent == directory
-            or (not parent.name and "://" in str(directory))):
+    if not directory.name or (not parent.name and "://" in str(directory)):
         return directory / FILE_NAME
     return parent / f"{directory.name}.{FILE_NAME}"
 
@@ -38,8 +35,7 @@ def _places(checkpoint_dir: Any) -> list[epath.Path]:
 
 
 def step(checkpoint_dir: Any) -> int | None:
-    """The step recorded in the directory's marker, -1 for a marker without one (google's),
-    None when there is no marker."""
+    """The step in the directory's marker: -1 for google's (without one), None: no marker."""
     for marker in _places(checkpoint_dir):
         try:
             text = marker.read_text()
@@ -59,8 +55,7 @@ def write(checkpoint_dir: Any, finished_step: int) -> None:
 
 
 def remove_stale(checkpoint_dir: Any) -> None:
-    """Removes a marker an earlier run left, which would end a continuous evaluator of the
-    run that is starting (call on process 0 only)."""
+    """Removes an earlier run's marker, which would end this run's evaluators (process 0 only)."""
     for marker in _places(checkpoint_dir):
         if marker.exists():
             log.debug("Removing the STOPPED marker of an earlier run: %s", marker)
