@@ -2,9 +2,8 @@
 
 `OuterLoop.history` records the train loop's scalar outputs at their steps and each eval
 loop's results at the step evaluated (``train/<key>``, ``eval/<key>``, ``eval_<i>/<key>``).
-With checkpoints it is kept on disk beside them, appended as it grows (`save_file`, e.g.
-``checkpoints.history.jsonl`` beside ``checkpoints/``), and a resume reads it back up to the
-restored step (`load_file`). After an `OuterLoop` run::
+With checkpoints it is kept on disk beside them (`file_path`), appended as it grows
+(`save_file`), and a resume reads it back up to the restored step (`load_file`)::
 
     outer.history['eval/accuracy'].values[-1]
     outer.history.plot()             # a matplotlib figure: one panel per metric
@@ -100,9 +99,8 @@ class History:
     def __getitem__(self, name: str) -> Series:
         if name not in self._settled():
             raise KeyError(f"No metric {name!r} in the history; it has {self.names}")
-        series = self._series[name]
         # A copy: what a notebook took stays as it was when the next cell trains on.
-        return Series(list(series.steps), list(series.values))
+        return Series(*map(list, self._series[name]))
 
     def __len__(self) -> int:
         return len(self._settled())

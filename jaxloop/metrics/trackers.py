@@ -40,13 +40,6 @@ def _import(module: str, extra: str) -> Any:
         ) from e
 
 
-def _warn_once(self: Any, what: str) -> None:
-    warned = self.__dict__.setdefault("_warned", set())
-    if what not in warned:
-        warned.add(what)
-        log.warning("%s does not record %s; skipped.", type(self).__name__, what)
-
-
 class MlflowWriter(values.Closing):
     """Writes metrics to an MLflow run (scalars as metrics, hparams as params, texts as
     artifacts, histograms as their mean/min/max; videos and audio are skipped with a warning):
@@ -95,11 +88,11 @@ class MlflowWriter(values.Closing):
 
     def write_videos(self, step: int, videos: values.Arrays) -> None:
         if self._active and videos:
-            _warn_once(self, "videos")
+            values.warn_once(self, "%s does not record videos; skipped.", log)
 
     def write_audios(self, step: int, audios: values.Arrays, *, sample_rate: int) -> None:
         if self._active and audios:
-            _warn_once(self, "audio")
+            values.warn_once(self, "%s does not record audio; skipped.", log)
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         if not self._active:
