@@ -242,10 +242,9 @@ class History:
                         for name, (steps, values) in saved.items()}
 
     def save_file(self, path: Any) -> None:
-        """Brings the JSON-lines file at `path` up to date: it appends what was recorded
-        since the last call (writing the whole history the first time, and after a load),
-        and syncs it to disk. Each line is one `record` call; replayed in order they give
-        this history back, so a file never holds more than each value once per record."""
+        """Brings the JSON-lines file at `path` up to date: appends what was recorded since
+        the last call (the whole history the first time, and after a load), synced to disk.
+        Each line is one `record` call: replayed in order, they give this history back."""
         path = epath.Path(path)
         series = self._settled()
         unwritten = self._unwritten.get(str(path))

@@ -95,7 +95,6 @@ class ProgressAction(Action):
             self._unread = values[-1]
         if self._unread is None or not (wait or history.is_ready(self._unread)):
             return {}
-        # The last step's value; a clu metric is computed first.
         value, self._unread = self._unread, None
         return {self._metric: f"{float(jax.device_get(metric_values.computed(value))):.4g}"}
 

@@ -54,11 +54,9 @@ class MlflowWriter(values.Closing):
         self.run_id, self._closed = run_id, False
         if not self._active:
             return
-        _import("mlflow", "mlflow")
-        from mlflow import entities  # noqa: PLC0415
-        from mlflow.tracking import MlflowClient  # noqa: PLC0415
-        self._entities = entities
-        self._client = MlflowClient(tracking_uri=tracking_uri)
+        mlflow = _import("mlflow", "mlflow")
+        self._entities = mlflow.entities
+        self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         if run_id is None:
             exp = self._client.get_experiment_by_name(experiment)
             exp_id = exp.experiment_id if exp else self._client.create_experiment(experiment)
