@@ -265,19 +265,6 @@ def _conform(target: Any, saved: Any) -> Any:
     return target
 
 
-def _unconform(restored: Any, target: Any) -> Any:
-    """The inverse of `_conform`: `restored` back in the layout of the flax state dict."""
-    if isinstance(target, Mapping):
-        if isinstance(restored, list | tuple):
-            return {k: _unconform(restored[int(k)], v) for k, v in target.items()}
-        restored = restored if isinstance(restored, Mapping) else {}
-        return {k: _unconform(restored[k], v) if k in restored else v
-                for k, v in target.items()}
-    if restored is None and not _has_arrays(target):
-        return target
-    return restored
-
-
 def restore(state: State, directory: Any, step: int | None = None, partitioner: Any = None,
             skip_optimizer: bool = False, transforms: Any = None,
             dataset: Iterator[Any] | None = None, *, best: str | None = None,
@@ -319,7 +306,10 @@ def restore(state: State, directory: Any, step: int | None = None, partitioner: 
         items = {k: args if k == name else ocp.args.JsonRestore() for k in handlers}
         restored = reader.restore(path, args=ocp.args.Composite(**items))
     arrays, meta = restored[name], dict(restored.get(META_ITEM) or {})
-    arrays = _unconform(arrays, target) if transforms is None else arrays
+    if transforms is None:  # back in the state's layout: its leaves by name
+        by_name = _named_leaves(arrays)
+        arrays = jax.tree_util.tree_map_with_path(
+            lambda path, _: by_name[jax.tree_util.keystr(path, simple=True, separator="/")], target)
     new_state = flax.serialization.from_state_dict(state, {**state_arrays(state), **arrays})
     log.info("Resumed from step %d of %s.", step, directory)
     if dataset is not None:
