@@ -172,8 +172,6 @@ def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> A
 
 
 def _step_paths(directory: epath.Path) -> dict[int, epath.Path]:
-    if not directory.exists():
-        return {}
     return {ocp.path.step.step_from_checkpoint_name(path.name): path
             for path in ocp.path.step.checkpoint_steps_paths(directory)}
 

@@ -1,13 +1,10 @@
-"""Makes jaxloop's messages in a notebook cell one line per event a user acts on.
-
-Importing `jaxloop` in a kernel with logging unconfigured sets the ``jaxloop`` logger to INFO
-(with a stderr handler while the root has none): a resume, an early stop, a warning shows as a
-line. Routine lines (checkpoint saves, the writers' per-step lines, the parameter table) and a
-Stop's notices (the exception that ends the cell says it) stay out of the cell; scripts keep
-every line, and any configuration of yours wins. To see the routine lines in a notebook::
+"""Makes jaxloop's messages in a notebook cell one line per event a user acts on
+(docs/notebooks.md): importing `jaxloop` in a kernel with logging unconfigured sets the
+``jaxloop`` logger to INFO (with a stderr handler while the root has none), routine lines and
+a Stop's notices left out; scripts keep every line, and any configuration of yours wins::
 
     from jaxloop.metrics import notebook_logging
-    notebook_logging.show_routine()
+    notebook_logging.show_routine()  # the routine lines too, in a notebook
 """
 
 from __future__ import annotations

@@ -63,8 +63,7 @@ class MlflowWriter(values.Closing):
             run = self._client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
             self.run_id = run.info.run_id
         else:
-            self._client.get_run(run_id)  # raises clearly if the run does not exist
-            self._client.update_run(run_id, status="RUNNING")
+            self._client.update_run(run_id, status="RUNNING")  # "Run '<id>' not found" if none
 
     def write_scalars(self, step: int, scalars: values.Arrays) -> None:
         if not self._active or not scalars:
