@@ -54,9 +54,7 @@ def make_manager(directory: Any, *, max_to_keep: int | None = 3, async_save: boo
             barrier_sync_key_prefix=f"jaxloop-{name}")
     opts = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, **options)
-    manager = ocp.CheckpointManager(directory, options=opts, item_names=(STATE_ITEM, META_ITEM))
-    _SINGLE_LAYOUT[manager] = False
-    return manager
+    return ocp.CheckpointManager(directory, options=opts, item_names=(STATE_ITEM, META_ITEM))
 
 
 def make_best_manager(directory: Any, metric: str, *, mode: str = "min", k: int = 3,

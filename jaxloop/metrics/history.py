@@ -54,9 +54,8 @@ class Stacked(NamedTuple):
 
 
 def stacked(values: list[Any]) -> list[Any] | Stacked:
-    """`values` stacked now, behind the steps that compute them, where they are device
-    scalars (`metric_values.stack_groups`), so reading them later waits for nothing queued
-    after them; else `values`."""
+    """`values` (device scalars) stacked now, behind the steps that compute them, so a later
+    read waits for nothing queued after them (`metric_values.stack_groups`); else `values`."""
     groups = metric_values.stack_groups(values) if metric_values.all_numbers(values) else None
     return values if groups is None else Stacked(groups, len(values))
 
@@ -135,9 +134,8 @@ class History:
         keep = bisect.bisect_left(series.steps, steps[0])
         for unwritten in self._unwritten.values():
             unwritten[name] = min(unwritten.get(name, keep), keep)
-        del series.steps[keep:], series.values[keep:]
-        series.steps.extend(int(s) for s in steps)
-        series.values.extend(float(v) for v in values)
+        series.steps[keep:] = map(int, steps)
+        series.values[keep:] = map(float, values)
 
     def record_outputs(self, prefix: str, step: int, outputs: types.Output | None,
                        first_step: int | None = None, weights: Sequence[Any] | None = None) -> None:

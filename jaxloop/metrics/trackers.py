@@ -31,13 +31,12 @@ log = logging.getLogger(__name__)
 RUN_ID_KEY = "tracker_run_id"  # the checkpoint metadata key of the tracker's run id
 
 
-def _import(module: str, extra: str) -> Any:
+def _import(name: str) -> Any:
     try:
-        return importlib.import_module(module)
+        return importlib.import_module(name)
     except ImportError as e:
         raise ImportError(
-            f"{module} is not installed; install it with `pip install jaxloop[{extra}]`"
-        ) from e
+            f"{name} is not installed; install it with `pip install jaxloop[{name}]`") from e
 
 
 class MlflowWriter(values.Closing):
@@ -54,7 +53,7 @@ class MlflowWriter(values.Closing):
         self.run_id, self._closed = run_id, False
         if not self._active:
             return
-        mlflow = _import("mlflow", "mlflow")
+        mlflow = _import("mlflow")
         self._entities = mlflow.entities
         self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         if run_id is None:
@@ -143,7 +142,7 @@ class WandbWriter(values.Closing):
         if not self._active:
             self.run_id = run_id
             return
-        self._wandb = _import("wandb", "wandb")
+        self._wandb = _import("wandb")
         if dir is not None:
             os.makedirs(dir, exist_ok=True)
         init_kwargs.setdefault("settings", self._wandb.Settings(silent=True, console="off"))
