@@ -54,9 +54,7 @@ def make_manager(directory: Any, *, max_to_keep: int | None = 3, async_save: boo
             barrier_sync_key_prefix=f"jaxloop-{name}")
     opts = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, **options)
-    manager = ocp.CheckpointManager(directory, options=opts, item_names=(STATE_ITEM, META_ITEM))
-    _SINGLE_LAYOUT[manager] = False
-    return manager
+    return ocp.CheckpointManager(directory, options=opts, item_names=(STATE_ITEM, META_ITEM))
 
 
 def make_best_manager(directory: Any, metric: str, *, mode: str = "min", k: int = 3,
@@ -132,19 +130,14 @@ def dataset_state_for_process(meta: Mapping[str, Any], process_index: int | None
         f"Resume with {saved_count} processes, or read with data.GlobalBatchDataset.")
 
 
-def _key(k: Any) -> Any:
-    """A pytree path entry's key (dict key, attribute, index)."""
-    return next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)
-
-
-def _named_leaves(tree: Any) -> dict[str, tuple[tuple[Any, ...], Any]]:
-    """'backbone/kernel' -> (key path, leaf) for every leaf of `tree`."""
-    return {"/".join(str(_key(k)) for k in path): (path, leaf)
+def _named_leaves(tree: Any) -> dict[str, Any]:
+    """'backbone/kernel' -> leaf, for every leaf of `tree` in its flattening order."""
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(leaf.shape) for name, (_, leaf) in _named_leaves(tree).items()
+    return {name: tuple(leaf.shape) for name, leaf in _named_leaves(tree).items()
             if getattr(leaf, "shape", None) is not None}
 
 
@@ -177,8 +170,6 @@ def _abstract_target(state: State, partitioner: Any, skip: tuple[str, ...]) -> A
 
 
 def _step_paths(directory: epath.Path) -> dict[int, epath.Path]:
-    if not directory.exists():
-        return {}
     return {ocp.path.step.step_from_checkpoint_name(path.name): path
             for path in ocp.path.step.checkpoint_steps_paths(directory)}
 
@@ -270,19 +261,6 @@ def _conform(target: Any, saved: Any) -> Any:
     return target
 
 
-def _unconform(restored: Any, target: Any) -> Any:
-    """The inverse of `_conform`: `restored` back in the layout of the flax state dict."""
-    if isinstance(target, Mapping):
-        if isinstance(restored, list | tuple):
-            return {k: _unconform(restored[int(k)], v) for k, v in target.items()}
-        restored = restored if isinstance(restored, Mapping) else {}
-        return {k: _unconform(restored[k], v) if k in restored else v
-                for k, v in target.items()}
-    if restored is None and not _has_arrays(target):
-        return target
-    return restored
-
-
 def restore(state: State, directory: Any, step: int | None = None, partitioner: Any = None,
             skip_optimizer: bool = False, transforms: Any = None,
             dataset: Iterator[Any] | None = None, *, best: str | None = None,
@@ -324,9 +302,11 @@ def restore(state: State, directory: Any, step: int | None = None, partitioner: 
         items = {k: args if k == name else ocp.args.JsonRestore() for k in handlers}
         restored = reader.restore(path, args=ocp.args.Composite(**items))
     arrays, meta = restored[name], dict(restored.get(META_ITEM) or {})
-    arrays = _unconform(arrays, target) if transforms is None else arrays
-    kept = {k: v for k, v in state_arrays(state).items() if k in skip}
-    new_state = flax.serialization.from_state_dict(state, {**arrays, **kept})
+    if transforms is None:  # back in the state's layout: its leaves by name
+        by_name = _named_leaves(arrays)
+        arrays = jax.tree_util.tree_map_with_path(
+            lambda path, _: by_name[jax.tree_util.keystr(path, simple=True, separator="/")], target)
+    new_state = flax.serialization.from_state_dict(state, {**state_arrays(state), **arrays})
     log.info("Resumed from step %d of %s.", step, directory)
     if dataset is not None:
         restore_data_position(dataset, meta)
@@ -375,10 +355,9 @@ def _renamer(rename: Any) -> Any:
     prefixes = sorted(rename, key=len, reverse=True)
 
     def apply(name: str) -> str | None:
-        old = next((old for old in prefixes if name.startswith(old)), None)
-        if old is None:
-            return name
-        return None if rename[old] is None else rename[old] + name[len(old):]
+        old = next((old for old in prefixes if name.startswith(old)), "")
+        new = rename.get(old, "")  # no prefix matched: the name as it is
+        return None if new is None else new + name[len(old):]
 
     return apply
 
@@ -412,7 +391,7 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
     sources = _named_leaves(saved[PARAMS_KEY])
     loads: dict[str, str] = {}  # target name -> checkpoint name
     unexpected, mismatched = [], []
-    for source, (_, meta) in sources.items():
+    for source, meta in sources.items():
         new = rename_fn(source)
         if new is None:
             continue
@@ -421,7 +400,7 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
             continue
         if new in loads:
             raise ValueError(f"Warm start: parameters {loads[new]} and {source} both map to {new}")
-        target_shape = tuple(targets[new][1].shape)
+        target_shape = tuple(targets[new].shape)
         saved_shape = tuple(getattr(meta, "shape", ()) or ())
         if saved_shape != target_shape:
             mismatched.append(f"{source} {saved_shape} -> {new} {target_shape}")
@@ -444,12 +423,12 @@ def warm_start(state: State, directory: Any, step: int | None = None, *,
     if loads:
         # Only the chosen leaves (orbax's renaming transforms match every name against every other).
         item = {PARAMS_KEY: traverse_util.unflatten_dict(
-            {tuple(map(_key, sources[old][0])): targets[new][1] for new, old in loads.items()})}
+            {old: targets[new] for new, old in loads.items()}, sep="/")}
         restored, _ = restore(item, directory, step, skip_optimizer=True, partial=True)
-        loaded = {n: leaf for n, (_, leaf) in _named_leaves(restored[PARAMS_KEY]).items()}
-    current = _named_leaves(arrays[PARAMS_KEY])
-    leaves = [loaded[loads[n]] if n in loads else leaf for n, (_, leaf) in current.items()]
-    params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(arrays[PARAMS_KEY]), leaves)
+        from_checkpoint = _named_leaves(restored[PARAMS_KEY])
+        loaded = {new: from_checkpoint[old] for new, old in loads.items()}
+    leaves = [loaded.get(n, leaf) for n, leaf in _named_leaves(arrays[PARAMS_KEY]).items()]
+    params = jax.tree.unflatten(jax.tree.structure(arrays[PARAMS_KEY]), leaves)
     new_state = flax.serialization.from_state_dict(state, {**arrays, PARAMS_KEY: params})
     log.info("Warm start: loaded %d of %d parameters from %s.", len(loads), len(targets), path)
     return new_state

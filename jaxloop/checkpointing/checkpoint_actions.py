@@ -63,10 +63,18 @@ class CheckpointAction(Action):
         try:
             self._ckpt_manager.wait_until_finished()
         except Exception as e:
-            _note_failure(e, self._saving_step, self._ckpt_manager.directory)
+            self._note_failure(e, self._saving_step)
             raise
         finally:
             self._saving_step = None
+
+    def _note_failure(self, error: BaseException, step: int | None) -> None:
+        """Adds to `error` which checkpoint it lost and that the training state is live."""
+        which = "a checkpoint" if step is None else f"the checkpoint of step {step}"
+        error.add_note(
+            f"Saving {which} to {self._ckpt_manager.directory} failed: it is not saved. The "
+            "training state is still live (OuterLoop.state, or the state you passed): fix the "
+            "directory, or save to another one, and continue from it.")
 
     def save(self, step: int, state: State, outputs: Output | None = None) -> bool:
         """Saves `state` alone as the manager's one PyTree item (google/jaxloop's way). A
@@ -116,8 +124,7 @@ class CheckpointAction(Action):
                                         dataset_state=position)
         except OSError as e:
             # orbax may raise the failure of the save still in progress, before this one.
-            _note_failure(e, step if self._saving_step is None else self._saving_step,
-                          self._ckpt_manager.directory)
+            self._note_failure(e, step if self._saving_step is None else self._saving_step)
             self._saving_step = None
             raise
         if saved:
@@ -148,8 +155,7 @@ class BestCheckpointAction(CheckpointAction):
                  force: bool = False, **kwargs: Any) -> bool:
         if host_count.host_step(state) in self._ckpt_manager.all_steps():
             return False  # several evals after one train loop: the first one is offered
-        # Reduced here, weighted by the eval loop's example counts; no context: its data
-        # position and count are not saved.
+        # Reduced here, by the eval loop's example counts; no context: no data position or count.
         return super().__call__(state, scalar_metrics(outputs, loop=loop), force=force)
 
 
@@ -157,12 +163,3 @@ def savers(actions: Iterable[Any]) -> list[CheckpointAction]:
     """The actions of `actions` that save a state to resume from (not best-k ones)."""
     return [a for a in actions
             if isinstance(a, CheckpointAction) and not isinstance(a, BestCheckpointAction)]
-
-
-def _note_failure(error: BaseException, step: int | None, directory: Any) -> None:
-    """Adds to `error` which checkpoint it lost and that the training state is live."""
-    which = "a checkpoint" if step is None else f"the checkpoint of step {step}"
-    error.add_note(
-        f"Saving {which} to {directory} failed: it is not saved. The training state is "
-        "still live (OuterLoop.state, or the state you passed): fix the directory, or save "
-        "to another one, and continue from it.")

@@ -2,9 +2,8 @@
 
 `OuterLoop.history` records the train loop's scalar outputs at their steps and each eval
 loop's results at the step evaluated (``train/<key>``, ``eval/<key>``, ``eval_<i>/<key>``).
-With checkpoints it is kept on disk beside them, appended as it grows (`save_file`, e.g.
-``checkpoints.history.jsonl`` beside ``checkpoints/``), and a resume reads it back up to the
-restored step (`load_file`). After an `OuterLoop` run::
+With checkpoints it is kept on disk beside them (`file_path`), appended as it grows
+(`save_file`), and a resume reads it back up to the restored step (`load_file`)::
 
     outer.history['eval/accuracy'].values[-1]
     outer.history.plot()             # a matplotlib figure: one panel per metric
@@ -55,9 +54,8 @@ class Stacked(NamedTuple):
 
 
 def stacked(values: list[Any]) -> list[Any] | Stacked:
-    """`values` stacked now, behind the steps that compute them, where they are device
-    scalars (`metric_values.stack_groups`), so reading them later waits for nothing queued
-    after them; else `values`."""
+    """`values` (device scalars) stacked now, behind the steps that compute them, so a later
+    read waits for nothing queued after them (`metric_values.stack_groups`); else `values`."""
     groups = metric_values.stack_groups(values) if metric_values.all_numbers(values) else None
     return values if groups is None else Stacked(groups, len(values))
 
@@ -100,9 +98,8 @@ class History:
     def __getitem__(self, name: str) -> Series:
         if name not in self._settled():
             raise KeyError(f"No metric {name!r} in the history; it has {self.names}")
-        series = self._series[name]
         # A copy: what a notebook took stays as it was when the next cell trains on.
-        return Series(list(series.steps), list(series.values))
+        return Series(*map(list, self._series[name]))
 
     def __len__(self) -> int:
         return len(self._settled())
@@ -137,9 +134,8 @@ class History:
         keep = bisect.bisect_left(series.steps, steps[0])
         for unwritten in self._unwritten.values():
             unwritten[name] = min(unwritten.get(name, keep), keep)
-        del series.steps[keep:], series.values[keep:]
-        series.steps.extend(int(s) for s in steps)
-        series.values.extend(float(v) for v in values)
+        series.steps[keep:] = map(int, steps)
+        series.values[keep:] = map(float, values)
 
     def record_outputs(self, prefix: str, step: int, outputs: types.Output | None,
                        first_step: int | None = None, weights: Sequence[Any] | None = None) -> None:
@@ -244,10 +240,9 @@ class History:
                         for name, (steps, values) in saved.items()}
 
     def save_file(self, path: Any) -> None:
-        """Brings the JSON-lines file at `path` up to date: it appends what was recorded
-        since the last call (writing the whole history the first time, and after a load),
-        and syncs it to disk. Each line is one `record` call; replayed in order they give
-        this history back, so a file never holds more than each value once per record."""
+        """Brings the JSON-lines file at `path` up to date: appends what was recorded since
+        the last call (the whole history the first time, and after a load), synced to disk.
+        Each line is one `record` call: replayed in order, they give this history back."""
         path = epath.Path(path)
         series = self._settled()
         unwritten = self._unwritten.get(str(path))

@@ -38,9 +38,8 @@ def is_number(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     if dtype is None or np.size(x) != 1:
         return False
-    kind = np.dtype(dtype).kind
     # bfloat16 and the float8 types are numpy 'V' (void) kinds: jnp knows them as floats.
-    return kind in "biuf" or (kind == "V" and jnp.issubdtype(dtype, jnp.floating))
+    return np.dtype(dtype).kind in "biu" or jnp.issubdtype(dtype, jnp.floating)
 
 
 def all_numbers(values: Sequence[Any]) -> bool:

@@ -1,13 +1,10 @@
-"""Makes jaxloop's messages in a notebook cell one line per event a user acts on.
-
-Importing `jaxloop` in a kernel with logging unconfigured sets the ``jaxloop`` logger to INFO
-(with a stderr handler while the root has none): a resume, an early stop, a warning shows as a
-line. Routine lines (checkpoint saves, the writers' per-step lines, the parameter table) and a
-Stop's notices (the exception that ends the cell says it) stay out of the cell; scripts keep
-every line, and any configuration of yours wins. To see the routine lines in a notebook::
+"""Makes jaxloop's messages in a notebook cell one line per event a user acts on
+(docs/notebooks.md): importing `jaxloop` in a kernel with logging unconfigured sets the
+``jaxloop`` logger to INFO (with a stderr handler while the root has none), routine lines and
+a Stop's notices left out; scripts keep every line, and any configuration of yours wins::
 
     from jaxloop.metrics import notebook_logging
-    notebook_logging.show_routine()
+    notebook_logging.show_routine()  # the routine lines too, in a notebook
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ ROUTINE = (("jaxloop.actions", "Saving checkpoint for step %d to %s."),
             "No checkpoint found in %s. Returning the original model state."))
 # The loggers of a Stop's notices, which mark their records with `preemption.STOP_NOTICE`.
 _STOP_LOGGERS = ("jaxloop.launch.preemption", "jaxloop.outer_loop")
+_FILTERED = [logging.getLogger(name) for name in (*dict(ROUTINE), *_STOP_LOGGERS)]
 
 
 class _FallbackHandler(logging.StreamHandler):
@@ -54,17 +52,11 @@ def _not_in_a_cell(record: logging.LogRecord) -> bool:
             and (record.name, record.msg) not in ROUTINE)
 
 
-def _filtered_loggers() -> list[logging.Logger]:
-    names = dict.fromkeys([name for name, _ in ROUTINE] + list(_STOP_LOGGERS))
-    return [logging.getLogger(name) for name in names]
-
-
 def _is_default_handler(handler: logging.Handler) -> bool:
     """Whether `handler` is what a bare ``logging.basicConfig()`` installs."""
-    if type(handler) is not logging.StreamHandler or handler.level != logging.NOTSET:
-        return False
     probe = logging.LogRecord("probe", logging.INFO, __file__, 0, "message", None, None)
-    return handler.format(probe) == "INFO:probe:message"  # logging.BASIC_FORMAT's
+    return (type(handler) is logging.StreamHandler and handler.level == logging.NOTSET
+            and handler.format(probe) == "INFO:probe:message")  # logging.BASIC_FORMAT's
 
 
 def unconfigured() -> bool:
@@ -85,7 +77,7 @@ def show_info_if_unconfigured() -> bool:
         quiet = logging.getLogger(name)
         if quiet.level == logging.NOTSET:  # a level the user set stays
             quiet.setLevel(logging.WARNING)
-    for filtered in _filtered_loggers():
+    for filtered in _FILTERED:
         filtered.addFilter(_not_in_a_cell)  # once: addFilter skips a filter already there
     if not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
         logger.addHandler(_FallbackHandler())
@@ -96,5 +88,5 @@ def show_routine(show: bool = True) -> None:
     """Shows (``show=False``: hides) the routine lines at INFO: checkpoint saves, each write of
     a `LoggingWriter` (the parameter table is logged at DEBUG, by its own logger)."""
     logging.getLogger(WRITERS).setLevel(logging.INFO if show else logging.WARNING)
-    for filtered in _filtered_loggers():
+    for filtered in _FILTERED:
         (filtered.removeFilter if show else filtered.addFilter)(_not_in_a_cell)

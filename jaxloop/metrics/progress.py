@@ -52,7 +52,7 @@ class ProgressAction(Action):
         self._closed = False
         self._redirect = contextlib.ExitStack()  # the root logger's console lines, via tqdm
         self._status: str | None = None  # the running evaluation's, e.g. 'evaluating eval: 3/8'
-        self._evaluated: dict[str, str] = {}  # the latest evaluation's results, as shown
+        self._evaluated: str | None = None  # the latest evaluation's results, as shown
 
     @staticmethod
     def _in_kernel() -> bool:
@@ -67,16 +67,16 @@ class ProgressAction(Action):
             self._enabled = self._in_kernel() or sys.stderr.isatty()
         return self._enabled
 
-    def _latest_eval(self, series: Mapping[str, Any]) -> dict[str, str]:
-        """The latest evaluation's results, keyed by the text the bar shows them under."""
+    def _latest_eval(self, series: Mapping[str, Any]) -> str | None:
+        """The latest evaluation's results as the bar shows them: ``eval at step 400: ...``."""
         evals = {n.removeprefix("eval/"): s for n, s in series.items()
                  if n.startswith("eval/") and s.steps}
         if not evals:
-            return {}
+            return None
         step = max(s.steps[-1] for s in evals.values())
         values = ", ".join(f"{k}={s.values[-1]:.4g}" for k, s in sorted(evals.items())
                            if s.steps[-1] == step)
-        return {f"eval at step {step}": values}
+        return f"eval at step {step}: {values}"
 
     def _series(self, wait: bool) -> Mapping[str, Any]:
         """The history's series: as far as the device has computed them, unless `wait`."""
@@ -95,7 +95,6 @@ class ProgressAction(Action):
             self._unread = values[-1]
         if self._unread is None or not (wait or history.is_ready(self._unread)):
             return {}
-        # The last step's value; a clu metric is computed first.
         value, self._unread = self._unread, None
         return {self._metric: f"{float(jax.device_get(metric_values.computed(value))):.4g}"}
 
@@ -107,9 +106,7 @@ class ProgressAction(Action):
     def _draw(self, refresh: bool = True) -> None:
         """Draws what `_show` read last and the evaluation's count (threads call it: no reads)."""
         parts = [f"{k}={v}" for k, v in self._postfix.items()]
-        parts += [f"{k}: {v}" for k, v in self._evaluated.items()]
-        if self._status is not None:
-            parts.append(self._status)
+        parts += [part for part in (self._evaluated, self._status) if part is not None]
         self._bar.set_postfix_str(", ".join(parts), refresh=refresh)
 
     def __call__(self, state: State, outputs: Output | None, **kwargs: Any) -> None:
@@ -117,12 +114,11 @@ class ProgressAction(Action):
             return
         step = host_count.host_step(state)
         bar = self._ensure_bar(kwargs.get("first_step") or 0)
-        postfix = self._latest(outputs, wait=False)
         now = time.perf_counter()
         if self._last is not None and step > self._last[0] and now > self._last[1]:
             self._postfix["steps/s"] = f"{(step - self._last[0]) / (now - self._last[1]):.1f}"
         self._last = (step, now)
-        self._postfix.update(postfix)
+        self._postfix.update(self._latest(outputs, wait=False))
         self._show(refresh=False)
         bar.update(max(step - bar.n, 0))
         bar.refresh()

@@ -31,20 +31,12 @@ log = logging.getLogger(__name__)
 RUN_ID_KEY = "tracker_run_id"  # the checkpoint metadata key of the tracker's run id
 
 
-def _import(module: str, extra: str) -> Any:
+def _import(name: str) -> Any:
     try:
-        return importlib.import_module(module)
+        return importlib.import_module(name)
     except ImportError as e:
         raise ImportError(
-            f"{module} is not installed; install it with `pip install jaxloop[{extra}]`"
-        ) from e
-
-
-def _warn_once(self: Any, what: str) -> None:
-    warned = self.__dict__.setdefault("_warned", set())
-    if what not in warned:
-        warned.add(what)
-        log.warning("%s does not record %s; skipped.", type(self).__name__, what)
+            f"{name} is not installed; install it with `pip install jaxloop[{name}]`") from e
 
 
 class MlflowWriter(values.Closing):
@@ -61,19 +53,16 @@ class MlflowWriter(values.Closing):
         self.run_id, self._closed = run_id, False
         if not self._active:
             return
-        _import("mlflow", "mlflow")
-        from mlflow import entities  # noqa: PLC0415
-        from mlflow.tracking import MlflowClient  # noqa: PLC0415
-        self._entities = entities
-        self._client = MlflowClient(tracking_uri=tracking_uri)
+        mlflow = _import("mlflow")
+        self._entities = mlflow.entities
+        self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         if run_id is None:
             exp = self._client.get_experiment_by_name(experiment)
             exp_id = exp.experiment_id if exp else self._client.create_experiment(experiment)
             run = self._client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
             self.run_id = run.info.run_id
         else:
-            self._client.get_run(run_id)  # raises clearly if the run does not exist
-            self._client.update_run(run_id, status="RUNNING")
+            self._client.update_run(run_id, status="RUNNING")  # "Run '<id>' not found" if none
 
     def write_scalars(self, step: int, scalars: values.Arrays) -> None:
         if not self._active or not scalars:
@@ -95,11 +84,11 @@ class MlflowWriter(values.Closing):
 
     def write_videos(self, step: int, videos: values.Arrays) -> None:
         if self._active and videos:
-            _warn_once(self, "videos")
+            values.warn_once(self, "%s does not record videos; skipped.", log)
 
     def write_audios(self, step: int, audios: values.Arrays, *, sample_rate: int) -> None:
         if self._active and audios:
-            _warn_once(self, "audio")
+            values.warn_once(self, "%s does not record audio; skipped.", log)
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         if not self._active:
@@ -153,7 +142,7 @@ class WandbWriter(values.Closing):
         if not self._active:
             self.run_id = run_id
             return
-        self._wandb = _import("wandb", "wandb")
+        self._wandb = _import("wandb")
         if dir is not None:
             os.makedirs(dir, exist_ok=True)
         init_kwargs.setdefault("settings", self._wandb.Settings(silent=True, console="off"))

@@ -50,9 +50,8 @@ def prepare_scalars(scalars: Arrays) -> dict[str, float]:
         if math.prod(shape) != 1:
             raise ValueError(f"write_scalars: value for key {key!r} must be a scalar (0-d or "
                              f"size 1), got an array of shape {shape}.")
-        arr = np.asarray(value)
         try:
-            out[key] = float(arr.reshape(()))
+            out[key] = float(np.asarray(value).reshape(()))
         except (TypeError, ValueError) as e:
             raise ValueError(f"write_scalars: value for key {key!r} is not a number: "
                              f"{value!r}") from e
@@ -128,14 +127,19 @@ def audios_ntc(key: str, value: ArrayLike) -> np.ndarray:
     return np.clip(floats, -1.0, 1.0)
 
 
+def warn_once(writer: Any, message: str, logger: logging.Logger = _LOGGER) -> None:
+    """Logs `message` (its ``%s``: the writer's class) at WARNING, once per writer."""
+    warned = writer.__dict__.setdefault("_warned", set())
+    if message not in warned:
+        warned.add(message)
+        logger.warning(message, type(writer).__name__)
+
+
 def has_moviepy(writer: Any) -> bool:
     """Whether moviepy (``jaxloop[video]``) is installed; warns once per writer if not."""
     try:
         import moviepy  # noqa: F401
         return True
     except ImportError:
-        if not getattr(writer, "_warned_video", False):
-            writer._warned_video = True
-            _LOGGER.warning("%s: videos need moviepy (pip install jaxloop[video]); skipping.",
-                            type(writer).__name__)
+        warn_once(writer, "%s: videos need moviepy (pip install jaxloop[video]); skipping.")
         return False

@@ -338,7 +338,6 @@ def create_default_writer(logdir: str | os.PathLike[str] | None = None, *,
     import jax
     writers: list[MetricWriter] = [LoggingWriter(prefix)]
     if jax.process_index() == 0:
-        path = os.fspath(logdir)
-        writers.append(SummaryWriter(os.path.join(path, collection) if collection else path))
+        writers.append(SummaryWriter(os.path.join(logdir, collection) if collection else logdir))
     writer = MultiWriter(writers)
     return AsyncWriter(writer) if asynchronous else writer
