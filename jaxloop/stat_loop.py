@@ -105,13 +105,11 @@ class StatLoop(loop_lib.Loop):
         return super().begin(state, dataset)
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
-        if self._throughput.recorder is None:
+        start = time.perf_counter()
+        try:
             batch = super()._get_next_batch(dataset)
-        else:
-            start = time.perf_counter()
-            try:
-                batch = super()._get_next_batch(dataset)
-            finally:
+        finally:
+            if self._throughput.recorder is not None:
                 self._throughput.waited(time.perf_counter() - start)
         self._throughput.read(batch)
         return batch

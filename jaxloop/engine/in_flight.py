@@ -17,10 +17,9 @@ DEFAULT_MAX_STEPS_IN_FLIGHT = 2  # on a mesh of several CPU devices
 def default_max_steps_in_flight(step: Any) -> int:
     """2 on a mesh of several CPU devices (the deadlock above), else 8 (queued for a late host)."""
     mesh = getattr(getattr(step, "partitioner", None), "mesh", None)
-    if mesh is None:
+    if mesh is None or mesh.size > 1 and all(d.platform == "cpu" for d in mesh.devices.flat):
         return DEFAULT_MAX_STEPS_IN_FLIGHT
-    cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
-    return DEFAULT_MAX_STEPS_IN_FLIGHT if cpu and mesh.size > 1 else 8
+    return 8
 
 
 def token(step: Any, outputs: Any, state: Any) -> jax.Array | None:

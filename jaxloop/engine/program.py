@@ -113,11 +113,10 @@ class Program:
         given by number or name (a fused execution's count sits at 2)."""
         shift = 1 if self._steps is not None else 0
         positional = self._positional_names
+        nums = {*nums, *(i for i, name in enumerate(positional) if name in names)}
         names = names | {positional[n] for n in nums if n < len(positional)}
-        given = num_args - shift  # `fn`'s own positional arguments after the state
-        found = {n + shift if n >= 2 else n for n in nums if n <= given}
-        found |= {i + shift if i >= 2 else i for i, name in enumerate(positional)
-                  if name in names and i <= given}
+        # Up to `fn`'s own positional arguments after the state.
+        found = {n + shift if n >= 2 else n for n in nums if n <= num_args - shift}
         found |= {1 + num_args + i for i, name in enumerate(kw_names) if name in names}
         return tuple(sorted(found))
 
@@ -228,9 +227,7 @@ class Program:
                     written, outputs)
                 return (new if carry_state else None), written
 
-            carry, outputs = jax.lax.fori_loop(
-                0, count, body, (state if carry_state else None, buffers))
-            return (carry if carry_state else None), outputs
+            return jax.lax.fori_loop(0, count, body, (state if carry_state else None, buffers))
 
         return execution
 
@@ -239,10 +236,6 @@ class Program:
         shape = (len(args), tuple(kwargs), jax.tree.structure(args[0]) if args else None)
         if self._current is not None and self._current[0] == shape:
             return self._current[1]
-        return self._select(state, args, kwargs, shape)
-
-    def _select(self, state: PyTree, args: tuple, kwargs: dict[str, Any],
-                shape: tuple) -> Callable:
         key = (*shape, jax.tree.structure(state))
         if key not in self._jitted:
             self._jitted[key] = self._build(state, args, kwargs)
@@ -273,7 +266,8 @@ class Program:
                 if args:
                     self._batch_shardings(args[0])  # names a batch leaf that does not split
                 raise
-            result, self.last_token = self._select(state, args, kwargs, current[0])(
+            self._current = None
+            result, self.last_token = self._jit_for(state, args, kwargs)(
                 state, *args, *kwargs.values())
         return result
 
