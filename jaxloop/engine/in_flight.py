@@ -6,7 +6,6 @@ leaf, which the next step donates: ``in_flight.add(token(step, outputs, state))`
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import jax
@@ -40,7 +39,7 @@ class InFlight:
         if bound < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {bound}")
         self.bound = bound
-        self._tokens: collections.deque = collections.deque()
+        self._tokens: list[jax.Array] = []
 
     def add(self, token: jax.Array | None) -> None:
         """Records a dispatched execution's token; at `bound`, waits until half are unfinished."""
@@ -50,7 +49,7 @@ class InFlight:
         tokens.append(token)
         if len(tokens) >= self.bound:
             # Down to half the bound: one wake-up per bound/2 executions, bound/2 still
-            # queued. Executions finish in order, so only the newest needs a wait.
-            for _ in range(len(tokens) - self.bound // 2 - 1):
-                tokens.popleft()
-            tokens.popleft().block_until_ready()
+            # queued. Executions finish in order, so only the newest dropped needs a wait.
+            dropped = len(tokens) - self.bound // 2
+            tokens[dropped - 1].block_until_ready()
+            del tokens[:dropped]

@@ -88,7 +88,6 @@ def _edges_from_new(result: Any, known: set[int]) -> collections.Counter:
 
 
 def _library(fn: Any) -> bool:
-    """Whether `fn` is this library's own code, which keeps no state (see above)."""
     code = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
     module = getattr(code, "__module__", None) or ""
     return module.startswith("jaxloop.") and not module.startswith("jaxloop.examples.")

@@ -81,10 +81,9 @@ class Program:
         if not isinstance(unroll, bool):
             raise TypeError(f"unroll must be True or False, got {unroll!r}")
         jax.jit(fn, **jit_kwargs)  # an unknown jit flag is a TypeError here, not at first use
-        flags = dict(jit_kwargs)
-        self._out_shardings = flags.pop("out_shardings", None)
-        self._static_nums = _as_tuple(flags.pop("static_argnums", None), int)
-        self._donate_nums = _as_tuple(flags.pop("donate_argnums", None), int)
+        self._out_shardings = jit_kwargs.pop("out_shardings", None)
+        self._static_nums = _as_tuple(jit_kwargs.pop("static_argnums", None), int)
+        self._donate_nums = _as_tuple(jit_kwargs.pop("donate_argnums", None), int)
         if {0, 1} & set(self._static_nums):
             raise ValueError(f"static_argnums={self._static_nums}: the state (0) and the batch "
                              "(1) are arrays and cannot be static")
@@ -95,9 +94,9 @@ class Program:
         # A flag naming an argument applies where it arrives by position too.
         self._positional_names = [p.name for p in params if p.kind in (
             p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self._static_names = set(_as_tuple(flags.pop("static_argnames", None), str))
-        self._donate_names = set(_as_tuple(flags.pop("donate_argnames", None), str))
-        self._fn, self._partitioner, self._steps, self._flags = fn, partitioner, steps, flags
+        self._static_names = set(_as_tuple(jit_kwargs.pop("static_argnames", None), str))
+        self._donate_names = set(_as_tuple(jit_kwargs.pop("donate_argnames", None), str))
+        self._fn, self._partitioner, self._steps, self._flags = fn, partitioner, steps, jit_kwargs
         self._carry_state, self._unroll, self._separate = carry_state, unroll, separate
         self._returns_state = returns_state
         # (positional count, keyword names, batch and state structures) -> program, by use.
