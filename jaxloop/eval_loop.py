@@ -25,15 +25,6 @@ State = types.TrainState
 Step = step_lib.Step
 
 
-def _example_count(batch: Any, mask_key: str) -> Any:
-    """The real examples in a batch: its mask's sum, else its leading size."""
-    if isinstance(batch, Mapping) and mask_key in batch:
-        mask = batch[mask_key]
-        return jnp.sum(mask) if isinstance(mask, jax.Array) else int(np.sum(mask))
-    leaves = jax.tree.leaves(batch)
-    return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
-
-
 class EvalLoop(action_loop.ActionLoop):
     """An ActionLoop that keeps the state fixed across its steps.
 
@@ -68,9 +59,15 @@ class EvalLoop(action_loop.ActionLoop):
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
         batch = super()._get_next_batch(dataset)
+        leaves = jax.tree.leaves(batch)
         # A host (numpy) batch holds this process's rows only; a placed batch is global.
-        local = not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch))
-        self._counts.append((_example_count(batch, self._mask_key), local))
+        local = not any(isinstance(x, jax.Array) for x in leaves)
+        if isinstance(batch, Mapping) and self._mask_key in batch:  # its real examples
+            mask = batch[self._mask_key]
+            count = jnp.sum(mask) if isinstance(mask, jax.Array) else int(np.sum(mask))
+        else:
+            count = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
+        self._counts.append((count, local))
         return batch
 
     state_moves: int = 0
