@@ -87,14 +87,6 @@ class EvalLoop(action_loop.ActionLoop):
         self.state_moves += 1
         return jax.device_put(state, target)
 
-    def _global_counts(self) -> list[Any]:
-        """Counts over all processes (host batches' counts summed: a collective)."""
-        counts = [count for count, _ in self._counts]
-        if jax.process_count() == 1 or not any(local for _, local in self._counts):
-            return counts
-        summed = agreement.summed([c if local else 0 for c, local in self._counts], np.int64)
-        return [int(s) if local else c for s, (c, local) in zip(summed, self._counts, strict=True)]
-
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         """Runs the end actions, unless Ctrl-C or a preemption cut the evaluation short:
         a part of an evaluation is no result (no summary, history point or early-stopping
@@ -112,5 +104,11 @@ class EvalLoop(action_loop.ActionLoop):
         evaluated = self._placed(ema.swap_in(state) if self.use_ema else state)
         _, outputs = super().run(evaluated, dataset, num_steps, log_num_flops=log_num_flops,
                                  **kwargs)
-        self._example_counts = self._global_counts()
+        counts = [count for count, _ in self._counts]
+        if jax.process_count() > 1 and any(local for _, local in self._counts):
+            # A host batch's count is this process's: summed over all (a collective).
+            summed = agreement.summed([c if local else 0 for c, local in self._counts], np.int64)
+            counts = [int(s) if local else c
+                      for s, (c, local) in zip(summed, self._counts, strict=True)]
+        self._example_counts = counts
         return state, outputs
