@@ -115,8 +115,7 @@ class ActionLoop(stat_loop.StatLoop):
         context = self.action_context(begin=outputs is None)
         for phase in phases:
             phase(state, outputs, context)
-        # A trigger is asked about the steps the loop ran, else (at its start, at an
-        # evaluation's end) the step it stands at.
+        # A trigger is asked about the steps the loop ran, else the step it stands at.
         first, last = context.first_step or 0, context.step or 0
         steps = (first + 1, last) if last > first else (last,)
         for action in actions:

@@ -71,8 +71,7 @@ class Loop:
         self._prefetch: read_ahead.Prefetcher | None = None
         self._prepared: list[staging.PreparedBatch] = []  # read since the step last ran
         self._pending: Any = None  # (a batch of another layout, its position): next execution's
-        # (dataset, [(batch, position before it)]) read but not trained on: the next call on
-        # that dataset takes them first.
+        # (dataset, [(batch, position before it)]) read, not trained on: first in its next call.
         self._unread: tuple[Any, list[tuple[Any, Any]]] | None = None
         self.partial_outputs: Output | None = None  # of the steps before an exception
         self.dataset_exhausted = self.preempted = False
