@@ -17,7 +17,6 @@ from jaxloop import actions as actions_lib
 from jaxloop import async_action_context, stat_loop, stop_handler, types
 from jaxloop import step as step_lib
 from jaxloop.engine import host_count, ownership
-from jaxloop.hooks import triggers
 from jaxloop.hooks.action import ActionContext
 
 Action = actions_lib.Action
@@ -113,14 +112,16 @@ class ActionLoop(stat_loop.StatLoop):
               phases: Sequence[Phase] = ()) -> None:
         # A loop boundary: errors of background work (async writes, checkpoint saves) surface.
         async_action_context.get_async_action_context().check_exceptions_and_raise(wait=False)
-        begin = outputs is None
-        context = self.action_context(begin)
+        context = self.action_context(begin=outputs is None)
         for phase in phases:
             phase(state, outputs, context)
+        # A trigger is asked about the steps the loop ran, else the step it stands at.
+        first, last = context.first_step or 0, context.step or 0
+        steps = (first + 1, last) if last > first else (last,)
         for action in actions:
             trigger = getattr(action, "trigger", None)
             if (self._loop_count % action.interval == 0 if trigger is None
-                    else _triggered(trigger, context, begin)):
+                    else trigger.fires(*steps)):
                 try:
                     # An action may keep the state: the next step then consumes nothing.
                     ownership.call(action, state, outputs, loop=self, context=context,
@@ -148,12 +149,3 @@ class ActionLoop(stat_loop.StatLoop):
         state, outputs = super().end(state, outputs)
         self._fire(self._end_actions, state, outputs, self._owner[0])
         return state, outputs
-
-
-def _triggered(trigger: triggers.Trigger, context: ActionContext, begin: bool) -> bool:
-    """Whether a loop-level trigger fires: at the loop's start on the step it starts from;
-    at its end on the steps it ran (on its step, if it ran none: evaluations)."""
-    first, last = context.first_step or 0, context.step or 0
-    if begin:
-        return trigger.fires(first)
-    return trigger.fires(first + 1, last) if last > first else trigger.fires(last)

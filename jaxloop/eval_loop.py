@@ -25,15 +25,6 @@ State = types.TrainState
 Step = step_lib.Step
 
 
-def _example_count(batch: Any, mask_key: str) -> Any:
-    """The real examples in a batch: its mask's sum, else its leading size."""
-    if isinstance(batch, Mapping) and mask_key in batch:
-        mask = batch[mask_key]
-        return jnp.sum(mask) if isinstance(mask, jax.Array) else int(np.sum(mask))
-    leaves = jax.tree.leaves(batch)
-    return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
-
-
 class EvalLoop(action_loop.ActionLoop):
     """An ActionLoop that keeps the state fixed across its steps.
 
@@ -57,8 +48,7 @@ class EvalLoop(action_loop.ActionLoop):
         self._mask_key = mask_key
         self.use_ema = use_ema
         # Per batch read: its example count, and whether it held this process's rows only.
-        self._counts: list[Any] = []
-        self._local: list[bool] = []
+        self._counts: list[tuple[Any, bool]] = []
         self._example_counts: list[Any] = []
 
     @property
@@ -69,9 +59,15 @@ class EvalLoop(action_loop.ActionLoop):
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
         batch = super()._get_next_batch(dataset)
-        self._counts.append(_example_count(batch, self._mask_key))
+        leaves = jax.tree.leaves(batch)
         # A host (numpy) batch holds this process's rows only; a placed batch is global.
-        self._local.append(not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)))
+        local = not any(isinstance(x, jax.Array) for x in leaves)
+        if isinstance(batch, Mapping) and self._mask_key in batch:  # its real examples
+            mask = batch[self._mask_key]
+            count = jnp.sum(mask) if isinstance(mask, jax.Array) else int(np.sum(mask))
+        else:
+            count = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
+        self._counts.append((count, local))
         return batch
 
     state_moves: int = 0
@@ -91,15 +87,6 @@ class EvalLoop(action_loop.ActionLoop):
         self.state_moves += 1
         return jax.device_put(state, target)
 
-    def _global_counts(self) -> list[Any]:
-        """Counts over all processes (host batches' counts summed: a collective)."""
-        if jax.process_count() == 1 or not any(self._local):
-            return self._counts
-        local = [c if lo else 0 for c, lo in zip(self._counts, self._local, strict=True)]
-        summed = agreement.summed(local, np.int64)
-        return [int(s) if lo else c for s, c, lo in zip(summed, self._counts, self._local,
-                                                        strict=True)]
-
     def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         """Runs the end actions, unless Ctrl-C or a preemption cut the evaluation short:
         a part of an evaluation is no result (no summary, history point or early-stopping
@@ -111,14 +98,17 @@ class EvalLoop(action_loop.ActionLoop):
     def run(self, state: State, dataset: Iterator[Any], num_steps: int | None = None,
             log_num_flops: bool = False, **kwargs: Any) -> tuple[State, Output | None]:
         kwargs.setdefault("return_state_from_step", False)
-        self._counts, self._local, self._example_counts = [], [], []
-        evaluated = state
+        self._counts, self._example_counts = [], []
         if self.use_ema:
             from jaxloop.recipes import ema  # noqa: PLC0415
-
-            evaluated = ema.swap_in(state)
-        evaluated = self._placed(evaluated)
+        evaluated = self._placed(ema.swap_in(state) if self.use_ema else state)
         _, outputs = super().run(evaluated, dataset, num_steps, log_num_flops=log_num_flops,
                                  **kwargs)
-        self._example_counts = self._global_counts()
+        counts = [count for count, _ in self._counts]
+        if jax.process_count() > 1 and any(local for _, local in self._counts):
+            # A host batch's count is this process's: summed over all (a collective).
+            summed = agreement.summed([c if local else 0 for c, local in self._counts], np.int64)
+            counts = [int(s) if local else c
+                      for s, (c, local) in zip(summed, self._counts, strict=True)]
+        self._example_counts = counts
         return state, outputs

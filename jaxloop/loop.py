@@ -65,16 +65,13 @@ class Loop:
             raise ValueError(
                 "steps_per_execution must be a positive integer (choose k by measuring: "
                 f"see benchmarks/overhead.py), got {steps_per_execution!r}")
-        if not isinstance(unroll, bool):
-            raise TypeError(f"unroll must be True or False, got {unroll!r}")
         self._step, self._steps_per_execution, self._unroll = step, steps_per_execution, unroll
         self._donate_input_state = donate_input_state
         self._adopted: Any = None
         self._prefetch: read_ahead.Prefetcher | None = None
         self._prepared: list[staging.PreparedBatch] = []  # read since the step last ran
         self._pending: Any = None  # (a batch of another layout, its position): next execution's
-        # (dataset, [(batch, position before it)]) read but not trained on: the next call on
-        # that dataset takes them first.
+        # (dataset, [(batch, position before it)]) read, not trained on: first in its next call.
         self._unread: tuple[Any, list[tuple[Any, Any]]] | None = None
         self.partial_outputs: Output | None = None  # of the steps before an exception
         self.dataset_exhausted = self.preempted = False

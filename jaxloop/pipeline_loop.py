@@ -38,25 +38,6 @@ EXAMPLE_COUNT = "jaxloop/example_count"
 """The pipeline input that holds the real examples of the step's batch."""
 
 
-def _is_per_step(value: Any) -> bool:
-    """A per-step list of values the pipeline takes (clu metrics stay with the loop)."""
-    return isinstance(value, list) and not isinstance(value, loop_lib.MetricList)
-
-
-def _per_step(outputs: Mapping[str, Any], counts: list[Any]) -> list[dict[str, Any]]:
-    """The loop's per-step lists and example counts, as one dict of numpy values a step."""
-    columns = {k: v for k, v in outputs.items() if _is_per_step(v)}
-    if counts:
-        columns[EXAMPLE_COUNT] = list(counts)
-    lengths = {k: len(v) for k, v in columns.items()}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(
-            f"Every step must return the same output keys; per-step lengths were {lengths}.")
-    # Fetched whole: an array that spans other processes is gathered (a collective).
-    columns = jax.tree.map(lambda x: np.asarray(metric_values.fetch(x)), columns)
-    return [dict(zip(columns, row, strict=True)) for row in zip(*columns.values(), strict=True)]
-
-
 class PipelineLoop(eval_loop.EvalLoop):
     """An `EvalLoop` whose outputs are an ml_metrics pipeline's result over its steps, plus
     the loop's clu metrics and statistics. `pipeline` ends in an aggregate whose result is a
@@ -80,9 +61,21 @@ class PipelineLoop(eval_loop.EvalLoop):
         pipeline = self.make_pipeline(state)
         if pipeline is None or outputs is None:
             return state, outputs
-        result = pipeline.make()(input_iterator=_per_step(outputs, self.example_counts))
+        # Per-step lists (clu metrics stay with the loop) and example counts: a dict a step.
+        columns = {k: v for k, v in outputs.items()
+                   if isinstance(v, list) and not isinstance(v, loop_lib.MetricList)}
+        kept = {k: v for k, v in outputs.items() if k not in columns}
+        if self.example_counts:
+            columns[EXAMPLE_COUNT] = list(self.example_counts)
+        lengths = {k: len(v) for k, v in columns.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(
+                f"Every step must return the same output keys; per-step lengths were {lengths}.")
+        # Fetched whole: an array that spans other processes is gathered (a collective).
+        columns = jax.tree.map(lambda x: np.asarray(metric_values.fetch(x)), columns)
+        result = pipeline.make()(input_iterator=[
+            dict(zip(columns, row, strict=True)) for row in zip(*columns.values(), strict=True)])
         if not isinstance(result, Mapping):
             raise TypeError("The pipeline's result must be a mapping (end it with .aggregate(..., "
                             f"output_keys=...)), got {type(result).__name__}.")
-        kept = {k: v for k, v in outputs.items() if not _is_per_step(v)}
         return state, {**kept, **result}

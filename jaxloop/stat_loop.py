@@ -105,13 +105,11 @@ class StatLoop(loop_lib.Loop):
         return super().begin(state, dataset)
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
-        if self._throughput.recorder is None:
+        start = time.perf_counter()
+        try:
             batch = super()._get_next_batch(dataset)
-        else:
-            start = time.perf_counter()
-            try:
-                batch = super()._get_next_batch(dataset)
-            finally:
+        finally:
+            if self._throughput.recorder is not None:
                 self._throughput.waited(time.perf_counter() - start)
         self._throughput.read(batch)
         return batch
@@ -123,13 +121,13 @@ class StatLoop(loop_lib.Loop):
         return super().run(state, dataset, num_steps,
                            log_num_flops=log_num_flops or wants_flops, **kwargs)
 
-    def _stats(self, num_steps: int) -> dict[str, float]:
+    def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
         loop_secs = time.perf_counter() - self._loop_start
         self.compile_secs = goodput.compile_seconds() - self._compile_mark
         elapsed = loop_secs - self.compile_secs
-        steps_per_sec = num_steps / elapsed if elapsed > 0 else 0.0
+        steps_per_sec = self.num_steps_run / elapsed if elapsed > 0 else 0.0
         stats = {STAT_STEPS_PER_SEC: steps_per_sec, STAT_LOOP_TIME_SECS: loop_secs,
-                 STAT_COMPILE_SECS: self.compile_secs, STAT_NUM_STEPS: float(num_steps),
+                 STAT_COMPILE_SECS: self.compile_secs, STAT_NUM_STEPS: float(self.num_steps_run),
                  STAT_LIFE_TIME_SECS: time.perf_counter() - self._created,
                  STAT_INIT_TIME: self._init_time, STAT_BEGIN_TIME: self._begin_time}
         if self._throughput.global_batch_size is not None:
@@ -140,11 +138,8 @@ class StatLoop(loop_lib.Loop):
                 stats[name] = float(value)
         stats.update(self._throughput.stats(self.step, elapsed, steps_per_sec,
                                             self.compile_secs))
-        return stats
-
-    def end(self, state: State, outputs: Output | None) -> tuple[State, Output | None]:
+        self.stats = stats
         outputs = dict(outputs or {})
-        self.stats = self._stats(self.num_steps_run)
-        outputs.update({k: v for k, v in self.stats.items()
+        outputs.update({k: v for k, v in stats.items()
                         if k in self._stat_names or k not in ALL_STATS})
         return super().end(state, outputs)

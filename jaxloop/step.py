@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -180,9 +180,7 @@ class Step:
 
     def prng_key(self, step: int | jax.Array) -> types.PRNGType:
         """The PRNG key of a step, from (base key, step): ``self.prng_key(state.step)``."""
-        if isinstance(self._base_prng, Mapping):
-            return {k: jax.random.fold_in(v, step) for k, v in self._base_prng.items()}
-        return jax.random.fold_in(self._base_prng, step)
+        return jax.tree.map(lambda key: jax.random.fold_in(key, step), self._base_prng)
 
     def compile(self, **jit_kwargs: Any) -> program_lib.Program:
         """Jits `run` with these `jax.jit` flags (through the partitioner's `partition`) and

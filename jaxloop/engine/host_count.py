@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -28,8 +29,5 @@ def host_step(state: Any) -> int:
 def remember_step(state: Any, step: int) -> None:
     """Records `state`'s train step for `host_step` (if it takes a weak reference)."""
     key = id(state)
-    try:
-        ref = weakref.ref(state, lambda _: _host_steps.pop(key, None))
-    except TypeError:
-        return
-    _host_steps[key] = (ref, step)
+    with contextlib.suppress(TypeError):  # no weak references: not remembered
+        _host_steps[key] = (weakref.ref(state, lambda _: _host_steps.pop(key, None)), step)

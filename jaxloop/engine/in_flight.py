@@ -6,7 +6,6 @@ leaf, which the next step donates: ``in_flight.add(token(step, outputs, state))`
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import jax
@@ -17,10 +16,9 @@ DEFAULT_MAX_STEPS_IN_FLIGHT = 2  # on a mesh of several CPU devices
 def default_max_steps_in_flight(step: Any) -> int:
     """2 on a mesh of several CPU devices (the deadlock above), else 8 (queued for a late host)."""
     mesh = getattr(getattr(step, "partitioner", None), "mesh", None)
-    if mesh is None:
+    if mesh is None or mesh.size > 1 and all(d.platform == "cpu" for d in mesh.devices.flat):
         return DEFAULT_MAX_STEPS_IN_FLIGHT
-    cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
-    return DEFAULT_MAX_STEPS_IN_FLIGHT if cpu and mesh.size > 1 else 8
+    return 8
 
 
 def token(step: Any, outputs: Any, state: Any) -> jax.Array | None:
@@ -41,7 +39,7 @@ class InFlight:
         if bound < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {bound}")
         self.bound = bound
-        self._tokens: collections.deque = collections.deque()
+        self._tokens: list[jax.Array] = []
 
     def add(self, token: jax.Array | None) -> None:
         """Records a dispatched execution's token; at `bound`, waits until half are unfinished."""
@@ -51,7 +49,7 @@ class InFlight:
         tokens.append(token)
         if len(tokens) >= self.bound:
             # Down to half the bound: one wake-up per bound/2 executions, bound/2 still
-            # queued. Executions finish in order, so only the newest needs a wait.
-            for _ in range(len(tokens) - self.bound // 2 - 1):
-                tokens.popleft()
-            tokens.popleft().block_until_ready()
+            # queued. Executions finish in order, so only the newest dropped needs a wait.
+            dropped = len(tokens) - self.bound // 2
+            tokens[dropped - 1].block_until_ready()
+            del tokens[:dropped]

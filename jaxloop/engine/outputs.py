@@ -74,14 +74,11 @@ class StepList(list):
         if not self._stacked or not isinstance(index, int):
             self._settle()
             return list.__getitem__(self, index)
-        index = range(len(self))[index]  # a negative index, or IndexError, as a list's
-        own = list.__len__(self)
-        if index < own:
-            return list.__getitem__(self, index)
-        index -= own
+        # Counted from the first stacked entry (IndexError as a list's): below 0 are its own.
+        index = range(len(self))[index] - list.__len__(self)
         for stacked, count in self._stacked:
             if index < count:
-                return entry(stacked, index)
+                return list.__getitem__(self, index) if index < 0 else entry(stacked, index)
             index -= count
         raise AssertionError("unreachable")
 

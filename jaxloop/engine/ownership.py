@@ -1,12 +1,10 @@
 """Which states a training step may consume: those nothing outside the loop refers to.
 
-A training step donates the state it is given, so one state sits in memory, not two. User
-code may keep a state, or a part of one (``self.best = state``, ``state.params``, a leaf),
-in an action, a hook or a cell; consuming it would delete what was kept. A loop marks the
-state its caller passed in as held (`mark_held`), and finds out whether user code took a
-reference by counting references (CPython's `sys.getrefcount`) of the state's root,
-containers and arrays before and after that code ran (`call`). A step given a held state
-runs without donating it: its result is new buffers, and what was kept stays usable.
+User code (an action, a hook, a cell) may keep a state or a part of one (``self.best =
+state``, ``state.params``); donating it would delete what was kept. A loop marks the state
+its caller passed in as held (`mark_held`); `call` marks a state held when user code gained
+a reference to its root, containers or arrays (CPython's `sys.getrefcount`, before and
+after). A step given a held state runs without donating it.
 
 The library's own actions are not watched: they keep nothing (a checkpoint's background
 commit holds the arrays it already copied to the host and never reads them again). A
@@ -90,7 +88,6 @@ def _edges_from_new(result: Any, known: set[int]) -> collections.Counter:
 
 
 def _library(fn: Any) -> bool:
-    """Whether `fn` is this library's own code, which keeps no state (see above)."""
     code = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
     module = getattr(code, "__module__", None) or ""
     return module.startswith("jaxloop.") and not module.startswith("jaxloop.examples.")

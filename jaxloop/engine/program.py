@@ -81,10 +81,9 @@ class Program:
         if not isinstance(unroll, bool):
             raise TypeError(f"unroll must be True or False, got {unroll!r}")
         jax.jit(fn, **jit_kwargs)  # an unknown jit flag is a TypeError here, not at first use
-        flags = dict(jit_kwargs)
-        self._out_shardings = flags.pop("out_shardings", None)
-        self._static_nums = _as_tuple(flags.pop("static_argnums", None), int)
-        self._donate_nums = _as_tuple(flags.pop("donate_argnums", None), int)
+        self._out_shardings = jit_kwargs.pop("out_shardings", None)
+        self._static_nums = _as_tuple(jit_kwargs.pop("static_argnums", None), int)
+        self._donate_nums = _as_tuple(jit_kwargs.pop("donate_argnums", None), int)
         if {0, 1} & set(self._static_nums):
             raise ValueError(f"static_argnums={self._static_nums}: the state (0) and the batch "
                              "(1) are arrays and cannot be static")
@@ -95,9 +94,9 @@ class Program:
         # A flag naming an argument applies where it arrives by position too.
         self._positional_names = [p.name for p in params if p.kind in (
             p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self._static_names = set(_as_tuple(flags.pop("static_argnames", None), str))
-        self._donate_names = set(_as_tuple(flags.pop("donate_argnames", None), str))
-        self._fn, self._partitioner, self._steps, self._flags = fn, partitioner, steps, flags
+        self._static_names = set(_as_tuple(jit_kwargs.pop("static_argnames", None), str))
+        self._donate_names = set(_as_tuple(jit_kwargs.pop("donate_argnames", None), str))
+        self._fn, self._partitioner, self._steps, self._flags = fn, partitioner, steps, jit_kwargs
         self._carry_state, self._unroll, self._separate = carry_state, unroll, separate
         self._returns_state = returns_state
         # (positional count, keyword names, batch and state structures) -> program, by use.
@@ -113,11 +112,10 @@ class Program:
         given by number or name (a fused execution's count sits at 2)."""
         shift = 1 if self._steps is not None else 0
         positional = self._positional_names
+        nums = {*nums, *(i for i, name in enumerate(positional) if name in names)}
         names = names | {positional[n] for n in nums if n < len(positional)}
-        given = num_args - shift  # `fn`'s own positional arguments after the state
-        found = {n + shift if n >= 2 else n for n in nums if n <= given}
-        found |= {i + shift if i >= 2 else i for i, name in enumerate(positional)
-                  if name in names and i <= given}
+        # Up to `fn`'s own positional arguments after the state.
+        found = {n + shift if n >= 2 else n for n in nums if n <= num_args - shift}
         found |= {1 + num_args + i for i, name in enumerate(kw_names) if name in names}
         return tuple(sorted(found))
 
@@ -228,9 +226,7 @@ class Program:
                     written, outputs)
                 return (new if carry_state else None), written
 
-            carry, outputs = jax.lax.fori_loop(
-                0, count, body, (state if carry_state else None, buffers))
-            return (carry if carry_state else None), outputs
+            return jax.lax.fori_loop(0, count, body, (state if carry_state else None, buffers))
 
         return execution
 
@@ -239,10 +235,6 @@ class Program:
         shape = (len(args), tuple(kwargs), jax.tree.structure(args[0]) if args else None)
         if self._current is not None and self._current[0] == shape:
             return self._current[1]
-        return self._select(state, args, kwargs, shape)
-
-    def _select(self, state: PyTree, args: tuple, kwargs: dict[str, Any],
-                shape: tuple) -> Callable:
         key = (*shape, jax.tree.structure(state))
         if key not in self._jitted:
             self._jitted[key] = self._build(state, args, kwargs)
@@ -273,7 +265,8 @@ class Program:
                 if args:
                     self._batch_shardings(args[0])  # names a batch leaf that does not split
                 raise
-            result, self.last_token = self._select(state, args, kwargs, current[0])(
+            self._current = None
+            result, self.last_token = self._jit_for(state, args, kwargs)(
                 state, *args, *kwargs.values())
         return result
 
