@@ -78,8 +78,7 @@ class GlobalBatchIterator(Iterator[Batch]):
                              f"{len(self._dataset.batches)} batches.")
         back = self._next_batch - next_batch
         if 0 < back <= len(self._recent):
-            for _ in range(back):  # read again, the workers running on
-                self._replay.appendleft(self._recent.pop())
+            self._replay.extendleft(self._recent.pop() for _ in range(back))  # workers run on
         elif back:
             self.close()
         self._next_batch = next_batch

@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 
 from jaxloop import types
 from jaxloop.recipes import precision as precision_lib
@@ -116,23 +115,18 @@ class StateBuilder:
 
     def __init__(self, adapter: model_lib.ModelAdapter, optimizer: optax.GradientTransformation,
                  policy: precision_lib.Policy | str | None, base_prng: types.PRNGType):
-        self._adapter = adapter
+        self.adapter = adapter  # an NNX-native `run` gets the model merged by it
         self._optimizer = optimizer
         self.policy = policy = precision_lib.get_policy(policy)
         self._base_prng = base_prng
         # Wrapped once: the state keeps apply_fn in its tree structure.
         self._apply_fn = adapter.apply if policy is None else policy.wrap_apply(adapter.apply)
 
-    @property
-    def adapter(self) -> model_lib.ModelAdapter:
-        """The model's adapter (an NNX-native `run` gets the model merged by it)."""
-        return self._adapter
-
     def create(self, batch: types.Batch, variables: Any = None,
                state_class: type[State] = State) -> State:
         """The `state_class` state for this example batch (traced by `initialize`)."""
         if variables is None:
-            variables = self._adapter.init(self._base_prng, batch)
+            variables = self.adapter.init(self._base_prng, batch)
         params = variables["params"]
         if self.policy is not None:
             params = self.policy.cast_to_param(params)
@@ -145,13 +139,12 @@ class StateBuilder:
         shapes and dtypes, so its batch size need not divide by the device count."""
         batch = specs_lib.zeros_from_spec(spec)
         create = functools.partial(self.create, state_class=state_class)
-        held = self._adapter.held_variables()
+        held = self.adapter.held_variables()
         if held is None:
             with _model_input_spec(spec, batch, partitioner.abstract_init_fn(create)):
                 return partitioner.shard_init_fn(create)(batch)
         # An nnx instance's values go to their place and enter as arguments, not constants.
-        held = jax.device_put(held, jax.tree.map(
-            lambda s: NamedSharding(partitioner.mesh, s), partitioner.state_specs(held)))
+        held = jax.device_put(held, partitioner.state_shardings(held))
         return partitioner.shard_init_fn(create)(batch, held)
 
     def abstract(self, partitioner: Any, spec: types.BatchSpec,
