@@ -9,9 +9,7 @@ from typing import Any
 
 import grain
 
-from jaxloop.data.iterators import grain_ready
-
-Batch = Any
+from jaxloop.data.iterators import Batch, grain_ready
 
 # Read in the caller's thread: jaxloop's prefetch decides what is read ahead, not grain.
 _READ_IN_CALLER = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)

@@ -18,10 +18,7 @@ import numpy as np
 from grain.experimental import ZipMapDataset
 
 from jaxloop.data.global_batch_iterator import GlobalBatchIterator
-from jaxloop.data.sources import ArraySource
-
-Batch = Any
-Example = Any
+from jaxloop.data.sources import ArraySource, Batch, Example
 
 
 def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,

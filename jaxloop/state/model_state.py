@@ -69,9 +69,9 @@ def restore(state: State, checkpoint_dir: Any, step: int | None, partitioner: An
 def _spec_call(shape: tuple, dtype: Any) -> str:
     """One leaf's spec for one example, with its dtype unless float32 (a bare shape's)."""
     example = [1, *shape[1:]]
-    if dtype is None or np.dtype(dtype) == np.float32:
+    if dtype == np.float32:
         return f"initialize_model({example})"
-    return f"initialize_model(({example}, {np.dtype(dtype).name!r}))"
+    return f"initialize_model(({example}, {dtype.name!r}))"
 
 
 @contextlib.contextmanager
@@ -92,13 +92,10 @@ def _model_input_spec(spec: types.BatchSpec, batch: Any,
             raise
         if not isinstance(spec, Mapping):
             raise
-        leaves = {k: (tuple(getattr(v, "shape", ())), getattr(v, "dtype", None))
-                  for k, v in batch.items()}
-        shapes = {k: shape if dtype is None else (shape, np.dtype(dtype).name)
-                  for k, (shape, dtype) in leaves.items()}
-        examples = "; ".join(
-            f"for {k!r}: {_spec_call(shape, dtype)}" for k, (shape, dtype) in leaves.items()
-            if shape)
+        arrays = {k: v for k, v in batch.items() if isinstance(v, np.ndarray)}
+        shapes = {k: (v.shape, v.dtype.name) if k in arrays else () for k, v in batch.items()}
+        examples = "; ".join(f"for {k!r}: {_spec_call(v.shape, v.dtype)}"
+                             for k, v in arrays.items() if v.ndim)
         raise TypeError(
             f"The model could not be initialised from the spec {shapes}: a dict with keys "
             f"{sorted(batch)} looks like a whole batch (labels included). initialize_model "
