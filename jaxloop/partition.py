@@ -46,10 +46,9 @@ def _dense_general_without_mesh(call: Callable[..., Any], args: Any, kwargs: Any
     """Runs a flax ``nn.DenseGeneral`` call with no mesh: each call re-creates its kernel
     abstractly at a 2-D shape its annotation does not fit, which fails under a mesh
     (google/flax#3676). Its parameters arrive placed by the step's input shardings."""
-    if isinstance(context.module, nn.DenseGeneral):
-        with jax.sharding.use_abstract_mesh(_NO_MESH):
-            return call(*args, **kwargs)
-    return call(*args, **kwargs)
+    no_mesh = isinstance(context.module, nn.DenseGeneral)
+    with jax.sharding.use_abstract_mesh(_NO_MESH) if no_mesh else contextlib.nullcontext():
+        return call(*args, **kwargs)
 
 
 def _checked_axes(mesh: Mesh, axes: str | Sequence[str] | None, name: str) -> Axes | None:
@@ -122,9 +121,8 @@ class Partitioner(abc.ABC):
 
         def keep_or_rule(leaf: Any, ruled: NamedSharding) -> jax.sharding.Sharding:
             placed = getattr(leaf, "sharding", None)
-            if isinstance(placed, jax.sharding.Sharding) and placed.device_set == devices:
-                return placed
-            return ruled
+            keep = isinstance(placed, jax.sharding.Sharding) and placed.device_set == devices
+            return placed if keep else ruled
 
         return jax.tree.map(keep_or_rule, annotations.unboxed(state), rule)
 
@@ -236,8 +234,7 @@ class SingleDevicePartitioner(DataParallelPartitioner):
     """Puts everything on one device (the first local one unless given)."""
 
     def __init__(self, device: jax.Device | None = None):
-        device = device if device is not None else jax.local_devices()[0]
-        super().__init__(Mesh(np.array([device]), ("data",)))
+        super().__init__(Mesh(np.array([device or jax.local_devices()[0]]), ("data",)))
 
 
 class FSDPPartitioner(Partitioner):
@@ -255,8 +252,7 @@ class FSDPPartitioner(Partitioner):
         if min_weight_size < 0:
             raise ValueError(f"min_weight_size must be >= 0, got {min_weight_size}")
         self.min_weight_size = min_weight_size
-        fsdp_axis = _checked_axes(mesh, fsdp_axis, "fsdp_axis")
-        self.fsdp_axis = self._data_axis if fsdp_axis is None else fsdp_axis
+        self.fsdp_axis = _checked_axes(mesh, fsdp_axis, "fsdp_axis") or self._data_axis
 
     def leaf_spec(self, shape: tuple[int, ...]) -> P:
         """The spec of one state leaf of this shape: split on its largest divisible dim."""
@@ -291,8 +287,7 @@ class SPMDPartitioner(Partitioner):
         if fsdp_min_weight_size is not None and fsdp_min_weight_size < 0:
             raise ValueError(f"fsdp_min_weight_size must be >= 0, got {fsdp_min_weight_size}")
         self._fsdp_min_weight_size = fsdp_min_weight_size
-        fsdp_axis = _checked_axes(mesh, fsdp_axis, "fsdp_axis")
-        self.fsdp_axis = self._data_axis if fsdp_axis is None else fsdp_axis
+        self.fsdp_axis = _checked_axes(mesh, fsdp_axis, "fsdp_axis") or self._data_axis
 
     def _axis_rules(self) -> contextlib.AbstractContextManager:
         if not self.logical_axis_rules:  # keep any rules the user set with nn.logical_axis_rules

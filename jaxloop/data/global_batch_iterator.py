@@ -9,9 +9,7 @@ from typing import Any
 
 import grain
 
-from jaxloop.data.iterators import grain_ready
-
-Batch = Any
+from jaxloop.data.iterators import Batch, grain_ready
 
 # Read in the caller's thread: jaxloop's prefetch decides what is read ahead, not grain.
 _READ_IN_CALLER = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
@@ -78,8 +76,7 @@ class GlobalBatchIterator(Iterator[Batch]):
                              f"{len(self._dataset.batches)} batches.")
         back = self._next_batch - next_batch
         if 0 < back <= len(self._recent):
-            for _ in range(back):  # read again, the workers running on
-                self._replay.appendleft(self._recent.pop())
+            self._replay.extendleft(self._recent.pop() for _ in range(back))  # workers run on
         elif back:
             self.close()
         self._next_batch = next_batch

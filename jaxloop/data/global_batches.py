@@ -18,10 +18,7 @@ import numpy as np
 from grain.experimental import ZipMapDataset
 
 from jaxloop.data.global_batch_iterator import GlobalBatchIterator
-from jaxloop.data.sources import ArraySource
-
-Batch = Any
-Example = Any
+from jaxloop.data.sources import ArraySource, Batch, Example
 
 
 def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
@@ -41,17 +38,14 @@ def batch_rows(mesh: jax.sharding.Mesh, data_axis: str | Sequence[str] | None,
         if axis not in mesh.axis_names:
             raise ValueError(f"data_axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
     positions = [mesh.axis_names.index(a) for a in axes]
-    sizes = [mesh.devices.shape[i] for i in positions]
-    num_shards = int(np.prod(sizes))
+    num_shards = math.prod(mesh.devices.shape[i] for i in positions)
     if global_batch_size % num_shards:
         raise ValueError(
             f"global_batch_size={global_batch_size} does not divide by the {num_shards} "
             f"shards of mesh axis {data_axis!r} (mesh {dict(mesh.shape)}).")
-    coords = sorted({
-        int(np.ravel_multi_index(tuple(idx[i] for i in positions), sizes))
-        for idx, device in np.ndenumerate(mesh.devices)
-        if device.process_index == process_index
-    })
+    # One row of devices per data coordinate (the data axes first, flattened in order).
+    rows = np.moveaxis(mesh.devices, positions, list(range(len(axes)))).reshape(num_shards, -1)
+    coords = [i for i, row in enumerate(rows) if any(d.process_index == process_index for d in row)]
     if not coords:
         raise ValueError(f"Process {process_index} holds no device of the mesh {mesh}.")
     if coords != list(range(coords[0], coords[-1] + 1)):

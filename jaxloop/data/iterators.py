@@ -24,9 +24,8 @@ from typing import Any
 import grain
 import jax
 
-from jaxloop.data.sources import ArraySource
+from jaxloop.data.sources import ArraySource, Batch
 
-Batch = Any
 
 def _is_tf(obj: Any, kind: str) -> bool:
     """Whether `obj` is a ``tf.data.<kind>`` (``Dataset``, ``Iterator``); never imports TF."""
@@ -73,9 +72,8 @@ def as_iterator(dataset: Any) -> Iterator[Batch]:
         return iter(grain.MapDataset.source(dataset))
     if isinstance(dataset, Iterable):
         return iter(dataset)
-    kind = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
-    raise TypeError(f"Cannot iterate over a {kind}: expected an iterable, a grain dataset or "
-                    "source, or a tf.data.Dataset.")
+    raise TypeError(f"Cannot iterate over a {describe_iterator(dataset)}: expected an iterable, "
+                    "a grain dataset or source, or a tf.data.Dataset.")
 
 
 def iterator_state(iterator: Any) -> dict[str, Any] | None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from jaxloop.data.global_batches import GlobalBatchDataset
-
-Example = Any
+from jaxloop.data.global_batches import Example, GlobalBatchDataset
 
 
 def pad_to_global_batches(dataset: Any, global_batch_size: int, *,

@@ -14,8 +14,7 @@ from typing import Any
 Batch = Any
 
 _BATCH, _END, _ERROR = "batch", "end", "error"
-_POLL_SECONDS = 0.05
-_THREAD_NAME = "jaxloop-device-prefetch"
+_POLL_SECONDS = 0.5
 # What an `OuterLoop` reads ahead by default where batches are placed ahead.
 DEFAULT_SIZE = 2
 
@@ -41,35 +40,21 @@ def _iterators() -> Any:
     return iterators
 
 
-def _put(items: queue.Queue, stop: threading.Event, item: tuple[str, Any, Any],
-         spilled: list[tuple[str, Any, Any]]) -> bool:
-    """Puts `item` once there is room; if stopped first, adds it to `spilled`: False."""
-    while not stop.is_set():
-        try:
-            items.put(item, timeout=_POLL_SECONDS)
-            return True
-        except queue.Full:
-            pass
-    spilled.append(item)
-    return False
-
-
 def _produce(source: Iterator[Batch], prepare: Callable[[Batch], Batch], items: queue.Queue,
-             stop: threading.Event, state_of: Callable[[Any], Any],
-             spilled: list[tuple[str, Any, Any]]) -> None:
+             stop: threading.Event, state_of: Callable[[Any], Any]) -> None:
     # Module-level, holding no reference to the Prefetcher: an abandoned one is collected
-    # and its __del__ stops this thread.
+    # and its __del__ stops this thread. A put blocked once stopped ends when the stopping
+    # consumer drains the queue, which it does again after this thread ends.
     try:
         while not stop.is_set():
             try:
                 batch = next(source)
             except StopIteration:
-                _put(items, stop, (_END, None, None), spilled)
+                items.put((_END, None, None))
                 return
-            if not _put(items, stop, (_BATCH, prepare(batch), state_of(source)), spilled):
-                return
+            items.put((_BATCH, prepare(batch), state_of(source)))
     except BaseException as e:  # re-raised in the consumer thread
-        _put(items, stop, (_ERROR, e, None), spilled)
+        items.put((_ERROR, e, None))
 
 
 class Prefetcher(Iterator[Batch]):
@@ -89,13 +74,11 @@ class Prefetcher(Iterator[Batch]):
         self._prepare = prepare
         self._size = size
         self._reader: Iterator[Batch] | None = None  # `source` as an iterator, once read
-        self._state_of: Callable[[Any], Any] = lambda _: None
         self._state: Any = None
         self._thread: threading.Thread | None = None
         self._finished = False
         # Items read from the source but not returned, once the thread stopped.
         self._unreturned: list[tuple[str, Any, Any]] = []
-        self._spilled: list[tuple[str, Any, Any]] = []
 
     def start(self) -> Prefetcher:
         """Starts reading ahead now, not at the first ``next()``; returns self."""
@@ -115,9 +98,8 @@ class Prefetcher(Iterator[Batch]):
         self._stop = threading.Event()
         self._thread = threading.Thread(  # daemon: a stuck source never blocks exit
             target=_produce,
-            args=(self._reader, self._prepare, self._items, self._stop, self._state_of,
-                  self._spilled),
-            name=_THREAD_NAME, daemon=True)
+            args=(self._reader, self._prepare, self._items, self._stop, self._state_of),
+            name="jaxloop-device-prefetch", daemon=True)
         self._thread.start()
 
     def _drain(self) -> None:
@@ -135,8 +117,6 @@ class Prefetcher(Iterator[Batch]):
             if thread.is_alive():
                 logging.warning("jaxloop prefetch thread did not stop within %s s.", timeout)
         self._drain()
-        self._unreturned.extend(self._spilled)
-        self._spilled.clear()
 
     def __next__(self) -> Batch:
         self.start()
@@ -158,7 +138,7 @@ class Prefetcher(Iterator[Batch]):
             raise StopIteration
         while True:
             try:
-                kind, value, state = self._items.get(timeout=_POLL_SECONDS * 10)
+                kind, value, state = self._items.get(timeout=_POLL_SECONDS)
                 break
             except queue.Empty:
                 if not thread.is_alive() and self._items.empty():

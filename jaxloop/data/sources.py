@@ -36,8 +36,6 @@ class ArraySource(Sequence[Example]):
     def __getitem__(self, index: Any) -> Example:
         if not isinstance(index, int | np.integer):
             raise TypeError(f"ArraySource index must be an int, got {type(index).__name__}.")
-        if not -self._length <= index < self._length:
-            raise IndexError(f"index {index} out of range for ArraySource of {self._length}.")
         # np.asarray keeps 0-d leaves as arrays, as a gather of several rows would.
         return jax.tree.map(lambda x: np.asarray(x[index]), self._arrays)
 

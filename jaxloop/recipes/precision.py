@@ -1,16 +1,11 @@
 """Mixed precision: a dtype policy for a Step's model, for linen and nnx models alike.
 
 A `Policy` (as in jmp) stores parameters in `param_dtype`, computes in `compute_dtype`
-(parameters and floating inputs cast on the way in) and returns `output_dtype`. A Step given
-``dtype_policy=`` wraps its ``apply_fn`` with `Policy.wrap_apply`, so the policy travels with
-the state; gradients of float32 parameters stay float32. Integer inputs, PRNG keys and
-collections such as ``batch_stats`` keep their dtypes, and a layer's own ``dtype=`` wins.
-float16 needs loss scaling, which this module does not do.
-
-An NNX-native ``run(self, model, ...)`` calls the model itself: there the policy sets the
-layers' dtypes instead (`Policy.set_layer_dtypes`).
-
-Example::
+(parameters and floating inputs cast on the way in) and returns `output_dtype`; integer inputs,
+PRNG keys and collections such as ``batch_stats`` keep their dtypes. A Step given
+``dtype_policy=`` wraps its ``apply_fn`` (`Policy.wrap_apply`: the policy travels with the
+state) or, for an NNX-native ``run``, sets the layers' dtypes (`Policy.set_layer_dtypes`).
+float16 needs loss scaling, which this module does not do::
 
     step = MyStep(jax.random.key(0), CNN(), optimizer=optax.adam(1e-3), train=True,
                   dtype_policy='bfloat16')  # = Policy(compute_dtype=jnp.bfloat16)

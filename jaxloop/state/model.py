@@ -208,9 +208,7 @@ class NnxAdapter(ModelAdapter):
         given = ({} if rngs is None else dict(rngs) if isinstance(rngs, Mapping)
                  else {"default": rngs, "dropout": rngs})
         streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
-        if given:
-            nnx.reseed(model, **{k: v for k, v in given.items()
-                                 if any(s.key.tag == k for s in streams)})
+        nnx.reseed(model, **given)  # reseeds only the streams the model holds
         counts = {id(s): s.count.get_value() for s in streams}
         train = _TRAIN_MODE.get()
         if train is not None:

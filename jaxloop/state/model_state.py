@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 
 from jaxloop import types
 from jaxloop.recipes import precision as precision_lib
@@ -70,9 +69,9 @@ def restore(state: State, checkpoint_dir: Any, step: int | None, partitioner: An
 def _spec_call(shape: tuple, dtype: Any) -> str:
     """One leaf's spec for one example, with its dtype unless float32 (a bare shape's)."""
     example = [1, *shape[1:]]
-    if dtype is None or np.dtype(dtype) == np.float32:
+    if dtype == np.float32:
         return f"initialize_model({example})"
-    return f"initialize_model(({example}, {np.dtype(dtype).name!r}))"
+    return f"initialize_model(({example}, {dtype.name!r}))"
 
 
 @contextlib.contextmanager
@@ -93,13 +92,10 @@ def _model_input_spec(spec: types.BatchSpec, batch: Any,
             raise
         if not isinstance(spec, Mapping):
             raise
-        leaves = {k: (tuple(getattr(v, "shape", ())), getattr(v, "dtype", None))
-                  for k, v in batch.items()}
-        shapes = {k: shape if dtype is None else (shape, np.dtype(dtype).name)
-                  for k, (shape, dtype) in leaves.items()}
-        examples = "; ".join(
-            f"for {k!r}: {_spec_call(shape, dtype)}" for k, (shape, dtype) in leaves.items()
-            if shape)
+        arrays = {k: v for k, v in batch.items() if isinstance(v, np.ndarray)}
+        shapes = {k: (v.shape, v.dtype.name) if k in arrays else () for k, v in batch.items()}
+        examples = "; ".join(f"for {k!r}: {_spec_call(v.shape, v.dtype)}"
+                             for k, v in arrays.items() if v.ndim)
         raise TypeError(
             f"The model could not be initialised from the spec {shapes}: a dict with keys "
             f"{sorted(batch)} looks like a whole batch (labels included). initialize_model "
@@ -116,23 +112,18 @@ class StateBuilder:
 
     def __init__(self, adapter: model_lib.ModelAdapter, optimizer: optax.GradientTransformation,
                  policy: precision_lib.Policy | str | None, base_prng: types.PRNGType):
-        self._adapter = adapter
+        self.adapter = adapter  # an NNX-native `run` gets the model merged by it
         self._optimizer = optimizer
         self.policy = policy = precision_lib.get_policy(policy)
         self._base_prng = base_prng
         # Wrapped once: the state keeps apply_fn in its tree structure.
         self._apply_fn = adapter.apply if policy is None else policy.wrap_apply(adapter.apply)
 
-    @property
-    def adapter(self) -> model_lib.ModelAdapter:
-        """The model's adapter (an NNX-native `run` gets the model merged by it)."""
-        return self._adapter
-
     def create(self, batch: types.Batch, variables: Any = None,
                state_class: type[State] = State) -> State:
         """The `state_class` state for this example batch (traced by `initialize`)."""
         if variables is None:
-            variables = self._adapter.init(self._base_prng, batch)
+            variables = self.adapter.init(self._base_prng, batch)
         params = variables["params"]
         if self.policy is not None:
             params = self.policy.cast_to_param(params)
@@ -145,13 +136,12 @@ class StateBuilder:
         shapes and dtypes, so its batch size need not divide by the device count."""
         batch = specs_lib.zeros_from_spec(spec)
         create = functools.partial(self.create, state_class=state_class)
-        held = self._adapter.held_variables()
+        held = self.adapter.held_variables()
         if held is None:
             with _model_input_spec(spec, batch, partitioner.abstract_init_fn(create)):
                 return partitioner.shard_init_fn(create)(batch)
         # An nnx instance's values go to their place and enter as arguments, not constants.
-        held = jax.device_put(held, jax.tree.map(
-            lambda s: NamedSharding(partitioner.mesh, s), partitioner.state_specs(held)))
+        held = jax.device_put(held, partitioner.state_shardings(held))
         return partitioner.shard_init_fn(create)(batch, held)
 
     def abstract(self, partitioner: Any, spec: types.BatchSpec,
