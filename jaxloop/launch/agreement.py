@@ -71,9 +71,13 @@ def _client() -> Any:
     return client
 
 
-def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
-    """Every process's `value`, in process order: one key each, one barrier."""
+def gathered(value: Any, *, phase: str = "gathered values", step: int | None = None
+             ) -> list[Any]:
+    """Every process's `value` (JSON-serialisable), in process order, on every process;
+    `phase` and `step` name this place in the error a disagreement raises."""
     global _count
+    if jax.process_count() == 1:
+        return [value]
     client, me, timeout = _client(), jax.process_index(), exchange_timeout()
     index, where = _count, phase if step is None else f"{phase} at step {step}"
     _count += 1
@@ -101,21 +105,10 @@ def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
     return [entries[p]["value"] for p in sorted(entries)]
 
 
-def gathered(value: Any, *, phase: str = "gathered values", step: int | None = None
-             ) -> list[Any]:
-    """Every process's `value` (JSON-serialisable), in process order, on every process;
-    `phase` and `step` name this place in the error a disagreement raises."""
-    if jax.process_count() == 1:
-        return [value]
-    return _exchange(value, phase, step)
-
-
 def agreed(decide: Callable[[], T], *, phase: str = "agreed decision",
            step: int | None = None) -> T:
     """Process 0's ``decide()`` (JSON-serialisable) on every process; others do not call it."""
-    if jax.process_count() == 1:
-        return decide()
-    return _exchange(decide() if jax.process_index() == 0 else None, phase, step)[0]
+    return gathered(decide() if jax.process_index() == 0 else None, phase=phase, step=step)[0]
 
 
 def summed(counts: Sequence[float], dtype: Any = np.float64, *, phase: str = "summed counts",
@@ -123,5 +116,5 @@ def summed(counts: Sequence[float], dtype: Any = np.float64, *, phase: str = "su
     """`counts` summed position-wise over every process (as `dtype`), on every process."""
     if jax.process_count() == 1:
         return list(counts)
-    rows = _exchange(np.asarray(counts, dtype).reshape(-1).tolist(), phase, step)
+    rows = gathered(np.asarray(counts, dtype).reshape(-1).tolist(), phase=phase, step=step)
     return np.asarray(rows, dtype).sum(axis=0).tolist()
