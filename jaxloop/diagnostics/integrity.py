@@ -107,26 +107,25 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
     found: dict[str, float] = {}
     problems = []
     for mesh, leaves in by_mesh.items():
-        prints = np.asarray(jax.device_get(_fingerprints(
-            mesh, tuple(leaf.sharding.spec for _, leaf, _ in leaves),
-        )(*[leaf for _, leaf, _ in leaves]))).reshape(*mesh.devices.shape, len(leaves))
-        differ = [_differs(prints[..., i], mesh, axes) for i, (_, _, axes) in enumerate(leaves)]
-        found.update({name: 0.0 for (name, _, _), d in zip(leaves, differ, strict=True) if not d})
-        leaves = [leaf for leaf, d in zip(leaves, differ, strict=True) if d]
-        if not leaves:
+        names, arrays, axes = zip(*leaves, strict=True)
+        specs = tuple(x.sharding.spec for x in arrays)
+        prints = np.asarray(jax.device_get(_fingerprints(mesh, specs)(*arrays)))
+        prints = prints.reshape(*mesh.devices.shape, len(arrays))
+        found.update(dict.fromkeys(names, 0.0))
+        differ = [i for i, a in enumerate(axes) if _differs(prints[..., i], mesh, a)]
+        if not differ:
             continue
-        fn = _deviation(mesh, tuple(leaf.sharding.spec for _, leaf, _ in leaves),
-                        tuple(axes for _, _, axes in leaves), rtol)
-        results = np.asarray(jax.device_get(fn(*[leaf for _, leaf, _ in leaves])))
+        fn = _deviation(mesh, tuple(specs[i] for i in differ), tuple(axes[i] for i in differ), rtol)
+        results = np.asarray(jax.device_get(fn(*[arrays[i] for i in differ])))
         devices = list(mesh.devices.flat)
-        for (name, _, axes), table in zip(leaves, results.swapaxes(0, 1), strict=True):
-            found[name] = float(table[:, 0].max())
+        for i, table in zip(differ, results.swapaxes(0, 1), strict=True):
+            found[names[i]] = float(table[:, 0].max())
             bad = [d for d, (_, excess) in zip(devices, table, strict=True) if excess > atol]
             if bad:
                 where = ", ".join(f"{d} (process {d.process_index})" for d in bad)
-                problems.append(f"{name}: the copies on {where} differ from the first copy of "
-                                f"their slice (replicated over {axes}) by up to "
-                                f"{found[name]:.6g} (atol={atol}, rtol={rtol})")
+                problems.append(f"{names[i]}: the copies on {where} differ from the first copy "
+                                f"of their slice (replicated over {axes[i]}) by up to "
+                                f"{found[names[i]]:.6g} (atol={atol}, rtol={rtol})")
     if problems:
         raise ReplicaMismatchError("Replicated state copies differ:\n  " + "\n  ".join(problems))
     return found

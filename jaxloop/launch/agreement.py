@@ -14,6 +14,7 @@ disagree"). With one process each is a plain call::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -43,32 +44,17 @@ class DisagreementError(RuntimeError):
 
 def exchange_timeout() -> float:
     """Seconds an exchange waits: ``JAXLOOP_EXCHANGE_TIMEOUT``, else the default."""
-    raw = os.environ.get(ENV_EXCHANGE_TIMEOUT, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_EXCHANGE_TIMEOUT
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"Environment variable {ENV_EXCHANGE_TIMEOUT}={raw!r} must be a "
-                         "positive number of seconds.")
-    return value
+    raw = os.environ.get(ENV_EXCHANGE_TIMEOUT, "").strip() or str(DEFAULT_EXCHANGE_TIMEOUT)
+    with contextlib.suppress(ValueError):
+        if float(raw) > 0:
+            return float(raw)
+    raise ValueError(f"Environment variable {ENV_EXCHANGE_TIMEOUT}={raw!r} must be a "
+                     "positive number of seconds.")
 
 
 def exchange_count() -> int:
     """How many host exchanges this process has taken part in (none with one process)."""
     return _count
-
-
-def _client() -> Any:
-    # JAX 0.10 has no public accessor for the coordination service's key-value store: this
-    # is the client multihost_utils uses, and the one place that takes it.
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-    client = multihost_utils.distributed.global_state.client
-    if client is None:
-        raise RuntimeError(
-            f"{jax.process_count()} processes but no coordination service: start the job "
-            "with jax.distributed.initialize (or jaxloop.launch.distributed.initialize).")
-    return client
 
 
 def gathered(value: Any, *, phase: str = "gathered values", step: int | None = None
@@ -78,7 +64,15 @@ def gathered(value: Any, *, phase: str = "gathered values", step: int | None = N
     global _count
     if jax.process_count() == 1:
         return [value]
-    client, me, timeout = _client(), jax.process_index(), exchange_timeout()
+    # JAX 0.10 has no public accessor for the coordination service's key-value store: this
+    # is the client multihost_utils uses, and the one place that takes it.
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    client = multihost_utils.distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            f"{jax.process_count()} processes but no coordination service: start the job "
+            "with jax.distributed.initialize (or jaxloop.launch.distributed.initialize).")
+    me, timeout = jax.process_index(), exchange_timeout()
     index, where = _count, phase if step is None else f"{phase} at step {step}"
     _count += 1
     key = f"{_PREFIX}/{index}/"
