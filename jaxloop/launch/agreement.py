@@ -108,7 +108,5 @@ def agreed(decide: Callable[[], T], *, phase: str = "agreed decision",
 def summed(counts: Sequence[float], dtype: Any = np.float64, *, phase: str = "summed counts",
            step: int | None = None) -> list[Any]:
     """`counts` summed position-wise over every process (as `dtype`), on every process."""
-    if jax.process_count() == 1:
-        return list(counts)
     rows = gathered(np.asarray(counts, dtype).reshape(-1).tolist(), phase=phase, step=step)
     return np.asarray(rows, dtype).sum(axis=0).tolist()
