@@ -80,13 +80,12 @@ def resolved_peak(peak: float | None = None,
     """`peak` when given, else `peak_flops(device)` (None, logged once per kind, if unknown)."""
     if peak is not None:
         return float(peak)
-    found = peak_flops(device)
-    if found is None:
-        kind = device if isinstance(device, str) else (device or jax.devices()[0]).device_kind
-        if kind not in _noticed:
-            _noticed.add(kind)
-            log.warning("No peak flop/s known for device kind %r, so MFU is not reported; give "
-                        "it as StatLoop(peak_flops_per_device=...).", kind)
+    kind = device if isinstance(device, str) else (device or jax.devices()[0]).device_kind
+    found = peak_flops(kind)
+    if found is None and kind not in _noticed:
+        _noticed.add(kind)
+        log.warning("No peak flop/s known for device kind %r, so MFU is not reported; give it "
+                    "as StatLoop(peak_flops_per_device=...).", kind)
     return found
 
 

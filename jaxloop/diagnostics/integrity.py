@@ -46,8 +46,7 @@ def _bits(x: jax.Array) -> jax.Array:
 
 
 def _gathered(mesh: jax.sharding.Mesh, specs: tuple[P, ...], per_leaf: Any) -> Any:
-    """A jitted ``per_leaf(i, slice)`` on each device's slice of each leaf, gathered:
-    ``[devices, leaves, ...]``."""
+    """jit of ``per_leaf(i, slice)`` on each device's leaf slices: ``[devices, leaves, ...]``."""
 
     def per_device(*leaves):
         out = jnp.stack([per_leaf(i, x) for i, x in enumerate(leaves)])
