@@ -59,7 +59,6 @@ def _leaves(tree: Any) -> list[tuple[str, Any]]:
 
 
 def _per_device(leaf: Any) -> dict[Any, int]:
-    """Bytes of `leaf` on each device that holds part of it."""
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
         return {}
