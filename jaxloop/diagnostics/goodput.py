@@ -80,13 +80,12 @@ def resolved_peak(peak: float | None = None,
     """`peak` when given, else `peak_flops(device)` (None, logged once per kind, if unknown)."""
     if peak is not None:
         return float(peak)
-    found = peak_flops(device)
-    if found is None:
-        kind = device if isinstance(device, str) else (device or jax.devices()[0]).device_kind
-        if kind not in _noticed:
-            _noticed.add(kind)
-            log.warning("No peak flop/s known for device kind %r, so MFU is not reported; give "
-                        "it as StatLoop(peak_flops_per_device=...).", kind)
+    kind = device if isinstance(device, str) else (device or jax.devices()[0]).device_kind
+    found = peak_flops(kind)
+    if found is None and kind not in _noticed:
+        _noticed.add(kind)
+        log.warning("No peak flop/s known for device kind %r, so MFU is not reported; give it "
+                    "as StatLoop(peak_flops_per_device=...).", kind)
     return found
 
 
@@ -97,9 +96,11 @@ def mfu(flops_per_sec_per_device: float, device: jax.Device | str | None = None,
     return None if peak is None else flops_per_sec_per_device / peak
 
 
-def _with_rest(measured: dict[str, float], compile_secs: float, wall: float) -> dict[str, float]:
-    out = {**measured, "compile": compile_secs, "wall": wall}
-    out["other"] = wall - sum(out[c] for c in CATEGORIES)
+def _split(start: tuple, end: tuple) -> dict[str, float]:
+    """The time between two `Recorder` snapshots per category, with ``other`` and ``wall``."""
+    (t0, c0, before), (t1, c1, after) = start, end
+    out = {c: after[c] - before[c] for c in CATEGORIES} | {"compile": c1 - c0, "wall": t1 - t0}
+    out["other"] = out["wall"] - sum(out[c] for c in CATEGORIES)
     return out
 
 
@@ -108,20 +109,18 @@ class Recorder:
     compute from the train loop, the rest from `span` actions (less their compile time)."""
 
     def __init__(self) -> None:
-        self._started = time.perf_counter()
-        self._compile_start = compile_seconds()
         self._totals = dict.fromkeys(CATEGORIES, 0.0)
-        self._window_start = self._started
-        self._window_compile = self._compile_start
-        self._window = dict.fromkeys(CATEGORIES, 0.0)
-        self._open: dict[str, tuple[float, float]] = {}
+        self._open: dict[str, tuple] = {}
+        self._created = self._window = self._snapshot()
+
+    def _snapshot(self) -> tuple[float, float, dict[str, float]]:
+        return time.perf_counter(), compile_seconds(), dict(self._totals)
 
     def add(self, category: str, seconds: float) -> None:
         """Adds `seconds` of wall time to `category` (one of `CATEGORIES`, not compile)."""
         if category not in CATEGORIES or category == "compile":
             raise ValueError(f"category must be one of {CATEGORIES[1:]}, got {category!r}")
         self._totals[category] += seconds
-        self._window[category] += seconds
 
     @contextlib.contextmanager
     def measure(self, category: str) -> Iterator[None]:
@@ -134,14 +133,14 @@ class Recorder:
 
     def start(self, category: str) -> None:
         """Opens a timed span, closed by `stop`."""
-        self._open[category] = (time.perf_counter(), compile_seconds())
+        self._open[category] = self._snapshot()
 
     def stop(self, category: str) -> None:
         """Closes the span opened by `start`; does nothing if none is open."""
         opened = self._open.pop(category, None)
         if opened is not None:
-            elapsed = time.perf_counter() - opened[0]
-            self.add(category, max(0.0, elapsed - (compile_seconds() - opened[1])))
+            split = _split(opened, self._snapshot())
+            self.add(category, max(0.0, split["wall"] - split["compile"]))
 
     def span(self, category: str, interval: int = 1) -> tuple[Any, Any]:
         """Two actions, (start, stop), that time what runs between them (around a checkpoint)."""
@@ -158,16 +157,12 @@ class Recorder:
 
     def window(self) -> dict[str, float]:
         """Seconds per category (and ``other``, ``wall``) since the last call; starts a new one."""
-        now, compiled = time.perf_counter(), compile_seconds()
-        out = _with_rest(self._window, compiled - self._window_compile, now - self._window_start)
-        self._window = dict.fromkeys(CATEGORIES, 0.0)
-        self._window_start, self._window_compile = now, compiled
-        return out
+        start, self._window = self._window, self._snapshot()
+        return _split(start, self._window)
 
     def totals(self) -> dict[str, float]:
         """The split of the wall time since the recorder was created (like `window`)."""
-        return _with_rest(self._totals, compile_seconds() - self._compile_start,
-                          time.perf_counter() - self._started)
+        return _split(self._created, self._snapshot())
 
     def train_loop(self, seconds: float, input_seconds: float, compile_secs: float) -> None:
         """Records a train loop's compute: `seconds` less input waits and compiling."""

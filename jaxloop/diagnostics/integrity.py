@@ -45,20 +45,25 @@ def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
 
 
-@functools.lru_cache(maxsize=64)  # one compiled fingerprint per layout, not one per call
-def _fingerprints(mesh: jax.sharding.Mesh, specs: tuple[P, ...]):
-    """Each device's fingerprint of its slice of each leaf, ``[devices, leaves]`` uint32."""
+def _gathered(mesh: jax.sharding.Mesh, specs: tuple[P, ...], per_leaf: Any) -> Any:
+    """jit of ``per_leaf(i, slice)`` on each device's leaf slices: ``[devices, leaves, ...]``."""
 
     def per_device(*leaves):
-        prints = []
-        for x in leaves:
-            bits = _bits(x).ravel()
-            weights = (jnp.arange(bits.size, dtype=jnp.uint32) * 2 + 1) * jnp.uint32(_GOLDEN)
-            prints.append(jnp.sum(bits * weights, dtype=jnp.uint32))
-        return jax.lax.all_gather(jnp.stack(prints), tuple(mesh.axis_names), tiled=False)
+        out = jnp.stack([per_leaf(i, x) for i, x in enumerate(leaves)])
+        return jax.lax.all_gather(out, tuple(mesh.axis_names), tiled=False)
 
     return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P(),
                                  check_vma=False))
+
+
+@functools.lru_cache(maxsize=64)  # one compiled fingerprint per layout, not one per call
+def _fingerprints(mesh: jax.sharding.Mesh, specs: tuple[P, ...]):
+    def fingerprint(_, x):
+        bits = _bits(x).ravel()
+        weights = (jnp.arange(bits.size, dtype=jnp.uint32) * 2 + 1) * jnp.uint32(_GOLDEN)
+        return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+    return _gathered(mesh, specs, fingerprint)
 
 
 def _differs(prints: np.ndarray, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> bool:
@@ -68,27 +73,21 @@ def _differs(prints: np.ndarray, mesh: jax.sharding.Mesh, axes: tuple[str, ...])
 
 
 @functools.lru_cache(maxsize=64)  # one compiled comparison per layout, not one per call
-def _deviation(mesh: jax.sharding.Mesh, specs: Sequence[P], axes: Sequence[tuple[str, ...]],
+def _deviation(mesh: jax.sharding.Mesh, specs: tuple[P, ...], axes: Sequence[tuple[str, ...]],
                rtol: float):
-    """Per leaf and device: the largest |copy - first copy| and its largest excess over
+    """Per device and leaf: the largest |copy - first copy| and its largest excess over
     ``rtol * |first copy|``."""
-    def per_device(*leaves):
-        out = []
-        for x, replica_axes in zip(leaves, axes, strict=True):
-            x = x.astype(jnp.float32) if x.dtype != jnp.float64 else x
-            first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in replica_axes]))
-            ref = jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), replica_axes)
-            both_nan = jnp.isnan(x) & jnp.isnan(ref)
-            diff = jnp.where(both_nan, 0.0, jnp.abs(x - ref))
-            diff = jnp.where(jnp.isnan(diff), jnp.inf, diff)  # NaN on one copy only
-            biggest = jnp.max(diff, initial=0.0)
-            excess = jnp.max(diff - rtol * jnp.abs(jnp.where(both_nan, 0.0, ref)), initial=0.0)
-            out.append(jax.lax.all_gather(jnp.stack([biggest, excess]), tuple(mesh.axis_names),
-                                          tiled=False))
-        return tuple(out)
+    def deviation(i, x):
+        x = x.astype(jnp.float32) if x.dtype != jnp.float64 else x
+        first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes[i]]))
+        ref = jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), axes[i])
+        both_nan = jnp.isnan(x) & jnp.isnan(ref)
+        diff = jnp.where(both_nan, 0.0, jnp.abs(x - ref))
+        diff = jnp.where(jnp.isnan(diff), jnp.inf, diff)  # NaN on one copy only
+        excess = jnp.max(diff - rtol * jnp.abs(jnp.where(both_nan, 0.0, ref)), initial=0.0)
+        return jnp.stack([jnp.max(diff, initial=0.0), excess])
 
-    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs),
-                                 out_specs=tuple(P() for _ in specs), check_vma=False))
+    return _gathered(mesh, specs, deviation)
 
 
 def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str, float]:
@@ -107,27 +106,25 @@ def check_replicas(tree: Any, atol: float = 0.0, rtol: float = 0.0) -> dict[str,
     found: dict[str, float] = {}
     problems = []
     for mesh, leaves in by_mesh.items():
-        prints = np.asarray(jax.device_get(_fingerprints(
-            mesh, tuple(leaf.sharding.spec for _, leaf, _ in leaves),
-        )(*[leaf for _, leaf, _ in leaves]))).reshape(*mesh.devices.shape, len(leaves))
-        differ = [_differs(prints[..., i], mesh, axes) for i, (_, _, axes) in enumerate(leaves)]
-        found.update({name: 0.0 for (name, _, _), d in zip(leaves, differ, strict=True) if not d})
-        leaves = [leaf for leaf, d in zip(leaves, differ, strict=True) if d]
-        if not leaves:
+        names, arrays, axes = zip(*leaves, strict=True)
+        specs = tuple(x.sharding.spec for x in arrays)
+        prints = np.asarray(jax.device_get(_fingerprints(mesh, specs)(*arrays)))
+        prints = prints.reshape(*mesh.devices.shape, len(arrays))
+        found.update(dict.fromkeys(names, 0.0))
+        differ = [i for i, a in enumerate(axes) if _differs(prints[..., i], mesh, a)]
+        if not differ:
             continue
-        fn = _deviation(mesh, tuple(leaf.sharding.spec for _, leaf, _ in leaves),
-                        tuple(axes for _, _, axes in leaves), rtol)
-        results = jax.device_get(fn(*[leaf for _, leaf, _ in leaves]))
+        fn = _deviation(mesh, tuple(specs[i] for i in differ), tuple(axes[i] for i in differ), rtol)
+        results = np.asarray(jax.device_get(fn(*[arrays[i] for i in differ])))
         devices = list(mesh.devices.flat)
-        for (name, _, axes), table in zip(leaves, results, strict=True):
-            table = np.asarray(table)
-            found[name] = float(table[:, 0].max())
+        for i, table in zip(differ, results.swapaxes(0, 1), strict=True):
+            found[names[i]] = float(table[:, 0].max())
             bad = [d for d, (_, excess) in zip(devices, table, strict=True) if excess > atol]
             if bad:
                 where = ", ".join(f"{d} (process {d.process_index})" for d in bad)
-                problems.append(f"{name}: the copies on {where} differ from the first copy of "
-                                f"their slice (replicated over {axes}) by up to "
-                                f"{found[name]:.6g} (atol={atol}, rtol={rtol})")
+                problems.append(f"{names[i]}: the copies on {where} differ from the first copy "
+                                f"of their slice (replicated over {axes[i]}) by up to "
+                                f"{found[names[i]]:.6g} (atol={atol}, rtol={rtol})")
     if problems:
         raise ReplicaMismatchError("Replicated state copies differ:\n  " + "\n  ".join(problems))
     return found

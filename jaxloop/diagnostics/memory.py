@@ -12,6 +12,7 @@ program, so a job that would not fit is found before it is scheduled::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -38,11 +39,9 @@ def live_device_bytes() -> int:
     """
     buffers = {}
     for x in jax.live_arrays():
-        try:
+        with contextlib.suppress(RuntimeError, TypeError):  # deleted or donated meanwhile
             buffers.update({(s.device.id, s.data.unsafe_buffer_pointer()): s.data.nbytes
                             for s in x.addressable_shards})
-        except (RuntimeError, TypeError):
-            pass  # deleted or donated by another thread meanwhile: no longer held
     return sum(buffers.values())
 
 
@@ -128,9 +127,8 @@ class MemoryEstimate:
 
 def estimate(step: Any, spec: Any, state: Any = None, **kwargs: Any) -> MemoryEstimate:
     """What one device needs to run `step` (a `jaxloop.step.Step`) on a global batch of
-    `spec`, as a loop runs it, from XLA's memory analysis of the step compiled for abstract
-    inputs (nothing is created or run). `state` defaults to the abstract state of `spec`;
-    `kwargs` go to `run`.
+    `spec` as a loop runs it; `state` defaults to the abstract state of `spec`, `kwargs` go
+    to `run`.
 
     Example::
 

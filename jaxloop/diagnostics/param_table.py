@@ -59,7 +59,6 @@ def _leaves(tree: Any) -> list[tuple[str, Any]]:
 
 
 def _per_device(leaf: Any) -> dict[Any, int]:
-    """Bytes of `leaf` on each device that holds part of it."""
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
         return {}
@@ -82,44 +81,41 @@ def rows(tree: Any) -> list[Row]:
 
 def totals(tree: Any) -> dict[str, int]:
     """``params`` (in the ``params`` subtree, else all), ``bytes`` and ``max_bytes_per_device``."""
-    leaves = _leaves(tree)
-    params_tree = getattr(tree, "params", None)
-    counted = _leaves(params_tree) if params_tree is not None else leaves
+    params = getattr(tree, "params", None)
     per_device: collections.Counter = collections.Counter()
-    for _, leaf in leaves:
+    for _, leaf in _leaves(tree):
         per_device.update(_per_device(leaf))
     return {
-        "params": sum(math.prod(x.shape) for _, x in counted),
+        "params": sum(math.prod(x.shape) for _, x in _leaves(tree if params is None else params)),
         "bytes": int(sum(r.bytes for r in rows(tree))),
         "max_bytes_per_device": int(max(per_device.values(), default=0)),
     }
 
 
-def _cells(tree: Any) -> tuple[list[str], list[list[str]], str]:
-    header = ["path", "shape", "dtype", "sharding", "bytes/device", "bytes"]
-    body = [[r.path, str(r.shape), r.dtype, r.sharding, format_bytes(r.bytes_per_device, 1),
-             format_bytes(r.bytes, 1)] for r in rows(tree)]
+def _cells(tree: Any) -> tuple[list[list[str]], str]:
+    cells = [["path", "shape", "dtype", "sharding", "bytes/device", "bytes"]]
+    cells += [[r.path, str(r.shape), r.dtype, r.sharding, format_bytes(r.bytes_per_device, 1),
+               format_bytes(r.bytes, 1)] for r in rows(tree)]
     t = totals(tree)
-    summary = (f"{t['params']:,} parameters; {format_bytes(t['bytes'], 1)} in all; "
-               f"at most {format_bytes(t['max_bytes_per_device'], 1)} on one device")
-    return header, body, summary
+    return cells, (f"{t['params']:,} parameters; {format_bytes(t['bytes'], 1)} in all; "
+                   f"at most {format_bytes(t['max_bytes_per_device'], 1)} on one device")
 
 
 def table(tree: Any) -> str:
     """The table as aligned plain text, totals last."""
-    header, body, summary = _cells(tree)
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    cells, summary = _cells(tree)
+    widths = [max(map(len, column)) for column in zip(*cells, strict=True)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-             for r in [header, *body]]
+             for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join([*lines, summary])
 
 
 def markdown(tree: Any) -> str:
     """The table in Markdown (for TensorBoard's text tab), totals last."""
-    header, body, summary = _cells(tree)
-    lines = ["| " + " | ".join(r) + " |" for r in [header, *body]]
-    lines.insert(1, "|" + " --- |" * len(header))
+    cells, summary = _cells(tree)
+    lines = ["| " + " | ".join(r) + " |" for r in cells]
+    lines.insert(1, "|" + " --- |" * len(cells[0]))
     return "\n".join([*lines, "", summary])
 
 

@@ -1,8 +1,6 @@
-"""Profiling: capture a `jax.profiler` trace of a chosen range of steps.
-
-`ProfileAction`, a Step's begin and end action, traces steps ``start_step .. start_step +
-num_steps - 1`` (from 1 within their loop) of the first loop that reaches them into `logdir`,
-waiting for the device at both ends only, so the trace holds exactly those steps' work::
+"""Profiling: `ProfileAction`, a Step's begin and end action, captures a `jax.profiler` trace
+of a range of steps (from 1 within their loop) into `logdir`, waiting for the device at both
+ends only, so the trace holds exactly those steps' work::
 
     profile = profiling.ProfileAction(workdir / 'profile', start_step=10, num_steps=5)
     train_step = MyStep(key, model, optimizer, train=True,

@@ -16,6 +16,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import pathlib
 import platform
 import socket
 import sys
@@ -107,16 +108,14 @@ def write(workdir: str | os.PathLike[str] | None, config: Any = None, mesh: Any 
     if jax.process_index() != 0:
         return record
     if workdir is not None:
-        os.makedirs(workdir, exist_ok=True)
-        path = os.path.join(os.fspath(workdir), FILE_NAME)
-        if os.path.exists(path):
-            with open(path) as f:
-                started = str(json.load(f).get("started", "earlier")).replace(":", "-")
-            os.replace(path, os.path.join(os.fspath(workdir), f"run.{started}.json"))
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
+        path = pathlib.Path(workdir, FILE_NAME)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            started = str(json.loads(path.read_text()).get("started", "earlier"))
+            path.replace(path.with_name(f"run.{started.replace(':', '-')}.json"))
+        tmp = path.with_name(f"{FILE_NAME}.tmp")
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+        tmp.replace(path)  # atomic: a reader never sees half a file
     if writer is not None:
         writer.write_hparams(hparams(record))
         if state is not None:

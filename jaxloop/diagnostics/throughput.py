@@ -104,14 +104,6 @@ class Throughput:
         if self.tokens_key is not None:
             self._tokens.append(token_count(batch, self.tokens_key))
 
-    def _total_tokens(self) -> float:
-        """The tokens of the batches read, over all processes."""
-        on_device = [c for c in self._tokens if isinstance(c, jax.Array)]
-        host = sum(c for c in self._tokens if not isinstance(c, jax.Array))
-        if len(on_device) < len(self._tokens):
-            host = agreement.summed([host])[0]
-        return float(host) + (float(jnp.sum(jnp.stack(on_device))) if on_device else 0.0)
-
     def _flops_per_sec_per_device(self, step: Any, steps_per_sec: float,
                                   tokens_per_sec: float | None) -> tuple[str, float] | None:
         if self.model_flops_per_example == "xla":
@@ -133,7 +125,12 @@ class Throughput:
         stats: dict[str, float] = {}
         tokens_per_sec = None
         if self.tokens_key is not None:
-            tokens_per_sec = self._total_tokens() / elapsed if elapsed > 0 else 0.0
+            on_device = [c for c in self._tokens if isinstance(c, jax.Array)]
+            host = sum(c for c in self._tokens if not isinstance(c, jax.Array))
+            if len(on_device) < len(self._tokens):  # host counts: this process's rows only
+                host = agreement.summed([host])[0]
+            tokens = float(host) + (float(jnp.sum(jnp.stack(on_device))) if on_device else 0.0)
+            tokens_per_sec = tokens / elapsed if elapsed > 0 else 0.0
             stats[STAT_TOKENS_PER_SEC] = tokens_per_sec
         flops = self._flops_per_sec_per_device(step, steps_per_sec, tokens_per_sec)
         if flops is not None:

@@ -14,6 +14,7 @@ disagree"). With one process each is a plain call::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -43,15 +44,12 @@ class DisagreementError(RuntimeError):
 
 def exchange_timeout() -> float:
     """Seconds an exchange waits: ``JAXLOOP_EXCHANGE_TIMEOUT``, else the default."""
-    raw = os.environ.get(ENV_EXCHANGE_TIMEOUT, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_EXCHANGE_TIMEOUT
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"Environment variable {ENV_EXCHANGE_TIMEOUT}={raw!r} must be a "
-                         "positive number of seconds.")
-    return value
+    raw = os.environ.get(ENV_EXCHANGE_TIMEOUT, "").strip() or str(DEFAULT_EXCHANGE_TIMEOUT)
+    with contextlib.suppress(ValueError):
+        if float(raw) > 0:
+            return float(raw)
+    raise ValueError(f"Environment variable {ENV_EXCHANGE_TIMEOUT}={raw!r} must be a "
+                     "positive number of seconds.")
 
 
 def exchange_count() -> int:
@@ -59,7 +57,13 @@ def exchange_count() -> int:
     return _count
 
 
-def _client() -> Any:
+def gathered(value: Any, *, phase: str = "gathered values", step: int | None = None
+             ) -> list[Any]:
+    """Every process's `value` (JSON-serialisable), in process order, on every process;
+    `phase` and `step` name this place in the error a disagreement raises."""
+    global _count
+    if jax.process_count() == 1:
+        return [value]
     # JAX 0.10 has no public accessor for the coordination service's key-value store: this
     # is the client multihost_utils uses, and the one place that takes it.
     from jax.experimental import multihost_utils  # noqa: PLC0415
@@ -68,13 +72,7 @@ def _client() -> Any:
         raise RuntimeError(
             f"{jax.process_count()} processes but no coordination service: start the job "
             "with jax.distributed.initialize (or jaxloop.launch.distributed.initialize).")
-    return client
-
-
-def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
-    """Every process's `value`, in process order: one key each, one barrier."""
-    global _count
-    client, me, timeout = _client(), jax.process_index(), exchange_timeout()
+    me, timeout = jax.process_index(), exchange_timeout()
     index, where = _count, phase if step is None else f"{phase} at step {step}"
     _count += 1
     key = f"{_PREFIX}/{index}/"
@@ -101,27 +99,14 @@ def _exchange(value: Any, phase: str, step: int | None) -> list[Any]:
     return [entries[p]["value"] for p in sorted(entries)]
 
 
-def gathered(value: Any, *, phase: str = "gathered values", step: int | None = None
-             ) -> list[Any]:
-    """Every process's `value` (JSON-serialisable), in process order, on every process;
-    `phase` and `step` name this place in the error a disagreement raises."""
-    if jax.process_count() == 1:
-        return [value]
-    return _exchange(value, phase, step)
-
-
 def agreed(decide: Callable[[], T], *, phase: str = "agreed decision",
            step: int | None = None) -> T:
     """Process 0's ``decide()`` (JSON-serialisable) on every process; others do not call it."""
-    if jax.process_count() == 1:
-        return decide()
-    return _exchange(decide() if jax.process_index() == 0 else None, phase, step)[0]
+    return gathered(decide() if jax.process_index() == 0 else None, phase=phase, step=step)[0]
 
 
 def summed(counts: Sequence[float], dtype: Any = np.float64, *, phase: str = "summed counts",
            step: int | None = None) -> list[Any]:
     """`counts` summed position-wise over every process (as `dtype`), on every process."""
-    if jax.process_count() == 1:
-        return list(counts)
-    rows = _exchange(np.asarray(counts, dtype).reshape(-1).tolist(), phase, step)
+    rows = gathered(np.asarray(counts, dtype).reshape(-1).tolist(), phase=phase, step=step)
     return np.asarray(rows, dtype).sum(axis=0).tolist()

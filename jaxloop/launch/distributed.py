@@ -131,7 +131,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     missing = [k for k in requested if k not in given]
     log.info("Initialising jax.distributed with %s; JAX detects %s.", given, missing or "nothing")
     try:
-        # Only the given values are passed: JAX detects the others.
         jax.distributed.initialize(**given, local_device_ids=local_device_ids, **timeouts)
     except ValueError as e:
         if not missing:

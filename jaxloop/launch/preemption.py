@@ -88,7 +88,6 @@ def interrupted() -> bool:
 
 
 def _multiprocess_sync() -> bool:
-    """Whether JAX's preemption sync service decides (a multi-process job with it on)."""
     return (jax.process_count() > 1 and jax.distributed.is_initialized()
             and bool(jax.config.jax_enable_preemption_service))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import os
+import pathlib
 import time
 
 from jaxloop.step_number_writer import step_number_writer
@@ -18,9 +19,7 @@ class LocalFileStepNumberWriter(step_number_writer.StepNumberWriter):
 
     def __init__(self, file_path: str | os.PathLike[str]):
         self.file_path = os.fspath(file_path)
-        parent = os.path.dirname(self.file_path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
+        pathlib.Path(self.file_path).parent.mkdir(parents=True, exist_ok=True)
         open(self.file_path, "w").close()
 
     def write(self, step_number: int) -> None:
