@@ -65,6 +65,8 @@ class Loop:
             raise ValueError(
                 "steps_per_execution must be a positive integer (choose k by measuring: "
                 f"see benchmarks/overhead.py), got {steps_per_execution!r}")
+        if not isinstance(unroll, bool):  # here, not at the first fused call (k=1 makes none)
+            raise TypeError(f"unroll must be True or False, got {unroll!r}")
         self._step, self._steps_per_execution, self._unroll = step, steps_per_execution, unroll
         self._donate_input_state = donate_input_state
         self._adopted: Any = None

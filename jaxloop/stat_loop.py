@@ -105,11 +105,13 @@ class StatLoop(loop_lib.Loop):
         return super().begin(state, dataset)
 
     def _get_next_batch(self, dataset: Iterator[Any]) -> Any:
-        start = time.perf_counter()
-        try:
+        if self._throughput.recorder is None:  # no clock read per batch when none is kept
             batch = super()._get_next_batch(dataset)
-        finally:
-            if self._throughput.recorder is not None:
+        else:
+            start = time.perf_counter()
+            try:
+                batch = super()._get_next_batch(dataset)
+            finally:
                 self._throughput.waited(time.perf_counter() - start)
         self._throughput.read(batch)
         return batch

@@ -321,6 +321,12 @@ def test_steps_per_execution_must_be_positive():
         make_step().call_steps(None, [])
 
 
+def test_a_bad_unroll_is_refused_when_the_loop_is_built():
+    # With one step per call no fused program is ever made to refuse it later.
+    with pytest.raises(TypeError, match="unroll must be True or False, got 'yes'"):
+        train_loop_lib.TrainLoop(make_step(), unroll="yes")
+
+
 # -- batch placement -----------------------------------------------------------------------
 
 
